@@ -1,0 +1,27 @@
+# The two commands of the README: `make run` and `make test`. Each installs what is missing first.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install install-dev run test lint typecheck unit clean
+
+install:
+	bash deploy/install.sh all
+
+run: install
+	$(BIN)/tokenbus run
+
+lint:
+	$(BIN)/ruff check shared services tests
+
+typecheck:
+	$(BIN)/mypy
+
+test: install lint typecheck
+	$(BIN)/python -m pytest
+
+unit: 
+	bash deploy/install.sh dev
+	$(BIN)/python -m pytest -m "not engine"
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,55 @@
+"""The `tokenbus` command: `run` (everything), `edge` and `worker`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shared import settings as settings_module
+
+EDGE_SETTINGS = ["redis_url", "host", "port", "request_timeout_s", "redis_pool_size", "max_body_bytes",
+                 "keepalive_interval_s", "log_level"]
+WORKER_SETTINGS = ["redis_url", "model", "model_dir", "max_model_len", "max_num_seqs", "kv_cache_gib",
+                   "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
+                   "metrics_port", "host", "log_level"]
+RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS))
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="tokenbus", description=__doc__)
+    commands = top.add_subparsers(dest="command", required=True)
+    for name, names, help_text in (
+        ("run", RUN_SETTINGS, "serve with a private Redis (unless --redis-url), one worker and one edge"),
+        ("edge", EDGE_SETTINGS, "run one HTTP edge process"),
+        ("worker", WORKER_SETTINGS, "run one engine worker process"),
+    ):
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        settings_module.add_arguments(sub, names)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    settings = settings_module.load(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",
+    )
+    if args.command == "edge":
+        from services.edge.main import run_edge
+
+        run_edge(settings)
+    elif args.command == "worker":
+        from services.worker.main import run_worker
+
+        run_worker(settings)
+    else:
+        from services import supervisor
+
+        return supervisor.run(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""What every format shares: lenient request decoding, output structs, per-choice accumulation."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Protocol, TypeVar
+
+import msgspec
+
+from shared import bus
+from shared.errors import InvalidRequest, TokenbusError
+
+T = TypeVar("T")
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    """Base of client request structs: unknown fields are ignored (and counted), never fatal."""
+
+
+class Out(msgspec.Struct, kw_only=True):
+    """Base of response structs: every field is sent, `null` included, except those left UNSET."""
+
+
+# MindIE's limits on stop sequences (the strictest the seeds give that still fits OpenAI clients).
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+StopList = Annotated[list[StopString], msgspec.Meta(max_length=1024)]
+MAX_STOP_CHARS = 32768
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def _param_of(message: str) -> tuple[str, str | None]:
+    """Splits msgspec's error text into a message and the dotted path of the field at fault."""
+    path: str | None = None
+    if match := _AT.search(message):
+        path = match["path"] or None
+        message = message[: match.start()]
+    if missing := _MISSING.search(message):
+        path = f"{path}.{missing['field']}" if path else missing["field"]
+    return message, path
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """Decodes and validates a request body; every failure is an InvalidRequest naming the field."""
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; expected a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message, param = _param_of(str(exc))
+        where = f" (at `{param}`)" if param else ""
+        raise InvalidRequest(f"Invalid value{where}: {message}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+
+
+def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
+    """Top-level fields of a (valid) body that the struct does not know."""
+    keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    return [key for key in keys if key not in kind.__struct_fields__]
+
+
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    """Normalizes `stop` to a list and enforces the total-length limit."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if sum(map(len, stops)) > MAX_STOP_CHARS:
+        raise InvalidRequest(f"`{param}` may hold at most {MAX_STOP_CHARS} characters in all.", param=param)
+    return stops
+
+
+def refuse(param: str, why: str) -> InvalidRequest:
+    """The error for a parameter we understand but cannot honour."""
+    return InvalidRequest(f"`{param}` is not supported: {why}", param=param, code="unsupported_parameter")
+
+
+class Usage(Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Choices:
+    """Per-choice text and finish reasons, and the usage, gathered from a job's events."""
+
+    def __init__(self, n: int) -> None:
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.finish_reasons: list[str | None] = [None] * n
+        self.usage: Usage | None = None
+
+    def add(self, event: bus.Tokens) -> None:
+        self.texts[event.choice].append(event.text)
+        if event.finish_reason is not None:
+            self.finish_reasons[event.choice] = event.finish_reason
+
+    def finish(self, event: bus.Final) -> Usage:
+        self.usage = Usage(
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            total_tokens=event.prompt_tokens + event.completion_tokens,
+        )
+        return self.usage
+
+    def text(self, index: int) -> str:
+        return "".join(self.texts[index])
+
+
+class Renderer(Protocol):
+    """A format's state machine: internal events in, encoded frames (or one body) out."""
+
+    def frames(self, event: bus.Tokens | bus.Final) -> list[bytes]:
+        """Streaming: the SSE payloads this event produces (also records it for `body`)."""
+        ...
+
+    def done(self) -> list[bytes]:
+        """Streaming: the payloads that close a finished stream."""
+        ...
+
+    def error(self, error: TokenbusError) -> list[bytes]:
+        """Streaming: the payloads that report an error after the stream began."""
+        ...
+
+    def body(self) -> bytes:
+        """Non-streaming: the whole response, once every event was passed to `frames`."""
+        ...
+
+
+class ErrorDetail(Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(Out):
+    error: ErrorDetail
+
+
+def openai_error(error: TokenbusError) -> bytes:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    detail = ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
+    return msgspec.json.encode(ErrorBody(error=detail))
+
+
+def encode(value: Any) -> bytes:
+    return msgspec.json.encode(value)

@@ -1,0 +1,80 @@
+"""The edge's side of the bus: enqueue jobs, cancel them, and know which models have live workers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.edge.relay import EventRelay, JobEvents
+from shared import bus, keys
+from shared.errors import ModelNotFound, Overloaded
+
+log = logging.getLogger(__name__)
+
+MODELS_CACHE_S = 1.0
+CANCEL_MARK_TTL_S = 3600
+
+
+class Gateway:
+    """Submits jobs and yields their events; every call has a deadline."""
+
+    def __init__(self, redis: aioredis.Redis, relay: EventRelay) -> None:
+        self.redis = redis
+        self.relay = relay
+        self._models: dict[str, dict[str, object]] = {}
+        self._models_at = 0.0
+
+    @contextlib.asynccontextmanager
+    async def submit(self, job: bus.Job, deadline: float) -> AsyncIterator[JobEvents]:
+        """Enqueues the job; the block reads its events. Leaving early cancels the job."""
+        events = self.relay.register(job.id, deadline)
+        try:
+            try:
+                await self.redis.xadd(keys.requests_stream(job.model), {bus.JOB_FIELD: bus.encode_job(job)})
+            except RedisError as exc:
+                raise Overloaded("The request queue is unavailable; try again.") from exc
+            try:
+                yield events
+            finally:
+                if not events.finished:
+                    await self.cancel(job.id)
+        finally:
+            self.relay.unregister(job.id)
+
+    async def cancel(self, job_id: str) -> None:
+        """Marks the job cancelled (for a worker yet to pick it up) and tells running workers."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(keys.cancelled(job_id), 1, ex=CANCEL_MARK_TTL_S)
+            pipe.publish(keys.CANCEL_CHANNEL, job_id)
+            await pipe.execute()
+        except RedisError as exc:
+            log.warning("could not cancel job %s: %s", job_id, exc)
+
+    async def live_models(self) -> dict[str, dict[str, object]]:
+        """Models with at least one live worker, and one worker's heartbeat for each (cached 1 s)."""
+        if time.monotonic() - self._models_at < MODELS_CACHE_S:
+            return self._models
+        found: dict[str, dict[str, object]] = {}
+        names = [name async for name in self.redis.scan_iter(match=keys.WORKER_PATTERN, count=500)]
+        if names:
+            for raw in await self.redis.mget(names):
+                if raw:
+                    info = orjson.loads(raw)
+                    found.setdefault(str(info["model"]), info)
+        self._models, self._models_at = found, time.monotonic()
+        return found
+
+    async def require_model(self, model: str) -> None:
+        try:
+            models = await self.live_models()
+        except RedisError as exc:
+            raise Overloaded("The service cannot reach its queue; try again.") from exc
+        if model not in models:
+            raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")

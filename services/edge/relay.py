@@ -1,0 +1,124 @@
+"""The edge's one reader of its events stream: fans token events out to the requests waiting for them.
+
+However many streams are in flight, an edge process blocks on a single XREAD of its own stream, so
+its Redis connection count stays fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared import bus
+from shared.errors import RequestTimeout, from_kind
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 1000
+READ_COUNT = 512
+STREAM_TTL_S = 120
+"""An events stream outlives its edge by this much, then Redis drops it."""
+
+
+class JobEvents:
+    """The events of one job, in order; iterating ends after the Final event, an Error raises."""
+
+    def __init__(self, job_id: str, deadline: float) -> None:
+        self.job_id = job_id
+        self.deadline = deadline
+        self.queue: asyncio.Queue[bus.Event] = asyncio.Queue()
+        self.finished = False
+
+    async def next(self, timeout_s: float | None = None) -> bus.Tokens | bus.Final | None:
+        """The next event; None when `timeout_s` passed first (the caller may send a keep-alive)."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise RequestTimeout("The request did not finish before its deadline.")
+        wait = remaining if timeout_s is None else min(timeout_s, remaining)
+        try:
+            event = await asyncio.wait_for(self.queue.get(), wait)
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise RequestTimeout("The request did not finish before its deadline.") from None
+            return None
+        if isinstance(event, bus.Error):
+            self.finished = True
+            raise from_kind(event.kind, event.message, event.param, event.code)
+        if isinstance(event, bus.Final):
+            self.finished = True
+        return event
+
+
+class EventRelay:
+    """Reads the edge's events stream and routes each event to its job's queue."""
+
+    def __init__(self, reader: aioredis.Redis, commands: aioredis.Redis, stream: str) -> None:
+        self.reader = reader
+        """A connection of its own: it spends its life blocked in XREAD."""
+        self.commands = commands
+        self.stream = stream
+        self.jobs: dict[str, JobEvents] = {}
+        self.last_id = "0-0"
+
+    def register(self, job_id: str, deadline: float) -> JobEvents:
+        events = JobEvents(job_id, deadline)
+        self.jobs[job_id] = events
+        return events
+
+    def unregister(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+
+    def dispatch(self, payload: bytes) -> None:
+        for event in bus.decode_events(payload):
+            waiting = self.jobs.get(event.job)
+            if waiting is not None:  # a job whose client left: nobody waits, drop it
+                waiting.queue.put_nowait(event)
+
+    async def run(self) -> None:
+        """Reads until cancelled; Redis outages are retried with a short pause."""
+        while True:
+            try:
+                reply: Any = await self.reader.xread(
+                    {self.stream: self.last_id}, count=READ_COUNT, block=READ_BLOCK_MS
+                )
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("reading %s failed (%s); retrying", self.stream, type(exc).__name__)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    self.last_id = entry_id
+                    self.dispatch(fields[bus.EVENTS_FIELD])
+
+    async def housekeep(self, interval_s: float = 5.0) -> None:
+        """Trims what was read and keeps the stream alive while the edge lives."""
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+                pipe = self.commands.pipeline(transaction=False)
+                pipe.xtrim(self.stream, minid=self.last_id, approximate=True)
+                pipe.expire(self.stream, STREAM_TTL_S)
+                await pipe.execute()
+
+
+@contextlib.asynccontextmanager
+async def running(relay: EventRelay) -> AsyncIterator[None]:
+    """Runs the relay's reader and housekeeping for the lifetime of the block."""
+    tasks = [
+        asyncio.create_task(relay.run(), name="event-relay"),
+        asyncio.create_task(relay.housekeep(), name="event-housekeeping"),
+    ]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,154 @@
+"""`tokenbus run`: a private Redis (unless one is configured), one worker and one edge, stopped together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+
+from shared import keys
+from shared.settings import ENV_PREFIX, Settings
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 20.0
+WORKER_READY_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def private_redis(port: int | None = None) -> Iterator[str]:
+    """A redis-server of our own on a free loopback port, without persistence; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed: run `make install`, or set TOKENBUS_REDIS_URL")
+    port = port or free_port()
+    with tempfile.TemporaryDirectory(prefix="tokenbus-redis-") as workdir:
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", workdir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL,
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        try:
+            _wait_for_redis(url, proc)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            client.close()
+            return
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"redis-server did not start on {url}") from None
+            time.sleep(0.05)
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    """The environment that hands these settings to a child process."""
+    env = dict(os.environ)
+    for name in settings.__struct_fields__:
+        env[ENV_PREFIX + name.upper()] = str(getattr(settings, name))
+    return env
+
+
+def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=child_env(settings))
+
+
+def wait_for_worker(url: str, model: str, children: list[subprocess.Popen[bytes]], timeout_s: float) -> bool:
+    """True once a worker of the model beats; False if a child died or the time ran out."""
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if any(child.poll() is not None for child in children):
+                return False
+            if any(True for _ in client.scan_iter(match=keys.worker_heartbeat(model, "*"))):
+                return True
+            time.sleep(0.5)
+        return False
+    finally:
+        client.close()
+
+
+def stop_all(children: list[subprocess.Popen[bytes]]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+def run(settings: Settings) -> int:
+    """Serves until Ctrl-C or SIGTERM, or until a child dies; returns the exit status."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with _redis_for(settings) as url:
+        settings = _with_redis(settings, url)
+        worker = spawn("worker", settings)
+        edge = spawn("edge", settings)
+        children = [edge, worker]
+        try:
+            if wait_for_worker(url, settings.model, children, WORKER_READY_TIMEOUT_S):
+                log.info("ready: http://%s:%d serves %s", settings.host, settings.port, settings.model)
+            else:
+                stop.set()
+            while not stop.is_set() and all(child.poll() is None for child in children):
+                stop.wait(0.5)
+            failed = [child.args for child in children if child.poll() not in (None, 0)]
+        finally:
+            log.info("stopping")
+            stop_all(children)
+    if failed:
+        log.error("a process exited unexpectedly: %s", failed)
+        return 1
+    return 0
+
+
+@contextmanager
+def _redis_for(settings: Settings) -> Iterator[str]:
+    if settings.redis_url:
+        yield settings.redis_url
+    else:
+        with private_redis() as url:
+            log.info("started a private redis-server at %s", url)
+            yield url
+
+
+def _with_redis(settings: Settings, url: str) -> Settings:
+    import msgspec
+
+    return msgspec.structs.replace(settings, redis_url=url)

@@ -1,0 +1,1 @@
+"""The worker: pulls jobs for one model from Redis, runs them in vLLM, publishes token events."""

@@ -1,0 +1,45 @@
+"""Runs one worker process: the engine, the worker loop, signal handling and its metrics endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from prometheus_client import start_http_server
+
+from services.worker.engine import VllmEngine
+from services.worker.models import resolve_model_dir
+from services.worker.worker import Worker
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(settings: Settings) -> None:
+    if not settings.redis_url:
+        raise SystemExit("the worker needs --redis-url (or TOKENBUS_REDIS_URL)")
+    model_dir = resolve_model_dir(settings.model_dir)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
+        log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
+    asyncio.run(_serve(settings, VllmEngine(settings, model_dir)))
+
+
+async def _serve(settings: Settings, engine: VllmEngine) -> None:
+    log.info("starting the engine on %s", engine.model_dir)
+    engine.start()  # in the loop: vLLM's output handler binds to the running loop
+    worker = Worker(settings, engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await worker.start()
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await worker.stop()
+        engine.shutdown()

@@ -1,0 +1,1 @@
+"""What the edge and the worker both import: settings, Redis key names, bus formats, errors, metrics."""

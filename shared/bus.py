@@ -1,0 +1,129 @@
+"""The internal job and event formats that cross Redis, independent of the public API formats.
+
+A job is what an edge asks a worker to do; events are what the worker sends back: `Tokens` deltas
+per choice, then exactly one `Final` or `Error`. Both are msgpack-encoded msgspec structs; new
+fields always get defaults so edges and workers of neighbouring versions understand each other.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+
+class Base(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """Internal structs: compact on the wire (defaults omitted), tolerant of fields added later."""
+
+
+class Message(Base):
+    """One chat message with its content flattened to text."""
+
+    role: str
+    content: str
+
+
+class SamplingParams(Base):
+    """Engine-neutral sampling settings; the worker translates them to its engine's parameters."""
+
+    max_tokens: int | None = None
+    """None: as many as the context leaves."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k filtering."""
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    """Top alternatives per sampled token; None: no logprobs at all."""
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class Job(Base):
+    """One request, normalized: the prompt as chat messages or text, the sampling, the deadline."""
+
+    id: str
+    model: str
+    reply_to: str
+    """Events stream of the edge that waits for this job."""
+    deadline_ms: int
+    """Unix time in ms after which the job is worthless: a worker drops it, or ends it with an error."""
+    kind: str = "chat"
+    """chat | completion"""
+    messages: list[Message] = []
+    prompt: str = ""
+    add_generation_prompt: bool = True
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    created_ms: int = 0
+    tenant: str = ""
+
+
+class Tokens(Base, tag="tok"):
+    """New tokens of one choice from one engine step; the last one of a choice has finish_reason."""
+
+    job: str
+    text: str
+    token_ids: list[int]
+    choice: int = 0
+    finish_reason: str | None = None
+    """stop | length | abort"""
+    stop_reason: str | int | None = None
+    """The stop string or token that ended the choice, when one did."""
+
+
+class Final(Base, tag="end"):
+    """The job is finished: the last event of a successful job."""
+
+    job: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Error(Base, tag="err"):
+    """The job failed; `kind` names a class in shared.errors."""
+
+    job: str
+    kind: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+Event = Tokens | Final | Error
+
+JOB_FIELD = b"j"
+EVENTS_FIELD = b"e"
+
+_job_encoder = msgspec.msgpack.Encoder()
+_job_decoder = msgspec.msgpack.Decoder(Job)
+_events_encoder = msgspec.msgpack.Encoder()
+_events_decoder = msgspec.msgpack.Decoder(list[Event])
+
+
+def encode_job(job: Job) -> bytes:
+    return _job_encoder.encode(job)
+
+
+def decode_job(data: bytes) -> Job:
+    return _job_decoder.decode(data)
+
+
+def encode_events(events: list[Event]) -> bytes:
+    return _events_encoder.encode(events)
+
+
+def decode_events(data: bytes) -> list[Event]:
+    return _events_decoder.decode(data)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

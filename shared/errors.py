@@ -1,0 +1,84 @@
+"""The error hierarchy: each error has a stable `type`, an optional `code` and an HTTP status.
+
+    TokenbusError                  500 server_error
+    ├── InvalidRequest             400 invalid_request_error (names the offending `param`)
+    │   └── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
+    ├── ModelNotFound              404 invalid_request_error / model_not_found
+    ├── NotFound                   404 invalid_request_error / not_found
+    ├── Overloaded                 503 overloaded_error
+    ├── RequestTimeout             504 timeout_error
+    └── EngineError                500 server_error
+
+Errors cross the bus as `bus.Error` events (see `to_event` / `from_event`) and leave the edge in each
+API's own shape, rendered by the format modules.
+"""
+
+from __future__ import annotations
+
+
+class TokenbusError(Exception):
+    """Base of every error a client can see."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(TokenbusError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(TokenbusError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(TokenbusError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Overloaded(TokenbusError):
+    status = 503
+    type = "overloaded_error"
+
+
+class RequestTimeout(TokenbusError):
+    status = 504
+    type = "timeout_error"
+
+
+class EngineError(TokenbusError):
+    status = 500
+    type = "server_error"
+
+
+_BY_NAME: dict[str, type[TokenbusError]] = {
+    cls.__name__: cls
+    for cls in (TokenbusError, InvalidRequest, ContextLengthExceeded, ModelNotFound, NotFound,
+                Overloaded, RequestTimeout, EngineError)
+}
+
+
+def kind_of(error: TokenbusError) -> str:
+    """The name an error travels under on the bus."""
+    return type(error).__name__
+
+
+def from_kind(kind: str, message: str, param: str | None, code: str | None) -> TokenbusError:
+    """Rebuilds an error that crossed the bus; an unknown kind becomes a plain server error."""
+    return _BY_NAME.get(kind, TokenbusError)(message, param=param, code=code)

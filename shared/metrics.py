@@ -1,0 +1,28 @@
+"""Every Prometheus metric tokenbus exports. Labels are bounded: routes, status codes, served models."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# edge
+REQUESTS = Counter("tokenbus_edge_requests", "Requests answered by the edge", ["route", "status"])
+TIME_TO_FIRST_TOKEN = Histogram(
+    "tokenbus_edge_time_to_first_token_seconds", "From request arrival to the first token event",
+    ["route"], buckets=_LATENCY_BUCKETS,
+)
+REQUEST_DURATION = Histogram(
+    "tokenbus_edge_request_duration_seconds", "From request arrival to the last byte sent",
+    ["route"], buckets=_LATENCY_BUCKETS,
+)
+IN_FLIGHT = Gauge("tokenbus_edge_requests_in_flight", "Requests waiting for or streaming tokens")
+STREAMED_TOKENS = Counter("tokenbus_edge_completion_tokens", "Completion tokens delivered to clients")
+CLIENT_DISCONNECTS = Counter("tokenbus_edge_client_disconnects", "Clients gone before their last token")
+UNKNOWN_FIELDS = Counter("tokenbus_edge_unknown_fields", "Request fields ignored as unknown", ["route"])
+
+# worker
+JOBS = Counter("tokenbus_worker_jobs", "Jobs a worker finished, by outcome", ["model", "outcome"])
+RUNNING_JOBS = Gauge("tokenbus_worker_running_jobs", "Jobs in the engine now", ["model"])
+ENGINE_ABORTS = Counter("tokenbus_worker_engine_aborts", "Requests aborted in the engine", ["model"])
+GENERATED_TOKENS = Counter("tokenbus_worker_generated_tokens", "Tokens generated", ["model"])
+EVENT_FLUSHES = Counter("tokenbus_worker_event_flushes", "Pipelined writes of token events to Redis")
+EVENTS_PUBLISHED = Counter("tokenbus_worker_events_published", "Token events written to Redis")

@@ -1,0 +1,114 @@
+"""One frozen settings struct, read once from flags and TOKENBUS_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ENV_PREFIX = "TOKENBUS_"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: $TOKENBUS_CACHE_DIR, or $XDG_CACHE_HOME/tokenbus, or ~/.cache/tokenbus."""
+    if explicit := os.environ.get(ENV_PREFIX + "CACHE_DIR"):
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenbus"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every setting of every tokenbus process; each field is a flag (--redis-url) and a variable
+    (TOKENBUS_REDIS_URL). Durations carry their unit in the name."""
+
+    redis_url: str = ""
+    """Redis to use; empty means `tokenbus run` starts a private redis-server on a free port."""
+    host: str = "127.0.0.1"
+    """Address the edge listens on."""
+    port: int = 8000
+    """Port the edge listens on."""
+    model: str = DEFAULT_MODEL_NAME
+    """Name the worker serves its model under (the `model` field of requests)."""
+    model_dir: str = ""
+    """Hugging Face model folder the worker loads; empty means the prepared default model."""
+    max_model_len: int = 2048
+    """Context length the worker allows (prompt plus completion tokens)."""
+    max_num_seqs: int = 32
+    """Sequences one worker runs at once; it pulls new jobs only while it has free slots."""
+    kv_cache_gib: float = 2.0
+    """KV cache size for the CPU engine (sets VLLM_CPU_KVCACHE_SPACE when that is unset)."""
+    dtype: str = "auto"
+    """Engine dtype; auto is the model's own on a GPU and float32 on the CPU (bf16 there gave garbage)."""
+    gpu_memory_utilization: float = 0.85
+    """Share of GPU memory the engine may take (GPU builds only)."""
+    request_timeout_s: float = 600.0
+    """Deadline of one request from arrival to its last token."""
+    heartbeat_interval_s: float = 2.0
+    """How often a worker refreshes its heartbeat."""
+    heartbeat_ttl_s: float = 6.0
+    """How long a worker's heartbeat outlives it."""
+    redis_pool_size: int = 4
+    """Redis connections one edge uses for commands (one more reads its events)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body the edge accepts."""
+    keepalive_interval_s: float = 15.0
+    """Seconds between SSE keep-alive comments while a stream waits."""
+    metrics_port: int = 0
+    """Port of the worker's Prometheus endpoint; 0 means none."""
+    log_level: str = "INFO"
+    """Logging level of every process."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_value(kind: type, raw: str) -> Any:
+    return msgspec.convert(raw, kind, strict=False)
+
+
+def field_docs() -> dict[str, str]:
+    """The one-line description of each setting, taken from the docstrings above."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(Settings))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in itertools.pairwise(body):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr):
+            docs[prev.target.id] = node.value.value  # type: ignore[union-attr, attr-defined]
+    return docs
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """Adds a flag for each named setting; defaults stay unset so the environment can fill them."""
+    docs = field_docs()
+    defaults = Settings()
+    for name in names:
+        env = ENV_PREFIX + name.upper()
+        default = getattr(defaults, name)
+        parser.add_argument(
+            _flag(name), dest=name, default=None, metavar=type(default).__name__.upper(),
+            help=f"{docs.get(name, '')} [env {env}, default {default!r}]",
+        )
+
+
+def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Builds the settings: flags win over environment variables, which win over defaults."""
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for field in msgspec.structs.fields(Settings):
+        raw = getattr(args, field.name, None) if args is not None else None
+        if raw is None:
+            raw = environ.get(ENV_PREFIX + field.name.upper())
+        if raw is not None:
+            try:
+                values[field.name] = _parse_value(field.type, raw)
+            except msgspec.ValidationError as exc:
+                raise SystemExit(f"invalid setting {field.name}={raw!r}: {exc}") from None
+    return Settings(**values)
