@@ -53,7 +53,7 @@ class Worker:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()
         self.slot_freed = asyncio.Event()
-        self.redis = aioredis.from_url(settings.redis_url)
+        self.redis = aioredis.from_url(settings.redis_url, client_name=f"tokenbus-worker-{self.id}")
         self.publisher = EventPublisher(self.redis)
         self.tasks: list[asyncio.Task[None]] = []
         self.puller: asyncio.Task[None] | None = None

@@ -1,0 +1,148 @@
+"""One private Redis, one real vLLM worker and one edge per test session, started as real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from services.supervisor import free_port, private_redis
+from shared import keys
+from shared.settings import DEFAULT_MODEL_NAME
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = DEFAULT_MODEL_NAME
+WORKER_START_TIMEOUT_S = 400.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    process: subprocess.Popen[bytes]
+    metrics_url: str
+    log: Path
+
+
+@dataclass(frozen=True)
+class Edge:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+def _env(redis_url: str, **settings: object) -> dict[str, str]:
+    env = dict(os.environ, TOKENBUS_REDIS_URL=redis_url, TOKENBUS_LOG_LEVEL="INFO")
+    env.update({f"TOKENBUS_{name.upper()}": str(value) for name, value in settings.items()})
+    return env
+
+
+def _spawn(role: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=env, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with private_redis() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def start_edge(redis_url: str, log_dir: Path, name: str = "edge") -> Edge:
+    port = free_port()
+    log = log_dir / f"{name}.log"
+    process = _spawn("edge", _env(redis_url, port=port, keepalive_interval_s=1), log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the edge exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return Edge(process, url, log)
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError("the edge did not start")
+
+
+@pytest.fixture(scope="session")
+def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+    started = start_edge(redis_url, tmp_path_factory.mktemp("edge"))
+    yield started
+    _stop(started.process)
+
+
+@pytest.fixture(scope="session")
+def worker(
+    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    """The real vLLM worker on the default model, started once and warmed up."""
+    metrics_port = free_port()
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    process = _spawn("worker", _env(redis_url, metrics_port=metrics_port, kv_cache_gib=2), log)
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    try:
+        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(MODEL, "*"))):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="session")
+def served(worker: Worker, edge: Edge) -> Edge:
+    """The edge, once the worker has answered one request (the engine's first request is slow)."""
+    with openai.OpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4)
+    return edge
+
+
+@pytest.fixture
+async def client(served: Edge) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=60) as client:
+        yield client
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sums the samples of one metric in Prometheus text whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        sample, _, label_text = head.partition("{")
+        if sample != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            continue
+        total += float(value)
+    return total

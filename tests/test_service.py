@@ -1,0 +1,115 @@
+"""The service around the token path: models, health, readiness, metrics, the bus's promises."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from shared import bus, keys
+from tests.conftest import MODEL, Edge, Worker, metric_value
+
+pytestmark = pytest.mark.engine
+
+
+async def test_models_lists_the_live_model(client: openai.AsyncOpenAI) -> None:
+    models = [m.id async for m in client.models.list()]
+    assert models == [MODEL]
+
+
+async def test_health_ready_and_metrics(served: Edge) -> None:
+    async with httpx.AsyncClient(base_url=served.url) as http:
+        assert (await http.get("/health")).status_code == 200
+        ready = await http.get("/ready")
+        assert ready.status_code == 200
+        assert ready.json()["models"] == [MODEL]
+        text = (await http.get("/metrics")).text
+    assert metric_value(text, "tokenbus_edge_requests_total", {"route": "/v1/chat/completions",
+                                                                "status": "200"}) >= 1
+    assert metric_value(text, "tokenbus_edge_time_to_first_token_seconds_count", {"route": "chat"}) >= 1
+
+
+def _edge_connections(redis_client: redis.Redis) -> int:
+    return sum(1 for c in redis_client.client_list() if c.get("name", "").startswith("tokenbus-edge-"))
+
+
+async def test_an_edge_keeps_a_fixed_number_of_redis_connections(
+    client: openai.AsyncOpenAI, redis_client: redis.Redis
+) -> None:
+    async def one() -> None:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to twenty."}], stream=True,
+            max_tokens=30,
+        )
+        async for _ in stream:
+            pass
+
+    streams = [asyncio.create_task(one()) for _ in range(24)]
+    await asyncio.sleep(1.0)
+    during = _edge_connections(redis_client)
+    await asyncio.gather(*streams)
+    assert 1 <= during <= 5  # the reader and at most the default pool of 4, for 24 streams at once
+
+
+def _job(reply_to: str, deadline_ms: int) -> bus.Job:
+    return bus.Job(id=f"test-{uuid.uuid4().hex}", model=MODEL, reply_to=reply_to, deadline_ms=deadline_ms,
+                   messages=[bus.Message(role="user", content="Hi")], params=bus.SamplingParams(max_tokens=5))
+
+
+def _events(redis_client: redis.Redis, stream: str, wait_s: float) -> list[bus.Event]:
+    deadline = time.monotonic() + wait_s
+    events: list[bus.Event] = []
+    while time.monotonic() < deadline and not any(isinstance(e, bus.Final | bus.Error) for e in events):
+        reply: Any = redis_client.xread({stream: "0-0"}, block=200)
+        for _key, entries in reply or []:
+            events = [e for _id, fields in entries for e in bus.decode_events(fields[bus.EVENTS_FIELD])]
+    return events
+
+
+def test_a_job_expired_in_the_queue_never_starts(redis_client: redis.Redis, worker: Worker) -> None:
+    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    job = _job(reply_to, deadline_ms=bus.now_ms() - 1)
+    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+    events = _events(redis_client, reply_to, wait_s=10)
+    assert [type(e) for e in events] == [bus.Error]
+    assert events[0].kind == "RequestTimeout"
+
+
+def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, worker: Worker) -> None:
+    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    job = _job(reply_to, deadline_ms=bus.now_ms() + 60_000)
+    cancelled = {"outcome": "cancelled"}
+    before = metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", cancelled)
+    redis_client.set(keys.cancelled(job.id), 1, ex=60)
+    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+    deadline = time.monotonic() + 10
+    while metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", cancelled) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _events(redis_client, reply_to, wait_s=0.5) == []
+
+
+def test_tokens_are_published_in_batches(redis_client: redis.Redis, worker: Worker, served: Edge) -> None:
+    """With several streams at once, one Redis write carries the tokens of many of them."""
+    text = httpx.get(worker.metrics_url).text
+    flushes, events = (metric_value(text, "tokenbus_worker_event_flushes_total"),
+                       metric_value(text, "tokenbus_worker_events_published_total"))
+    def one(_: int) -> None:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a story."}],
+                                       max_tokens=20, temperature=0.8, extra_body={"ignore_eos": True})
+
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as client, \
+            ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(8)))
+    text = httpx.get(worker.metrics_url).text
+    new_flushes = metric_value(text, "tokenbus_worker_event_flushes_total") - flushes
+    new_events = metric_value(text, "tokenbus_worker_events_published_total") - events
+    assert new_events >= 8 * 20
+    assert new_events / new_flushes > 2

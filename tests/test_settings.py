@@ -1,0 +1,32 @@
+"""Settings: flags win over TOKENBUS_* variables, which win over defaults; bad values stop the process."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import parser
+from shared.settings import Settings, load
+
+
+def test_defaults() -> None:
+    assert load(environ={}) == Settings()
+
+
+def test_environment_then_flags() -> None:
+    env = {"TOKENBUS_PORT": "9000", "TOKENBUS_REQUEST_TIMEOUT_S": "1.5", "TOKENBUS_MODEL": "x"}
+    args = parser().parse_args(["edge", "--port", "9100"])
+    settings = load(args, environ=env)
+    assert (settings.port, settings.request_timeout_s, settings.model) == (9100, 1.5, "x")
+
+
+def test_bad_value_is_refused() -> None:
+    with pytest.raises(SystemExit, match="port"):
+        load(environ={"TOKENBUS_PORT": "eighty"})
+
+
+@pytest.mark.parametrize("command", ["run", "edge", "worker"])
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args([command, "--help"])
+    assert exited.value.code == 0
+    assert "--redis-url" in capsys.readouterr().out
