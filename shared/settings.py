@@ -28,7 +28,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_url: str = ""
     """Redis to use; empty means `tokenbus run` starts a private redis-server on a free port."""
     host: str = "127.0.0.1"
-    """Address the edge listens on."""
+    """Address the edge (and the worker's metrics endpoint) listens on."""
     port: int = 8000
     """Port the edge listens on."""
     model: str = DEFAULT_MODEL_NAME
