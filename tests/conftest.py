@@ -47,8 +47,9 @@ def _env(redis_url: str, **settings: object) -> dict[str, str]:
 
 def _spawn(role: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
+        # a session of its own: killing a worker's process group takes its engine processes with it
         return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=env, cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -57,7 +58,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")
