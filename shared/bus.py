@@ -42,6 +42,9 @@ class SamplingParams(Base):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     """Top alternatives per sampled token; None: no logprobs at all."""
+    prompt_logprobs: int | None = None
+    """Top alternatives per prompt token (for echo with logprobs); None: none."""
+    logit_bias: dict[int, float] = {}
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -58,13 +61,43 @@ class Job(Base):
     deadline_ms: int
     """Unix time in ms after which the job is worthless: a worker drops it, or ends it with an error."""
     kind: str = "chat"
-    """chat | completion"""
+    """chat: `messages` through the chat template | completion: each of `prompts` as it is"""
     messages: list[Message] = []
-    prompt: str = ""
+    prompts: list[str] = []
+    """A batch: prompt i yields choices i*n .. i*n+n-1."""
+    chat_template: bool = False
+    """Completion jobs: wrap each prompt in the chat template as one user message."""
     add_generation_prompt: bool = True
+    truncate: bool = False
+    """Drop the oldest prompt tokens that do not fit the context instead of failing."""
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     created_ms: int = 0
     tenant: str = ""
+
+
+class TopLogprob(Base, array_like=True):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(Base, array_like=True):
+    """One token with its log probability and the most likely alternatives at its position."""
+
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
+class Prompt(Base, tag="prompt"):
+    """The tokens of prompt `index` of a job, with their logprobs (for echo); sent before its tokens."""
+
+    job: str
+    index: int
+    token_ids: list[int]
+    first_token: str = ""
+    """The first token's text: it has no logprob, nothing comes before it."""
+    logprobs: list[TokenLogprob] = []
+    """Of the second token onwards."""
 
 
 class Tokens(Base, tag="tok"):
@@ -74,6 +107,7 @@ class Tokens(Base, tag="tok"):
     text: str
     token_ids: list[int]
     choice: int = 0
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     """stop | length | abort"""
     stop_reason: str | int | None = None
@@ -86,6 +120,7 @@ class Final(Base, tag="end"):
     job: str
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0
 
 
 class Error(Base, tag="err"):
@@ -98,7 +133,9 @@ class Error(Base, tag="err"):
     code: str | None = None
 
 
-Event = Tokens | Final | Error
+Output = Prompt | Tokens | Final
+"""What a job produces when it goes well."""
+Event = Prompt | Tokens | Final | Error
 
 JOB_FIELD = b"j"
 EVENTS_FIELD = b"e"

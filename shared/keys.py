@@ -30,3 +30,8 @@ def worker_heartbeat(model: str, worker_id: str) -> str:
 def cancelled(job_id: str) -> str:
     """Marks a job cancelled, so a worker that picks it up later never starts it."""
     return f"{PREFIX}:cancelled:{job_id}"
+
+
+def stored_response(response_id: str) -> str:
+    """A finished Responses-API response and its conversation, for GET and previous_response_id."""
+    return f"{PREFIX}:response:{response_id}"

@@ -47,6 +47,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Share of GPU memory the engine may take (GPU builds only)."""
     request_timeout_s: float = 600.0
     """Deadline of one request from arrival to its last token."""
+    response_ttl_s: float = 30 * 24 * 3600.0
+    """How long stored Responses-API responses stay retrievable (store: true)."""
     heartbeat_interval_s: float = 2.0
     """How often a worker refreshes its heartbeat."""
     heartbeat_ttl_s: float = 6.0

@@ -104,7 +104,8 @@ async def test_a_seed_makes_sampling_repeatable(client: openai.AsyncOpenAI) -> N
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop[0]"),
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
+        ({"top_logprobs": 3}, "top_logprobs"),
     ],
 )
 async def test_bad_input_is_a_400_in_openai_shape(

@@ -63,9 +63,9 @@ def test_malformed_bodies_are_invalid_requests(body: bytes) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"a": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -113,7 +113,14 @@ def test_unknown_fields_are_ignored_and_found() -> None:
 
 def transcript(renderer: chat.ChatRenderer, events: list[bus.Tokens | bus.Final]) -> list[object]:
     frames = [frame for event in events for frame in renderer.frames(event)] + renderer.done()
-    return [json.loads(f) if f != b"[DONE]" else "[DONE]" for f in frames]
+    return [payload_of(f) for f in frames]
+
+
+def payload_of(frame: bytes) -> object:
+    """The JSON of one `data:` frame, or "[DONE]"."""
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    data = frame[len(b"data: "):-2]
+    return "[DONE]" if data == b"[DONE]" else json.loads(data)
 
 
 EVENTS: list[bus.Tokens | bus.Final] = [
@@ -126,8 +133,7 @@ EVENTS: list[bus.Tokens | bus.Final] = [
 def test_stream_transcript_with_usage() -> None:
     req = decode(request(stream=True, stream_options={"include_usage": True}), chat.ChatCompletionRequest)
     frames = transcript(chat.ChatRenderer(req, response_id="chatcmpl-1", created=7), EVENTS)
-    common = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
-              "system_fingerprint": None}
+    common = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
 
     def chunk(delta: dict[str, str], finish: str | None = None) -> dict[str, object]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -138,7 +144,8 @@ def test_stream_transcript_with_usage() -> None:
         chunk({"content": "Hel"}),
         chunk({"content": "lo"}),
         chunk({}, "length"),
-        {**common, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}},
+        {**common, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                                            "completion_tokens_details": {"reasoning_tokens": 0}}},
         "[DONE]",
     ]
 
@@ -159,15 +166,16 @@ def test_body_aggregates_the_same_events() -> None:
     assert body["object"] == "chat.completion"
     message = {"role": "assistant", "content": "Hello", "refusal": None}
     assert body["choices"] == [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def test_error_after_the_stream_began_is_an_error_frame_then_done() -> None:
     req = decode(request(stream=True), chat.ChatCompletionRequest)
-    frames = chat.ChatRenderer(req, response_id="c", created=1).error(RequestTimeout("late"))
-    assert json.loads(frames[0]) == {"error": {"message": "late", "type": "timeout_error", "param": None,
+    frames = [payload_of(f) for f in chat.ChatRenderer(req, response_id="c", created=1).error(RequestTimeout("late"))]
+    assert frames[0] == {"error": {"message": "late", "type": "timeout_error", "param": None,
                                                "code": None}}
-    assert frames[1] == b"[DONE]"
+    assert frames[1] == "[DONE]"
 
 
 def test_openai_error_shape() -> None:

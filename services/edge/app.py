@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -12,21 +11,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from services.edge import pump
-from services.edge.formats import chat
-from services.edge.formats.base import decode, encode, openai_error, unknown_fields
+from services.edge import handlers
+from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
 from services.edge.relay import EventRelay, running
 from services.edge.sse import ClientGone
-from shared import bus, keys, metrics
+from services.edge.state import GATEWAY, REDIS, SETTINGS, STORE
+from services.edge.store import ResponseStore
+from shared import keys, metrics
 from shared.errors import InvalidRequest, NotFound, TokenbusError
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
-
-SETTINGS = web.AppKey("settings", Settings)
-GATEWAY = web.AppKey("gateway", Gateway)
-REDIS = web.AppKey("redis", aioredis.Redis)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -73,36 +69,6 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         metrics.REQUESTS.labels(route, str(status)).inc()
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
-    started = time.monotonic()
-    body = await request.read()
-    req = decode(body, chat.ChatCompletionRequest)
-    if ignored := unknown_fields(body, chat.ChatCompletionRequest):
-        metrics.UNKNOWN_FIELDS.labels("chat").inc(len(ignored))
-    await gateway.require_model(req.model)
-    job_id = f"chatcmpl-{uuid.uuid4().hex}"
-    deadline = started + settings.request_timeout_s
-    job = chat.to_job(req, job_id=job_id, reply_to=gateway.relay.stream,
-                      deadline_ms=bus.now_ms() + int(settings.request_timeout_s * 1000))
-    renderer = chat.ChatRenderer(req, response_id=job_id, created=int(time.time()))
-    metrics.IN_FLIGHT.inc()
-    try:
-        async with gateway.submit(job, deadline) as events:
-            return await pump.respond(request, events, renderer, stream=req.stream, route="chat",
-                                      keepalive_s=settings.keepalive_interval_s, started=started)
-    finally:
-        metrics.IN_FLIGHT.dec()
-        metrics.REQUEST_DURATION.labels("chat").observe(time.monotonic() - started)
-
-
-async def list_models(request: web.Request) -> web.Response:
-    models = await request.app[GATEWAY].live_models()
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenbus",
-             "max_model_len": info.get("max_model_len")} for name, info in sorted(models.items())]
-    return web.Response(body=encode({"object": "list", "data": data}), content_type="application/json")
-
-
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -129,8 +95,12 @@ def create_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_bus)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.text_completions)
+    app.router.add_post("/v1/responses", handlers.create_response)
+    app.router.add_get("/v1/responses/{response_id}", handlers.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", handlers.delete_response)
+    app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", prometheus)
@@ -149,6 +119,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     relay = EventRelay(reader, commands, keys.events_stream(edge_id))
     app[REDIS] = commands
     app[GATEWAY] = Gateway(commands, relay)
+    app[STORE] = ResponseStore(commands, settings.response_ttl_s)
     async with running(relay):
         log.info("edge %s reads its events from %s", edge_id, relay.stream)
         yield

@@ -29,10 +29,9 @@ async def respond(
         raise EngineError("The worker ended the job without a result.")
     metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - started)
     if not stream:
-        event: bus.Tokens | bus.Final | None = first
+        event: bus.Output | None = first
         while event is not None:
-            _count(event)
-            renderer.frames(event)
+            await _render(renderer, event)
             event = await _next(request, events)
         return web.Response(body=renderer.body(), content_type="application/json")
     sse = await SSEWriter.open(request)
@@ -44,9 +43,16 @@ async def respond(
     return sse.response
 
 
-async def _next(
-    request: web.Request, events: JobEvents, idle_s: float | None = None
-) -> bus.Tokens | bus.Final | None:
+async def _render(renderer: Renderer, event: bus.Output) -> list[bytes]:
+    frames = renderer.frames(event)
+    if isinstance(event, bus.Tokens):
+        metrics.STREAMED_TOKENS.inc(len(event.token_ids))
+    elif isinstance(event, bus.Final):
+        await renderer.settle()
+    return frames
+
+
+async def _next(request: web.Request, events: JobEvents, idle_s: float | None = None) -> bus.Output | None:
     """The next event; None once the job's Final was seen, or after `idle_s` without one."""
     waited = 0.0
     while not events.finished:
@@ -62,20 +68,14 @@ async def _next(
 
 
 async def _stream(
-    request: web.Request, sse: SSEWriter, events: JobEvents, renderer: Renderer,
-    first: bus.Tokens | bus.Final, keepalive_s: float,
+    request: web.Request, sse: SSEWriter, events: JobEvents, renderer: Renderer, first: bus.Output,
+    keepalive_s: float,
 ) -> None:
-    event: bus.Tokens | bus.Final | None = first
+    event: bus.Output | None = first
     while event is not None:
-        _count(event)
-        await sse.send(renderer.frames(event))
+        await sse.send(await _render(renderer, event))
         event = await _next(request, events, idle_s=keepalive_s)
         while event is None and not events.finished:
             await sse.keepalive()
             event = await _next(request, events, idle_s=keepalive_s)
     await sse.send(renderer.done())
-
-
-def _count(event: bus.Tokens | bus.Final) -> None:
-    if isinstance(event, bus.Tokens):
-        metrics.STREAMED_TOKENS.inc(len(event.token_ids))

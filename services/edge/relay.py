@@ -37,7 +37,7 @@ class JobEvents:
         self.queue: asyncio.Queue[bus.Event] = asyncio.Queue()
         self.finished = False
 
-    async def next(self, timeout_s: float | None = None) -> bus.Tokens | bus.Final | None:
+    async def next(self, timeout_s: float | None = None) -> bus.Output | None:
         """The next event; None when `timeout_s` passed first (the caller may send a keep-alive)."""
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:

@@ -14,6 +14,17 @@ SSE_HEADERS = {
 }
 
 
+def data_frame(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def event_frame(name: str, payload: bytes) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+DONE = data_frame(b"[DONE]")
+
+
 class ClientGone(Exception):
     """The client closed its connection before the stream ended."""
 
@@ -39,10 +50,10 @@ class SSEWriter:
         except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
             raise ClientGone from exc
 
-    async def send(self, payloads: list[bytes]) -> None:
-        """Sends payloads as `data:` frames in one write."""
-        if payloads:
-            await self._write(b"".join(b"data: " + p + b"\n\n" for p in payloads))
+    async def send(self, frames: list[bytes]) -> None:
+        """Sends whole frames (made by `data_frame` / `event_frame`) in one write."""
+        if frames:
+            await self._write(b"".join(frames))
 
     async def keepalive(self) -> None:
         await self._write(b": keep-alive\n\n")

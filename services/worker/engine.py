@@ -5,9 +5,11 @@ This is the only module that imports vllm; the edge never does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,27 @@ def _configure_environment(settings: Settings) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@dataclass
+class Counts:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def token_logprobs(token_ids: list[int], entries: list[dict[int, Any]] | None, top: int) -> list[bus.TokenLogprob]:
+    """vLLM's per-position logprob dicts as bus logprobs: the chosen token and the `top` likeliest."""
+    out: list[bus.TokenLogprob] = []
+    for token_id, entry in zip(token_ids, entries or (), strict=False):
+        chosen = entry[token_id]
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top),
+                        key=lambda lp: lp.rank)
+        out.append(bus.TokenLogprob(
+            token=chosen.decoded_token or "", logprob=max(chosen.logprob, -9999.0),
+            top=[bus.TopLogprob(token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0))
+                 for lp in ranked],
+        ))
+    return out
+
+
 class VllmEngine:
     """One vLLM AsyncLLM with continuous batching, fed with token ids, streaming deltas."""
 
@@ -34,6 +57,8 @@ class VllmEngine:
         self.llm: Any = None
         self.tokenizer: Any = None
         self.max_model_len = settings.max_model_len
+        self.requests: dict[str, list[str]] = {}
+        """Engine request ids of each running job (a completion batch has one per prompt)."""
 
     def start(self) -> None:
         _configure_environment(self.settings)
@@ -50,6 +75,7 @@ class VllmEngine:
             served_model_name=[self.settings.model],
             max_model_len=self.settings.max_model_len,
             max_num_seqs=self.settings.max_num_seqs,
+            max_logprobs=20,
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
             enforce_eager=True,
         )
@@ -62,72 +88,166 @@ class VllmEngine:
             self.llm.shutdown()
             self.llm = None
 
-    def prompt_ids(self, job: bus.Job) -> list[int]:
-        """Applies the chat template (for chat jobs) and tokenizes; checks the context length."""
-        if job.kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in job.messages]
+    # prompts
+
+    def _chat_ids(self, job: bus.Job, messages: list[dict[str, str]]) -> list[int]:
+        while True:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=job.add_generation_prompt
             )
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(job.prompt)
-        self._check_length(job, len(ids))
-        return list(ids)
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+            if not job.truncate or self._fits(job, len(ids)):
+                return ids
+            # truncation "auto": drop the oldest turn after the system messages, keep the last one
+            droppable = [i for i, m in enumerate(messages) if m["role"] != "system"][:-1]
+            if not droppable:
+                return ids
+            del messages[droppable[0]]
 
-    def _check_length(self, job: bus.Job, prompt_tokens: int) -> None:
+    def prompt_ids(self, job: bus.Job) -> list[list[int]]:
+        """Token ids of each prompt: the chat template for chat jobs, the text as it is otherwise."""
+        if job.kind == "chat":
+            return [self._chat_ids(job, [{"role": m.role, "content": m.content} for m in job.messages])]
+        if job.chat_template:
+            return [self._chat_ids(job, [{"role": "user", "content": prompt}]) for prompt in job.prompts]
+        return [list(self.tokenizer.encode(prompt)) for prompt in job.prompts]
+
+    def _fits(self, job: bus.Job, prompt_tokens: int) -> bool:
+        return prompt_tokens + max(job.params.max_tokens or 0, 1) <= self.max_model_len
+
+    def _budget(self, job: bus.Job, ids: list[int]) -> tuple[list[int], int]:
+        """The prompt as it will run and the most tokens it may generate, or a context-length error."""
+        wanted = job.params.max_tokens
+        room = self.max_model_len - len(ids)
+        if wanted is None and room >= 1:
+            return ids, room
+        if wanted is not None and wanted <= room:
+            return ids, wanted
+        if job.truncate and job.kind != "chat":
+            if room >= 1:
+                return ids, room  # return what fits
+            keep = self.max_model_len - min(wanted or 16, self.max_model_len // 2)
+            return ids[-keep:], self.max_model_len - keep
         param = "messages" if job.kind == "chat" else "prompt"
-        wanted = job.params.max_tokens or 0
-        if prompt_tokens + max(wanted, 1) > self.max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {prompt_tokens + wanted} tokens ({prompt_tokens} in the {param}, {wanted} in "
-                f"the completion). Please reduce the length of the {param} or completion.",
-                param=param,
-            )
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            f"requested {len(ids) + (wanted or 0)} tokens ({len(ids)} in the {param}, {wanted or 0} in "
+            f"the completion). Please reduce the length of the {param} or completion.",
+            param=param,
+        )
 
-    def sampling_params(self, job: bus.Job, prompt_tokens: int) -> Any:
+    def sampling_params(self, job: bus.Job, max_tokens: int) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         p = job.params
-        return SamplingParams(
-            n=p.n,
-            max_tokens=p.max_tokens or self.max_model_len - prompt_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k if p.top_k > 0 else 0,
-            min_p=p.min_p,
-            seed=p.seed,
-            stop=p.stop or None,
-            stop_token_ids=p.stop_token_ids or None,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            logprobs=p.logprobs,
-            ignore_eos=p.ignore_eos,
-            min_tokens=p.min_tokens,
-            skip_special_tokens=p.skip_special_tokens,
-            include_stop_str_in_output=p.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA,
-        )
-
-    async def run(self, job: bus.Job) -> AsyncIterator[bus.Tokens | bus.Final]:
-        """Generates the job's tokens: Tokens events per engine step, then one Final."""
-        ids = self.prompt_ids(job)
         try:
-            params = self.sampling_params(job, len(ids))
+            return SamplingParams(
+                n=p.n,
+                max_tokens=max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k if p.top_k > 0 else 0,
+                min_p=p.min_p,
+                seed=p.seed,
+                stop=p.stop or None,
+                stop_token_ids=p.stop_token_ids or None,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty,
+                logprobs=p.logprobs,
+                prompt_logprobs=p.prompt_logprobs,
+                logit_bias=p.logit_bias or None,
+                ignore_eos=p.ignore_eos,
+                min_tokens=p.min_tokens,
+                skip_special_tokens=p.skip_special_tokens,
+                include_stop_str_in_output=p.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA,
+            )
         except ValueError as exc:  # vLLM's own parameter checks
             raise InvalidRequest(str(exc)) from None
-        completion_tokens = 0
-        async for out in self.llm.generate({"prompt_token_ids": ids}, params, job.id):
+
+    # generation
+
+    async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
+        """Generates the job's tokens: Tokens events per engine step, then one Final."""
+        runs = []
+        for index, ids in enumerate(self.prompt_ids(job)):
+            prompt, max_tokens = self._budget(job, ids)
+            runs.append((index, prompt, self.sampling_params(job, max_tokens)))
+        request_ids = [job.id] if len(runs) == 1 else [f"{job.id}-{i}" for i in range(len(runs))]
+        self.requests[job.id] = request_ids
+        counts = Counts()
+        try:
+            streams = [self._one(job, rid, i, ids, params, counts)
+                       for rid, (i, ids, params) in zip(request_ids, runs, strict=True)]
+            async for event in _merge(streams):
+                yield event
+        finally:
+            del self.requests[job.id]
+        yield bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
+                        completion_tokens=counts.completion_tokens)
+
+    async def _one(
+        self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any, counts: Counts
+    ) -> AsyncIterator[bus.Output]:
+        counts.prompt_tokens += len(ids)
+        top = job.params.logprobs
+        first = True
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
+            if first and job.params.prompt_logprobs is not None:
+                yield self._prompt_event(job, index, ids, out.prompt_logprobs)
+            first = False
             for choice in out.outputs:
-                completion_tokens += len(choice.token_ids)
+                token_ids = list(choice.token_ids)
+                counts.completion_tokens += len(token_ids)
                 yield bus.Tokens(
-                    job=job.id, text=choice.text, token_ids=list(choice.token_ids), choice=choice.index,
+                    job=job.id, text=choice.text, token_ids=token_ids, choice=index * job.params.n + choice.index,
+                    logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top),
                     finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                 )
-        yield bus.Final(job=job.id, prompt_tokens=len(ids), completion_tokens=completion_tokens)
+
+    def _prompt_event(self, job: bus.Job, index: int, ids: list[int], entries: list[Any] | None) -> bus.Prompt:
+        top = job.params.prompt_logprobs or 0
+        logprobs = token_logprobs(ids[1:], list((entries or [None])[1:]), top)
+        first_token = self.tokenizer.decode(ids[:1]) if ids else ""
+        return bus.Prompt(job=job.id, index=index, token_ids=ids, logprobs=logprobs,
+                          first_token=first_token)
 
     async def abort(self, job_id: str) -> None:
-        await self.llm.abort(job_id)
+        for request_id in self.requests.get(job_id, [job_id]):
+            await self.llm.abort(request_id)
+
+
+async def _merge(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.Output]:
+    """Interleaves several event streams in arrival order."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield event
+        return
+    queue: asyncio.Queue[bus.Output | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[bus.Output]) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait(event)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

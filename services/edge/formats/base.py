@@ -6,6 +6,7 @@ import re
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from shared import bus
 from shared.errors import InvalidRequest, TokenbusError
@@ -76,50 +77,69 @@ def refuse(param: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"`{param}` is not supported: {why}", param=param, code="unsupported_parameter")
 
 
-class Usage(Out):
+class CompletionTokensDetails(Out):
+    reasoning_tokens: int = 0
+
+
+class Usage(Out, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
+
+
+def usage_of(event: bus.Final, details: bool = False) -> Usage:
+    return Usage(
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        total_tokens=event.prompt_tokens + event.completion_tokens,
+        completion_tokens_details=(CompletionTokensDetails(reasoning_tokens=event.reasoning_tokens)
+                                   if details else UNSET),
+    )
 
 
 class Choices:
-    """Per-choice text and finish reasons, and the usage, gathered from a job's events."""
+    """Per-choice text, logprobs and finish reasons, and the job's Final, gathered from its events."""
 
-    def __init__(self, n: int) -> None:
-        self.texts: list[list[str]] = [[] for _ in range(n)]
-        self.finish_reasons: list[str | None] = [None] * n
-        self.usage: Usage | None = None
+    def __init__(self, count: int) -> None:
+        self.texts: list[list[str]] = [[] for _ in range(count)]
+        self.logprobs: list[list[bus.TokenLogprob]] = [[] for _ in range(count)]
+        self.finish_reasons: list[str | None] = [None] * count
+        self.final: bus.Final | None = None
 
     def add(self, event: bus.Tokens) -> None:
         self.texts[event.choice].append(event.text)
+        if event.logprobs:
+            self.logprobs[event.choice].extend(event.logprobs)
         if event.finish_reason is not None:
             self.finish_reasons[event.choice] = event.finish_reason
-
-    def finish(self, event: bus.Final) -> Usage:
-        self.usage = Usage(
-            prompt_tokens=event.prompt_tokens,
-            completion_tokens=event.completion_tokens,
-            total_tokens=event.prompt_tokens + event.completion_tokens,
-        )
-        return self.usage
 
     def text(self, index: int) -> str:
         return "".join(self.texts[index])
 
 
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's words: the engine's "abort" only reaches clients that left, anything else is a stop."""
+    return reason if reason in (None, "stop", "length") else "stop"
+
+
 class Renderer(Protocol):
     """A format's state machine: internal events in, encoded frames (or one body) out."""
 
-    def frames(self, event: bus.Tokens | bus.Final) -> list[bytes]:
-        """Streaming: the SSE payloads this event produces (also records it for `body`)."""
+    def frames(self, event: bus.Output) -> list[bytes]:
+        """Streaming: the SSE frames this event produces (also records it for `body`)."""
+        ...
+
+    async def settle(self) -> None:
+        """Called once the Final event was seen, before its frames are sent (to store a result)."""
         ...
 
     def done(self) -> list[bytes]:
-        """Streaming: the payloads that close a finished stream."""
+        """Streaming: the frames that close a finished stream."""
         ...
 
     def error(self, error: TokenbusError) -> list[bytes]:
-        """Streaming: the payloads that report an error after the stream began."""
+        """Streaming: the frames that report an error after the stream began."""
         ...
 
     def body(self) -> bytes:

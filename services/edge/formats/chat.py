@@ -14,10 +14,26 @@ from services.edge.formats.base import (
     StopString,
     Usage,
     encode,
+    finish_reason,
     openai_error,
     refuse,
     stop_list,
+    usage_of,
 )
+from services.edge.formats.common import (
+    N,
+    Penalty,
+    PositiveInt,
+    RepetitionPenalty,
+    StreamOptions,
+    Temperature,
+    TokenLogprobOut,
+    TopK,
+    TopP,
+    logit_bias,
+    token_logprobs_out,
+)
+from services.edge.sse import DONE, data_frame
 from shared import bus
 from shared.errors import InvalidRequest, TokenbusError
 
@@ -35,18 +51,8 @@ class ChatMessage(Request):
     name: str | None = None
 
 
-class StreamOptions(Request):
-    include_usage: bool = False
-
-
 class ResponseFormat(Request):
     type: str
-
-
-Temperature = Annotated[float, Meta(ge=0, le=2)]
-TopP = Annotated[float, Meta(gt=0, le=1)]
-Penalty = Annotated[float, Meta(ge=-2, le=2)]
-PositiveInt = Annotated[int, Meta(gt=0)]
 
 
 class ChatCompletionRequest(Request):
@@ -58,18 +64,19 @@ class ChatCompletionRequest(Request):
     max_completion_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    """vLLM's extension: 0 or -1 means no top-k filtering."""
+    top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     stop: StopString | StopList | None = None
     seed: int | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    n: N = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     logit_bias: dict[str, float] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """Accepted for every model; a model that does not reason has nothing to spend it on."""
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -98,12 +105,8 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
-    if req.n != 1:
-        raise refuse("n", "only n=1 is served for chat completions yet")
-    if req.logprobs or req.top_logprobs:
-        raise refuse("logprobs", "log probabilities are not served for chat completions yet")
-    if req.logit_bias:
-        raise refuse("logit_bias", "it is not served yet")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
     if req.tools:
         raise refuse("tools", "tool calling is not served yet")
     if req.response_format is not None and req.response_format.type != "text":
@@ -113,21 +116,25 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
 def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     """Validates what the schema cannot express and builds the internal job."""
     _refuse_unsupported(req)
+    temperature = 1.0 if req.temperature is None else req.temperature
     messages = [
         bus.Message(role="system" if m.role == "developer" else m.role, content=_text_of(m, i))
         for i, m in enumerate(req.messages)
     ]
     params = bus.SamplingParams(
         max_tokens=req.max_completion_tokens or req.max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop=stop_list(req.stop),
+        n=req.n,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logit_bias=logit_bias(req.logit_bias),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
     )
@@ -140,6 +147,11 @@ def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_m
 # response
 
 
+class ChoiceLogprobs(Out):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
 class Delta(Out, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
@@ -148,7 +160,7 @@ class Delta(Out, kw_only=True):
 class ChunkChoice(Out, kw_only=True):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -157,7 +169,6 @@ class ChatCompletionChunk(Out, kw_only=True):
     object: str = "chat.completion.chunk"
     created: int
     model: str
-    system_fingerprint: str | None = None
     choices: list[ChunkChoice]
     usage: Usage | UnsetType | None = UNSET
 
@@ -171,7 +182,7 @@ class ResponseMessage(Out, kw_only=True):
 class Choice(Out, kw_only=True):
     index: int
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -180,68 +191,73 @@ class ChatCompletion(Out, kw_only=True):
     object: str = "chat.completion"
     created: int
     model: str
-    system_fingerprint: str | None = None
     choices: list[Choice]
     usage: Usage
 
 
 class ChatRenderer:
-    """Chat Completions as a state machine: a role chunk, content chunks, a finish chunk, usage."""
+    """Chat Completions as a state machine: per choice a role chunk, content chunks, a finish chunk;
+    then the usage chunk when asked for."""
 
     def __init__(self, req: ChatCompletionRequest, *, response_id: str, created: int) -> None:
         self.id = response_id
         self.created = created
         self.model = req.model
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.with_logprobs = bool(req.logprobs)
         self.choices = Choices(req.n)
         self.started = [False] * req.n
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | UnsetType | None = UNSET) -> bytes:
         if usage is UNSET and self.include_usage:
             usage = None
-        return encode(ChatCompletionChunk(
+        return data_frame(encode(ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
-        ))
+        )))
 
-    def frames(self, event: bus.Tokens | bus.Final) -> list[bytes]:
+    def frames(self, event: bus.Output) -> list[bytes]:
         if isinstance(event, bus.Final):
-            usage = self.choices.finish(event)
-            return [self._chunk([], usage)] if self.include_usage else []
+            self.choices.final = event
+            return [self._chunk([], usage_of(event, details=True))] if self.include_usage else []
+        if isinstance(event, bus.Prompt):
+            return []
         self.choices.add(event)
         out: list[bytes] = []
         i = event.choice
         if not self.started[i]:
             self.started[i] = True
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]))
-        if event.text:
-            out.append(self._chunk([ChunkChoice(index=i, delta=Delta(content=event.text))]))
+        if event.text or event.logprobs:
+            logprobs = ChoiceLogprobs(content=token_logprobs_out(event.logprobs or [])) \
+                if self.with_logprobs else None
+            out.append(self._chunk([ChunkChoice(index=i, delta=Delta(content=event.text), logprobs=logprobs)]))
         if event.finish_reason is not None:
-            reason = _finish_reason(event.finish_reason)
+            reason = finish_reason(event.finish_reason)
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=reason)]))
         return out
 
+    async def settle(self) -> None:
+        return None
+
     def done(self) -> list[bytes]:
-        return [b"[DONE]"]
+        return [DONE]
 
     def error(self, error: TokenbusError) -> list[bytes]:
-        return [openai_error(error), b"[DONE]"]
+        return [data_frame(openai_error(error)), DONE]
 
     def body(self) -> bytes:
         choices = [
             Choice(
                 index=i,
                 message=ResponseMessage(content=self.choices.text(i)),
-                finish_reason=_finish_reason(reason),
+                logprobs=ChoiceLogprobs(content=token_logprobs_out(self.choices.logprobs[i]))
+                if self.with_logprobs else None,
+                finish_reason=finish_reason(reason),
             )
             for i, reason in enumerate(self.choices.finish_reasons)
         ]
-        usage = self.choices.usage or Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        final = self.choices.final or bus.Final(job=self.id, prompt_tokens=0, completion_tokens=0)
         return encode(ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+            id=self.id, created=self.created, model=self.model, choices=choices,
+            usage=usage_of(final, details=True),
         ))
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    # the engine's "abort" never reaches a client that is still there; anything else maps to OpenAI's words
-    return reason if reason in (None, "stop", "length") else "stop"
-

@@ -1,0 +1,233 @@
+"""OpenAI Completions: prompts (a batch), n, echo, suffix, logprobs, Databricks' extras."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import UNSET, Meta, UnsetType
+
+from services.edge.formats.base import (
+    Choices,
+    Out,
+    Request,
+    StopList,
+    StopString,
+    Usage,
+    encode,
+    finish_reason,
+    openai_error,
+    refuse,
+    stop_list,
+    usage_of,
+)
+from services.edge.formats.common import (
+    N,
+    Penalty,
+    PositiveInt,
+    RepetitionPenalty,
+    StreamOptions,
+    Temperature,
+    TopK,
+    TopP,
+    logit_bias,
+)
+from services.edge.sse import DONE, data_frame
+from shared import bus
+from shared.errors import TokenbusError
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for completions."""
+
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class CompletionRequest(Request):
+    model: str
+    prompt: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=256)]
+    max_tokens: PositiveInt | None = DEFAULT_MAX_TOKENS
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    stop: StopString | StopList | None = None
+    seed: int | None = None
+    n: N = 1
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    """Appended to the end of each completion (Databricks' meaning)."""
+    use_raw_prompt: bool | None = None
+    """False: wrap each prompt in the model's chat template; True or absent: the prompt as it is."""
+    error_behavior: Literal["error", "truncate"] = "error"
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+
+
+def prompts_of(req: CompletionRequest) -> list[str]:
+    return [req.prompt] if isinstance(req.prompt, str) else req.prompt
+
+
+def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
+    if req.best_of is not None and req.best_of != req.n:
+        raise refuse("best_of", "only best_of equal to n is served")
+    params = bus.SamplingParams(
+        max_tokens=req.max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=stop_list(req.stop),
+        n=req.n,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        logit_bias=logit_bias(req.logit_bias),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+    )
+    return bus.Job(
+        id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
+        prompts=prompts_of(req), chat_template=req.use_raw_prompt is False,
+        truncate=req.error_behavior == "truncate", params=params, created_ms=bus.now_ms(),
+    )
+
+
+# response
+
+
+class CompletionLogprobs(Out, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Out, kw_only=True):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(Out, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | UnsetType = UNSET
+
+
+class LogprobsBuilder:
+    """Completions logprobs of one choice, with text offsets that continue across chunks."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def build(self, logprobs: list[bus.TokenLogprob], echo: bus.Prompt | None = None) -> CompletionLogprobs:
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        if echo is not None:
+            self._add(out, echo.first_token, None, None)
+            for lp in echo.logprobs:
+                self._add(out, lp.token, lp.logprob, {t.token: t.logprob for t in lp.top})
+        for lp in logprobs:
+            self._add(out, lp.token, lp.logprob, {t.token: t.logprob for t in lp.top})
+        return out
+
+    def _add(self, out: CompletionLogprobs, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(self.offset)
+        self.offset += len(token)
+
+
+class CompletionRenderer:
+    """Completions as a state machine: text chunks per choice (echo first, suffix last), then usage."""
+
+    def __init__(self, req: CompletionRequest, *, response_id: str, created: int) -> None:
+        self.id = response_id
+        self.created = created
+        self.model = req.model
+        self.prompts = prompts_of(req)
+        self.n = req.n
+        self.echo = req.echo
+        self.suffix = req.suffix or ""
+        self.with_logprobs = req.logprobs is not None
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        count = len(self.prompts) * req.n
+        self.choices = Choices(count)
+        self.echoes: dict[int, bus.Prompt] = {}
+        self.started = [False] * count
+        self.builders = [LogprobsBuilder() for _ in range(count)]
+        self.logprobs: dict[int, CompletionLogprobs] = {}
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | UnsetType = UNSET) -> bytes:
+        return data_frame(encode(Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+        )))
+
+    def _piece(self, event: bus.Tokens) -> CompletionChoice:
+        """The choice's new text and logprobs: the echoed prompt before its first tokens, the suffix after its last."""
+        i = event.choice
+        head, echo = "", None
+        if not self.started[i]:
+            self.started[i] = True
+            if self.echo:
+                head, echo = self.prompts[i // self.n], self.echoes.get(i // self.n)
+        tail = self.suffix if event.finish_reason is not None else ""
+        logprobs = self.builders[i].build(event.logprobs or [], echo) if self.with_logprobs else None
+        return CompletionChoice(text=head + event.text + tail, index=i, logprobs=logprobs,
+                                finish_reason=finish_reason(event.finish_reason))
+
+    def frames(self, event: bus.Output) -> list[bytes]:
+        if isinstance(event, bus.Prompt):
+            self.echoes[event.index] = event
+            return []
+        if isinstance(event, bus.Final):
+            self.choices.final = event
+            return [self._chunk([], usage_of(event))] if self.include_usage else []
+        piece = self._piece(event)
+        self.choices.add(bus.Tokens(job=event.job, text=piece.text, token_ids=[], choice=event.choice,
+                                    finish_reason=event.finish_reason))
+        if piece.logprobs is not None:
+            self._gather(piece.index, piece.logprobs)
+        return [self._chunk([piece])]
+
+    def _gather(self, index: int, piece: CompletionLogprobs) -> None:
+        whole = self.logprobs.setdefault(index, CompletionLogprobs(
+            tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]))
+        whole.tokens += piece.tokens
+        whole.token_logprobs += piece.token_logprobs
+        whole.top_logprobs += piece.top_logprobs
+        whole.text_offset += piece.text_offset
+
+    async def settle(self) -> None:
+        return None
+
+    def done(self) -> list[bytes]:
+        return [DONE]
+
+    def error(self, error: TokenbusError) -> list[bytes]:
+        return [data_frame(openai_error(error)), DONE]
+
+    def body(self) -> bytes:
+        choices = [
+            CompletionChoice(text=self.choices.text(i), index=i, logprobs=self.logprobs.get(i),
+                             finish_reason=finish_reason(reason))
+            for i, reason in enumerate(self.choices.finish_reasons)
+        ]
+        final = self.choices.final or bus.Final(job=self.id, prompt_tokens=0, completion_tokens=0)
+        return encode(Completion(id=self.id, created=self.created, model=self.model, choices=choices,
+                                 usage=usage_of(final)))

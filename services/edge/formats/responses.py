@@ -1,0 +1,364 @@
+"""The OpenAI Responses API: requests, the conversation they continue, and the typed stream events."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from msgspec import UNSET, Meta, UnsetType
+
+from services.edge.formats.base import Choices, Out, Request, encode, refuse
+from services.edge.formats.common import PositiveInt, Temperature, TopP
+from services.edge.sse import event_frame
+from services.edge.store import ResponseStore
+from shared import bus
+from shared.errors import InvalidRequest, TokenbusError
+
+# request
+
+
+class InputContent(Request):
+    type: str
+    text: str | None = None
+
+
+class InputItem(Request):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputContent]
+    type: str = "message"
+
+
+class TextFormat(Request):
+    type: str = "text"
+
+
+class TextParam(Request):
+    format: TextFormat | None = None
+
+
+class ReasoningParam(Request):
+    effort: str | None = None
+    summary: str | None = None
+
+
+MetadataValue = Annotated[str, Meta(max_length=512)]
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], MetadataValue], Meta(max_length=16)]
+
+
+class ResponsesRequest(Request):
+    model: str
+    input: Annotated[str, Meta(min_length=1)] | Annotated[list[InputItem], Meta(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    text: TextParam | None = None
+    metadata: Metadata | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    reasoning: ReasoningParam | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    include: list[str] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    service_tier: str | None = None
+    prompt: Any = None
+
+
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """The 400s for what we do not serve, each naming its parameter."""
+    if req.background:
+        raise refuse("background", "responses run in the foreground; stream them instead")
+    if req.conversation is not None:
+        raise refuse("conversation", "use previous_response_id to continue a conversation")
+    if req.service_tier not in (None, "auto", "default"):
+        raise refuse("service_tier", "there is one service tier")
+    if req.prompt is not None:
+        raise refuse("prompt", "prompt templates are not served")
+    for i, tool in enumerate(req.tools or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            raise refuse(f"tools[{i}]", "function tools are not served yet")
+        raise refuse(f"tools[{i}]", f"the built-in tool {kind!r} is not served")
+    if req.text and req.text.format and req.text.format.type != "text":
+        raise refuse("text.format", "only the 'text' format is served yet")
+
+
+def _content_text(content: str | list[InputContent], index: int) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise InvalidRequest(f"Content of type {part.type!r} is not supported by this text model.",
+                                 param=f"input[{index}].content[{j}].type")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def input_messages(req: ResponsesRequest) -> list[bus.Message]:
+    if isinstance(req.input, str):
+        return [bus.Message(role="user", content=req.input)]
+    messages = []
+    for i, item in enumerate(req.input):
+        if item.type != "message":
+            raise refuse(f"input[{i}].type", f"input items of type {item.type!r} are not served yet")
+        role = "system" if item.role == "developer" else item.role
+        messages.append(bus.Message(role=role, content=_content_text(item.content, i)))
+    return messages
+
+
+def to_job(
+    req: ResponsesRequest, history: list[bus.Message], *, job_id: str, reply_to: str, deadline_ms: int
+) -> bus.Job:
+    """The job for this turn: instructions first, then the earlier turns, then the new input."""
+    instructions = [bus.Message(role="system", content=req.instructions)] if req.instructions else []
+    params = bus.SamplingParams(
+        max_tokens=req.max_output_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        logprobs=req.top_logprobs,
+    )
+    return bus.Job(
+        id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
+        messages=instructions + history, params=params, truncate=req.truncation == "auto",
+        created_ms=bus.now_ms(),
+    )
+
+
+# response
+
+
+class TopLogprob(Out):
+    token: str
+    logprob: float
+
+
+class LogProb(Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class OutputText(Out, kw_only=True):
+    type: str = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[LogProb] = []
+
+
+class OutputMessage(Out, kw_only=True):
+    id: str
+    type: str = "message"
+    role: str = "assistant"
+    status: str
+    content: list[OutputText]
+
+
+class IncompleteDetails(Out):
+    reason: str
+
+
+class ResponseError(Out):
+    code: str
+    message: str
+
+
+class InputTokensDetails(Out):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(Out):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Out):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class Reasoning(Out):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class TextFormatOut(Out):
+    type: str = "text"
+
+
+class TextOut(Out):
+    format: TextFormatOut
+
+
+class Response(Out, kw_only=True):
+    id: str
+    object: str = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: str
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    output_text: str
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None
+    reasoning: Reasoning
+    store: bool
+    temperature: float
+    text: TextOut
+    tool_choice: str = "auto"
+    tools: list[Any] = []
+    top_logprobs: int | None
+    top_p: float
+    truncation: str
+    usage: ResponseUsage | UnsetType = UNSET
+    """Absent until the response is done (the schema does not allow null here)."""
+    user: str | UnsetType = UNSET
+    metadata: dict[str, str]
+
+
+class Deleted(Out):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+def _logprobs(logprobs: list[bus.TokenLogprob]) -> list[LogProb]:
+    return [LogProb(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
+                    top_logprobs=[TopLogprob(token=t.token, logprob=t.logprob) for t in lp.top])
+            for lp in logprobs]
+
+
+_ERROR_CODES = {"InvalidRequest": "invalid_prompt", "ContextLengthExceeded": "invalid_prompt"}
+
+
+class ResponsesRenderer:
+    """The Responses stream as a state machine: created, in_progress, the message item and its text
+    part opened, text deltas, everything closed, then completed / incomplete / failed."""
+
+    def __init__(
+        self, req: ResponsesRequest, *, response_id: str, created_at: int, history: list[bus.Message],
+        store: ResponseStore | None,
+    ) -> None:
+        self.req = req
+        self.id = response_id
+        self.message_id = "msg_" + response_id.removeprefix("resp_")
+        self.created_at = created_at
+        self.history = history
+        self.store = store
+        self.sequence = 0
+        self.choices = Choices(1)
+        self.status = "in_progress"
+        self.completed_at: int | None = None
+        self.error_detail: ResponseError | None = None
+        self.started = False
+
+    # the response object at any point of its life
+
+    def _text_part(self) -> OutputText:
+        return OutputText(text=self.choices.text(0), logprobs=_logprobs(self.choices.logprobs[0]))
+
+    def _item(self) -> OutputMessage:
+        status = self.status if self.status in ("completed", "incomplete") else "in_progress"
+        content = [self._text_part()] if self.status != "in_progress" else []
+        return OutputMessage(id=self.message_id, status=status, content=content)
+
+    def response(self) -> Response:
+        req, final = self.req, self.choices.final
+        usage = UNSET if final is None else ResponseUsage(
+            input_tokens=final.prompt_tokens, input_tokens_details=InputTokensDetails(),
+            output_tokens=final.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=final.reasoning_tokens),
+            total_tokens=final.prompt_tokens + final.completion_tokens,
+        )
+        done = self.status in ("completed", "incomplete")
+        return Response(
+            id=self.id, created_at=self.created_at, completed_at=self.completed_at, status=self.status,
+            error=self.error_detail,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if self.status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=req.model,
+            output=[self._item()] if done else [], output_text=self.choices.text(0) if done else "",
+            previous_response_id=req.previous_response_id,
+            reasoning=Reasoning(effort=req.reasoning.effort if req.reasoning else None),
+            store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
+            text=TextOut(format=TextFormatOut()), top_logprobs=req.top_logprobs,
+            top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
+            usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
+        )
+
+    # stream events
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event_frame(kind, encode(payload))
+
+    def _ids(self) -> dict[str, Any]:
+        return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+
+    def _opening(self) -> list[bytes]:
+        self.started = True
+        empty_item = OutputMessage(id=self.message_id, status="in_progress", content=[])
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+            self._event("response.output_item.added", output_index=0, item=empty_item),
+            self._event("response.content_part.added", part=OutputText(text=""), **self._ids()),
+        ]
+
+    def frames(self, event: bus.Output) -> list[bytes]:
+        if isinstance(event, bus.Prompt):
+            return []
+        out = [] if self.started else self._opening()
+        if isinstance(event, bus.Tokens):
+            self.choices.add(event)
+            if event.text:
+                out.append(self._event("response.output_text.delta", delta=event.text,
+                                       logprobs=_logprobs(event.logprobs or []), **self._ids()))
+            return out
+        self.choices.final = event
+        self.completed_at = int(time.time())
+        self.status = "incomplete" if self.choices.finish_reasons[0] == "length" else "completed"
+        part = self._text_part()
+        return [
+            *out,
+            self._event("response.output_text.done", text=part.text, logprobs=part.logprobs, **self._ids()),
+            self._event("response.content_part.done", part=part, **self._ids()),
+            self._event("response.output_item.done", output_index=0, item=self._item()),
+            self._event(f"response.{self.status}", response=self.response()),
+        ]
+
+    async def settle(self) -> None:
+        """Stores the finished response before the client hears of it, so any edge can serve it at once."""
+        if self.store is None or not self.req.store:
+            return
+        answer = bus.Message(role="assistant", content=self.choices.text(0))
+        await self.store.save(self.id, encode(self.response()), [*self.history, answer])
+
+    def done(self) -> list[bytes]:
+        return []
+
+    def error(self, error: TokenbusError) -> list[bytes]:
+        self.status = "failed"
+        self.error_detail = ResponseError(code=_ERROR_CODES.get(type(error).__name__, "server_error"),
+                                          message=error.message)
+        out = [] if self.started else self._opening()
+        return [*out, self._event("response.failed", response=self.response())]
+
+    def body(self) -> bytes:
+        return encode(self.response())
+
