@@ -8,8 +8,8 @@ import sys
 
 from shared import settings as settings_module
 
-EDGE_SETTINGS = ["redis_url", "host", "port", "request_timeout_s", "redis_pool_size", "max_body_bytes",
-                 "keepalive_interval_s", "log_level"]
+EDGE_SETTINGS = ["redis_url", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
+                 "max_body_bytes", "keepalive_interval_s", "log_level"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level"]

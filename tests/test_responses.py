@@ -138,3 +138,25 @@ async def test_unsupported_parameters_are_named(
     with pytest.raises(openai.BadRequestError) as caught:
         await client.responses.create(model=MODEL, input="Hi", **extra)
     assert caught.value.body["param"] == param
+
+
+async def test_top_logprobs_fill_the_output_text(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.create(model=MODEL, input=QUESTION, temperature=0, top_logprobs=2,
+                                             max_output_tokens=6)
+    part = response.output[0].content[0]
+    assert part.type == "output_text" and part.logprobs
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token for lp in part.logprobs)
+
+
+async def test_truncation_auto_drops_the_oldest_turns(client: openai.AsyncOpenAI) -> None:
+    filler = "The sea is deep and wide. " * 150  # about 1,000 tokens a turn
+    turns = [{"role": "user", "content": filler}, {"role": "assistant", "content": filler},
+             {"role": "user", "content": QUESTION}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(model=MODEL, input=turns, max_output_tokens=16)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    response = await client.responses.create(model=MODEL, input=turns, max_output_tokens=16, temperature=0,
+                                             truncation="auto")
+    assert response.status in ("completed", "incomplete")
+    assert response.usage is not None and response.usage.input_tokens < 2048 - 16

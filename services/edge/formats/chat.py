@@ -80,6 +80,12 @@ class ChatCompletionRequest(Request):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-sequence token."""
@@ -107,8 +113,13 @@ def _text_of(message: ChatMessage, index: int) -> str:
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
-    if req.tools:
-        raise refuse("tools", "tool calling is not served yet")
+    if req.tools or req.functions:
+        raise refuse("tools" if req.tools else "functions", "tool calling is not served yet")
+    for name in ("function_call", "audio", "prediction", "web_search_options"):
+        if getattr(req, name) is not None:
+            raise refuse(name, "it is not served by this text model")
+    if req.modalities and set(req.modalities) != {"text"}:
+        raise refuse("modalities", "only text output is served")
     if req.response_format is not None and req.response_format.type != "text":
         raise refuse("response_format", "only the 'text' format is served yet")
 
