@@ -8,12 +8,12 @@ import sys
 
 from shared import settings as settings_module
 
-EDGE_SETTINGS = ["redis_url", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
+EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level"]
-WORKER_SETTINGS = ["redis_url", "model", "model_dir", "max_model_len", "max_num_seqs", "kv_cache_gib",
+WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level"]
-RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS))
+RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
 
 
 def parser() -> argparse.ArgumentParser:

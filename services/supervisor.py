@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgspec
 import redis
 
 from shared import keys
@@ -121,9 +122,16 @@ def run(settings: Settings) -> int:
         worker = spawn("worker", settings)
         edge = spawn("edge", settings)
         children = [edge, worker]
+        if settings.embedding_model:
+            embedder = msgspec.structs.replace(
+                settings, task="embed", model=settings.embedding_model, model_dir=settings.embedding_model_dir,
+                kv_cache_gib=1.0, metrics_port=0,
+            )
+            children.append(spawn("worker", embedder))
         try:
-            if wait_for_worker(url, settings.model, children, WORKER_READY_TIMEOUT_S):
-                log.info("ready: http://%s:%d serves %s", settings.host, settings.port, settings.model)
+            models = [m for m in (settings.model, settings.embedding_model) if m]
+            if all(wait_for_worker(url, m, children, WORKER_READY_TIMEOUT_S) for m in models):
+                log.info("ready: http://%s:%d serves %s", settings.host, settings.port, " and ".join(models))
             else:
                 stop.set()
             while not stop.is_set() and all(child.poll() is None for child in children):
@@ -149,6 +157,4 @@ def _redis_for(settings: Settings) -> Iterator[str]:
 
 
 def _with_redis(settings: Settings, url: str) -> Settings:
-    import msgspec
-
     return msgspec.structs.replace(settings, redis_url=url)

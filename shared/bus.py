@@ -61,7 +61,8 @@ class Job(Base):
     deadline_ms: int
     """Unix time in ms after which the job is worthless: a worker drops it, or ends it with an error."""
     kind: str = "chat"
-    """chat: `messages` through the chat template | completion: each of `prompts` as it is"""
+    """chat: `messages` through the chat template | completion: each of `prompts` as it is |
+    embedding: one vector for each of `prompts`"""
     messages: list[Message] = []
     prompts: list[str] = []
     """A batch: prompt i yields choices i*n .. i*n+n-1."""
@@ -70,6 +71,8 @@ class Job(Base):
     add_generation_prompt: bool = True
     truncate: bool = False
     """Drop the oldest prompt tokens that do not fit the context instead of failing."""
+    keep_last_tokens: int = 0
+    """TGI's `truncate`: keep only the last n prompt tokens (0: all)."""
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     created_ms: int = 0
     tenant: str = ""
@@ -78,6 +81,7 @@ class Job(Base):
 class TopLogprob(Base, array_like=True):
     token: str
     logprob: float
+    token_id: int = -1
 
 
 class TokenLogprob(Base, array_like=True):
@@ -86,6 +90,7 @@ class TokenLogprob(Base, array_like=True):
     token: str
     logprob: float
     top: list[TopLogprob] = []
+    special: bool = False
 
 
 class Prompt(Base, tag="prompt"):
@@ -114,6 +119,15 @@ class Tokens(Base, tag="tok"):
     """The stop string or token that ended the choice, when one did."""
 
 
+class Embedding(Base, tag="emb"):
+    """The vector of input `index` of an embedding job."""
+
+    job: str
+    index: int
+    vector: list[float]
+    prompt_tokens: int
+
+
 class Final(Base, tag="end"):
     """The job is finished: the last event of a successful job."""
 
@@ -133,9 +147,22 @@ class Error(Base, tag="err"):
     code: str | None = None
 
 
-Output = Prompt | Tokens | Final
+Output = Prompt | Tokens | Embedding | Final
 """What a job produces when it goes well."""
-Event = Prompt | Tokens | Final | Error
+Event = Prompt | Tokens | Embedding | Final | Error
+
+class WorkerInfo(Base):
+    """A worker's heartbeat: what it serves and how much; it expires when the worker stops beating."""
+
+    worker: str
+    model: str
+    task: str = "generate"
+    max_model_len: int = 0
+    dimensions: int = 0
+    slots: int = 1
+    running: int = 0
+    adapters: list[str] = []
+
 
 JOB_FIELD = b"j"
 EVENTS_FIELD = b"e"
@@ -160,6 +187,18 @@ def encode_events(events: list[Event]) -> bytes:
 
 def decode_events(data: bytes) -> list[Event]:
     return _events_decoder.decode(data)
+
+
+_info_encoder = msgspec.json.Encoder()
+_info_decoder = msgspec.json.Decoder(WorkerInfo)
+
+
+def encode_info(info: WorkerInfo) -> bytes:
+    return _info_encoder.encode(info)
+
+
+def decode_info(data: bytes) -> WorkerInfo:
+    return _info_decoder.decode(data)
 
 
 def now_ms() -> int:

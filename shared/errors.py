@@ -2,7 +2,9 @@
 
     TokenbusError                  500 server_error
     ├── InvalidRequest             400 invalid_request_error (names the offending `param`)
-    │   └── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
+    │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
+    │   ├── PayloadTooLarge        413 invalid_request_error / body_too_large
+    │   └── MethodNotAllowed       405 invalid_request_error / method_not_allowed
     ├── ModelNotFound              404 invalid_request_error / model_not_found
     ├── NotFound                   404 invalid_request_error / not_found
     ├── Overloaded                 503 overloaded_error
@@ -40,6 +42,16 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+    code = "body_too_large"
+
+
+class MethodNotAllowed(InvalidRequest):
+    status = 405
+    code = "method_not_allowed"
+
+
 class ModelNotFound(TokenbusError):
     status = 404
     type = "invalid_request_error"
@@ -69,8 +81,8 @@ class EngineError(TokenbusError):
 
 _BY_NAME: dict[str, type[TokenbusError]] = {
     cls.__name__: cls
-    for cls in (TokenbusError, InvalidRequest, ContextLengthExceeded, ModelNotFound, NotFound,
-                Overloaded, RequestTimeout, EngineError)
+    for cls in (TokenbusError, InvalidRequest, ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
+                ModelNotFound, NotFound, Overloaded, RequestTimeout, EngineError)
 }
 
 

@@ -12,6 +12,8 @@ import msgspec
 
 ENV_PREFIX = "TOKENBUS_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
+TASKS = ("generate", "embed")
 
 
 def cache_dir() -> Path:
@@ -34,7 +36,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL_NAME
     """Name the worker serves its model under (the `model` field of requests)."""
     model_dir: str = ""
-    """Hugging Face model folder the worker loads; empty means the prepared default model."""
+    """Hugging Face model folder the worker loads; empty means the bundled default model of its task."""
+    task: str = "generate"
+    """What the worker serves: generate (chat, completions, responses, TGI) or embed (embeddings)."""
+    embedding_model: str = DEFAULT_EMBEDDING_MODEL_NAME
+    """Embedding model `tokenbus run` serves next to the chat model; empty serves none."""
+    embedding_model_dir: str = ""
+    """Folder of that embedding model; empty means the bundled all-MiniLM-L6-v2."""
     max_model_len: int = 2048
     """Context length the worker allows (prompt plus completion tokens)."""
     max_num_seqs: int = 32
@@ -113,4 +121,7 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
                 values[field.name] = _parse_value(field.type, raw)
             except msgspec.ValidationError as exc:
                 raise SystemExit(f"invalid setting {field.name}={raw!r}: {exc}") from None
-    return Settings(**values)
+    settings = Settings(**values)
+    if settings.task not in TASKS:
+        raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
+    return settings

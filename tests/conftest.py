@@ -18,10 +18,11 @@ import redis
 
 from services.supervisor import free_port, private_redis
 from shared import keys
-from shared.settings import DEFAULT_MODEL_NAME
+from shared.settings import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = DEFAULT_MODEL_NAME
+EMBEDDING_MODEL = DEFAULT_EMBEDDING_MODEL_NAME
 WORKER_START_TIMEOUT_S = 400.0
 
 
@@ -111,6 +112,24 @@ def worker(
         while not any(redis_client.scan_iter(match=keys.worker_heartbeat(MODEL, "*"))):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the worker did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="session")
+def embedder(redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A real vLLM worker in pooling mode on all-MiniLM-L6-v2, started once."""
+    metrics_port = free_port()
+    log = tmp_path_factory.mktemp("embedder") / "worker.log"
+    process = _spawn("worker", _env(redis_url, metrics_port=metrics_port, kv_cache_gib=1, task="embed",
+                                    model=EMBEDDING_MODEL), log)
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    try:
+        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(EMBEDDING_MODEL, "*"))):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the embedding worker did not start: {log.read_text()[-3000:]}")
             time.sleep(0.5)
         yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
     finally:

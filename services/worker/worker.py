@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
@@ -30,6 +29,7 @@ class Engine(Protocol):
     """What the worker needs of an engine (vLLM, or a simulator for benchmarks and fault tests)."""
 
     max_model_len: int
+    dimensions: int
 
     def run(self, job: bus.Job) -> AsyncIterator[bus.Output]: ...
 
@@ -199,10 +199,11 @@ class Worker:
         key = keys.worker_heartbeat(self.model, self.id)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         while True:
-            info = orjson.dumps({
-                "worker": self.id, "model": self.model, "max_model_len": self.engine.max_model_len,
-                "slots": self.settings.max_num_seqs, "running": len(self.running),
-            })
+            info = bus.encode_info(bus.WorkerInfo(
+                worker=self.id, model=self.model, task=self.settings.task,
+                max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
+                slots=self.settings.max_num_seqs, running=len(self.running),
+            ))
             try:
                 await self.redis.set(key, info, px=ttl_ms)
             except (RedisError, OSError) as exc:

@@ -230,7 +230,7 @@ class ChatRenderer:
         if isinstance(event, bus.Final):
             self.choices.final = event
             return [self._chunk([], usage_of(event, details=True))] if self.include_usage else []
-        if isinstance(event, bus.Prompt):
+        if not isinstance(event, bus.Tokens):
             return []
         self.choices.add(event)
         out: list[bytes] = []

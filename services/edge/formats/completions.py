@@ -198,6 +198,8 @@ class CompletionRenderer:
         if isinstance(event, bus.Final):
             self.choices.final = event
             return [self._chunk([], usage_of(event))] if self.include_usage else []
+        if not isinstance(event, bus.Tokens):
+            return []
         piece = self._piece(event)
         self.choices.add(bus.Tokens(job=event.job, text=piece.text, token_ids=[], choice=event.choice,
                                     finish_reason=event.finish_reason))

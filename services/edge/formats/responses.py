@@ -321,7 +321,7 @@ class ResponsesRenderer:
         ]
 
     def frames(self, event: bus.Output) -> list[bytes]:
-        if isinstance(event, bus.Prompt):
+        if not isinstance(event, bus.Tokens | bus.Final):
             return []
         out = [] if self.started else self._opening()
         if isinstance(event, bus.Tokens):

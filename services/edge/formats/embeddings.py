@@ -1,0 +1,102 @@
+"""OpenAI embeddings (also served as OVMS /v3 and Databricks invocations): input, vectors, base64."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from array import array
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from services.edge.formats.base import Out, Request, encode, openai_error
+from shared import bus
+from shared.errors import InvalidRequest, TokenbusError
+
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class EmbeddingRequest(Request):
+    model: str
+    input: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=2048)]
+    instruction: str | None = None
+    """Prepended to every input, as instruction-tuned embedding models expect (Databricks)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(gt=0)] | None = None
+    user: str | None = None
+
+
+def inputs_of(req: EmbeddingRequest) -> list[str]:
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    return [(req.instruction or "") + text for text in texts]
+
+
+def check_dimensions(req: EmbeddingRequest, native: int) -> None:
+    if req.dimensions is not None and req.dimensions != native:
+        raise InvalidRequest(
+            f"The model `{req.model}` returns {native} dimensions and cannot shorten them to {req.dimensions}.",
+            param="dimensions",
+        )
+
+
+def to_job(req: EmbeddingRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
+    return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
+                   prompts=inputs_of(req), created_ms=bus.now_ms())
+
+
+class EmbeddingData(Out, kw_only=True):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Out, kw_only=True):
+    object: str = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+def as_base64(vector: list[float]) -> str:
+    """OpenAI's base64 form: the float32 values, little-endian."""
+    floats = array("f", vector)
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return base64.b64encode(floats.tobytes()).decode()
+
+
+class EmbeddingRenderer:
+    """Gathers one vector per input; embeddings never stream."""
+
+    def __init__(self, req: EmbeddingRequest) -> None:
+        self.model = req.model
+        self.base64 = req.encoding_format == "base64"
+        self.vectors: dict[int, list[float]] = {}
+        self.prompt_tokens = 0
+
+    def frames(self, event: bus.Output) -> list[bytes]:
+        if isinstance(event, bus.Embedding):
+            self.vectors[event.index] = event.vector
+        elif isinstance(event, bus.Final):
+            self.prompt_tokens = event.prompt_tokens
+        return []
+
+    async def settle(self) -> None:
+        return None
+
+    def done(self) -> list[bytes]:
+        return []
+
+    def error(self, error: TokenbusError) -> list[bytes]:
+        return [openai_error(error)]
+
+    def body(self) -> bytes:
+        data = [EmbeddingData(index=i, embedding=as_base64(v) if self.base64 else v)
+                for i, v in sorted(self.vectors.items())]
+        usage = EmbeddingUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens)
+        return encode(EmbeddingList(data=data, model=self.model, usage=usage))

@@ -1,0 +1,152 @@
+"""TGI / MindIE text generation through the whole path, with huggingface_hub's InferenceClient."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from huggingface_hub import InferenceClient
+from huggingface_hub.errors import ValidationError
+
+from tests.conftest import MODEL, Edge
+from tests.openapi import sse_events, validate
+
+pytestmark = pytest.mark.engine
+
+PROMPT = "The capital of France is"
+
+
+def tgi_validate(component: str, instance: object) -> None:
+    validate(component, instance, document="tgi-openapi.json")
+
+
+@pytest.fixture
+def hf(served: Edge) -> Iterator[InferenceClient]:
+    yield InferenceClient(model=served.url, timeout=60)
+
+
+def test_greedy_generation_with_details(hf: InferenceClient) -> None:
+    out = hf.text_generation(PROMPT, max_new_tokens=6, details=True)
+    details = out.details
+    assert details is not None
+    assert "Paris" in out.generated_text
+    assert details.finish_reason == "length" and details.generated_tokens == 6
+    assert len(details.tokens) == 6
+    assert "".join(t.text for t in details.tokens) == out.generated_text
+    assert all(t.logprob is not None and t.logprob <= 0 for t in details.tokens)
+    assert details.seed is not None and details.seed > 0
+
+
+def test_default_is_twenty_new_tokens_and_eos_ends_early(hf: InferenceClient) -> None:
+    out = hf.text_generation("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", details=True,
+                             max_new_tokens=200)
+    assert out.details is not None and out.details.finish_reason == "eos_token"
+    assert out.details.tokens[-1].special is True
+    default = hf.text_generation("Once upon a time", details=True)
+    assert default.details is not None and default.details.generated_tokens <= 20
+
+
+def test_stop_sequence_and_return_full_text(hf: InferenceClient) -> None:
+    out = hf.text_generation(PROMPT, max_new_tokens=20, details=True, stop=["."], return_full_text=True)
+    assert out.generated_text.startswith(PROMPT + " Paris")
+    assert out.details is not None and out.details.finish_reason == "stop_sequence"
+
+
+def test_streaming_ends_with_the_text_and_details(hf: InferenceClient) -> None:
+    whole = hf.text_generation(PROMPT, max_new_tokens=8)
+    events = list(hf.text_generation(PROMPT, max_new_tokens=8, stream=True, details=True))
+    assert [e.index for e in events] == list(range(8))
+    assert all(e.generated_text is None and e.details is None for e in events[:-1])
+    assert events[-1].generated_text == whole == "".join(e.token.text for e in events)
+    assert events[-1].details is not None and events[-1].details.generated_tokens == 8
+
+
+def test_decoder_input_details_scores_the_prompt(hf: InferenceClient) -> None:
+    out = hf.text_generation(PROMPT, max_new_tokens=2, details=True, decoder_input_details=True)
+    prefill = out.details.prefill if out.details else []
+    assert "".join(t.text for t in prefill) == PROMPT
+    assert prefill[0].logprob is None
+    assert all(t.logprob is not None and t.logprob <= 0 for t in prefill[1:])
+
+
+def test_a_seed_repeats_a_sample_and_is_returned(hf: InferenceClient) -> None:
+    kwargs = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.0, "seed": 77, "details": True}
+    first, second = hf.text_generation(PROMPT, **kwargs), hf.text_generation(PROMPT, **kwargs)
+    assert first.generated_text == second.generated_text
+    assert first.details is not None and first.details.seed == 77
+
+
+def test_truncate_keeps_the_last_input_tokens(hf: InferenceClient) -> None:
+    out = hf.text_generation("one two three four five six seven eight nine ten " * 5, max_new_tokens=1,
+                             truncate=4, details=True, decoder_input_details=True)
+    assert out.details is not None and len(out.details.prefill) == 4
+
+
+def test_top_tokens_are_the_likeliest(hf: InferenceClient) -> None:
+    out = hf.text_generation(PROMPT, max_new_tokens=3, details=True, top_n_tokens=3)
+    assert out.details is not None and out.details.top_tokens is not None
+    for token, top in zip(out.details.tokens, out.details.top_tokens, strict=True):
+        ids = [t["id"] if isinstance(t, dict) else t.id for t in top]  # the client leaves these as dicts
+        assert len(ids) == 3 and ids[0] == token.id
+
+
+async def test_bodies_and_events_match_the_tgi_schema(served: Edge) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True, "decoder_input_details": True,
+                                                  "top_n_tokens": 2}}
+        generated = (await http.post("/generate", json=body)).json()
+        tgi_validate("GenerateResponse", generated)
+        assert generated["details"]["prompt_tokens"] == 5
+        compat = (await http.post("/", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})).json()
+        assert isinstance(compat, list) and len(compat) == 1
+        tgi_validate("GenerateResponse", compat[0])
+        info = (await http.get("/info")).json()
+        tgi_validate("Info", info)
+        assert info["model_id"] == MODEL and info["max_total_tokens"] == 2048
+    events = await sse_events(served.url + "/generate_stream",
+                              {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True}})
+    for _name, data in events:
+        tgi_validate("StreamResponse", data)
+    streamed = await sse_events(served.url + "/",
+                                {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}})
+    assert [d["token"] for _n, d in streamed] == [d["token"] for _n, d in events]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"inputs": PROMPT, "parameters": {"temperature": 0}}, 422, "temperature"),
+        ({"inputs": PROMPT, "parameters": {"top_p": 1.0}}, 422, "top_p"),
+        ({"inputs": PROMPT, "parameters": {"max_new_tokens": 0}}, 422, "max_new_tokens"),
+        ({"inputs": PROMPT, "parameters": {"stop": ["x"] * 1025}}, 422, "stop"),
+        ({"inputs": ""}, 422, "inputs"),
+        ({"inputs": "x" * (4 * 1024 * 1024 + 1)}, 422, "inputs"),
+        ({"inputs": PROMPT, "stream": True, "parameters": {"decoder_input_details": True}}, 400,
+         "decoder_input_details"),
+        ({"inputs": PROMPT, "parameters": {"adapter_id": "my-lora"}}, 400, "adapter"),
+        ({"inputs": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}, 400, "text only"),
+        ({"inputs": PROMPT, "parameters": {"watermark": True}}, 400, "watermark"),
+        ({"inputs": PROMPT, "parameters": {"typical_p": 0.5}}, 400, "typical_p"),
+    ],
+)
+async def test_errors_in_tgi_shape(served: Edge, body: dict[str, object], status: int, needle: str) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        reply = await http.post("/", json=body)
+    assert reply.status_code == status
+    error = reply.json()
+    tgi_validate("ErrorResponse", error)
+    assert error["error_type"] == "validation"
+    assert needle in error["error"]
+
+
+def test_adapter_none_means_the_base_model(hf: InferenceClient) -> None:
+    plain = hf.text_generation(PROMPT, max_new_tokens=4)
+    with_none = hf.text_generation(PROMPT, max_new_tokens=4, adapter_id="None")
+    assert plain == with_none
+
+
+def test_client_errors_reach_the_hf_client(hf: InferenceClient) -> None:
+    # huggingface_hub turns TGI's 422 {"error_type": "validation"} into its own ValidationError
+    with pytest.raises(ValidationError, match="max_new_tokens"):
+        hf.text_generation(PROMPT, max_new_tokens=0)
