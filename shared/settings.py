@@ -34,7 +34,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000
     """Port the edge listens on."""
     model: str = DEFAULT_MODEL_NAME
-    """Name the worker serves its model under (the `model` field of requests)."""
+    """Model name a worker serves (the requests' `model`); for an edge, the model of the TGI routes."""
     model_dir: str = ""
     """Hugging Face model folder the worker loads; empty means the bundled default model of its task."""
     task: str = "generate"
