@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-dev run test lint typecheck unit clean
+.PHONY: install run test bench lint typecheck unit clean
 
 install:
 	bash deploy/install.sh all
@@ -19,7 +19,10 @@ typecheck:
 test: install lint typecheck
 	$(BIN)/python -m pytest
 
-unit: 
+bench: install
+	$(BIN)/tokenbus bench all --out docs/benchmarks.md
+
+unit:
 	bash deploy/install.sh dev
 	$(BIN)/python -m pytest -m "not engine"
 

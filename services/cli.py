@@ -10,7 +10,8 @@ from shared import settings as settings_module
 
 EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level"]
-WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "max_model_len", "max_num_seqs", "kv_cache_gib",
+WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
+                   "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
@@ -26,11 +27,19 @@ def parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         settings_module.add_arguments(sub, names)
+    from services.bench.cli import add_arguments as bench_arguments
+
+    bench_arguments(commands.add_parser("bench", help="benchmarks: load any server, compare with vllm serve"))
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "bench":
+        from services.bench.cli import run as run_bench
+
+        logging.basicConfig(level="WARNING")
+        return run_bench(args)
     settings = settings_module.load(args)
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -14,6 +14,7 @@ ENV_PREFIX = "TOKENBUS_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 TASKS = ("generate", "embed")
+ENGINES = ("vllm", "sim")
 
 
 def cache_dir() -> Path:
@@ -43,6 +44,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Embedding model `tokenbus run` serves next to the chat model; empty serves none."""
     embedding_model_dir: str = ""
     """Folder of that embedding model; empty means the bundled all-MiniLM-L6-v2."""
+    engine: str = "vllm"
+    """vllm, or sim: a simulated engine with fixed timings, only for benchmarks and fault tests."""
+    sim_ttft_ms: float = 50.0
+    """The simulated engine's time to first token."""
+    sim_itl_ms: float = 20.0
+    """The simulated engine's time between tokens (one step of its batch)."""
     max_model_len: int = 2048
     """Context length the worker allows (prompt plus completion tokens)."""
     max_num_seqs: int = 32
@@ -124,4 +131,6 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     settings = Settings(**values)
     if settings.task not in TASKS:
         raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
+    if settings.engine not in ENGINES:
+        raise SystemExit(f"invalid setting engine={settings.engine!r}: choose one of {', '.join(ENGINES)}")
     return settings

@@ -12,9 +12,6 @@ from services.edge.sse import ClientGone, SSEWriter
 from shared import bus, metrics
 from shared.errors import EngineError, TokenbusError
 
-CLIENT_CHECK_S = 0.25
-"""How often a quiet request looks whether its client is still there."""
-
 
 async def respond(
     request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, route: str,
@@ -54,15 +51,14 @@ async def _render(renderer: Renderer, event: bus.Output) -> list[bytes]:
 
 async def _next(request: web.Request, events: JobEvents, idle_s: float | None = None) -> bus.Output | None:
     """The next event; None once the job's Final was seen, or after `idle_s` without one."""
-    waited = 0.0
+    idle_since = time.monotonic()
     while not events.finished:
         if SSEWriter.client_gone(request):
             raise ClientGone
-        event = await events.next(timeout_s=CLIENT_CHECK_S)
+        event = await events.next()
         if event is not None:
             return event
-        waited += CLIENT_CHECK_S
-        if idle_s is not None and waited >= idle_s:
+        if idle_s is not None and time.monotonic() - idle_since >= idle_s:
             return None
     return None
 
@@ -73,7 +69,10 @@ async def _stream(
 ) -> None:
     event: bus.Output | None = first
     while event is not None:
-        await sse.send(await _render(renderer, event))
+        frames = await _render(renderer, event)
+        for more in events.ready():  # whatever else has arrived goes out in the same write
+            frames += await _render(renderer, more)
+        await sse.send(frames)
         event = await _next(request, events, idle_s=keepalive_s)
         while event is None and not events.finished:
             await sse.keepalive()

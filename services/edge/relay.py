@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,37 +19,72 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import bus
-from shared.errors import RequestTimeout, from_kind
+from shared.errors import RequestTimeout, TokenbusError, from_kind
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
 READ_COUNT = 512
+TICK_S = 0.25
+"""How often a quiet request wakes to look at its deadline and its client."""
 STREAM_TTL_S = 120
 """An events stream outlives its edge by this much, then Redis drops it."""
 
 
 class JobEvents:
-    """The events of one job, in order; iterating ends after the Final event, an Error raises."""
+    """The events of one job, in order; iterating ends after the Final event, an Error raises.
+
+    Waiting costs one future per event: no timer per wait. The relay's ticker wakes every waiter a few
+    times a second instead, so that it can look at its deadline and its client.
+    """
 
     def __init__(self, job_id: str, deadline: float) -> None:
         self.job_id = job_id
         self.deadline = deadline
-        self.queue: asyncio.Queue[bus.Event] = asyncio.Queue()
+        self.buffer: deque[bus.Event] = deque()
+        self.waiter: asyncio.Future[None] | None = None
         self.finished = False
+        self.failure: TokenbusError | None = None
+        """An Error event met by `ready`, raised by the next `next` so that earlier events go out first."""
 
-    async def next(self, timeout_s: float | None = None) -> bus.Output | None:
-        """The next event; None when `timeout_s` passed first (the caller may send a keep-alive)."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise RequestTimeout("The request did not finish before its deadline.")
-        wait = remaining if timeout_s is None else min(timeout_s, remaining)
-        try:
-            event = await asyncio.wait_for(self.queue.get(), wait)
-        except TimeoutError:
+    def put(self, event: bus.Event) -> None:
+        self.buffer.append(event)
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self) -> bus.Output | None:
+        """The next event, or None when woken by a tick without one (the caller may send a keep-alive)."""
+        if self.failure is not None:
+            raise self.failure
+        if not self.buffer:
             if time.monotonic() >= self.deadline:
-                raise RequestTimeout("The request did not finish before its deadline.") from None
-            return None
+                raise RequestTimeout("The request did not finish before its deadline.")
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+            if not self.buffer:
+                return None
+        return self._take(self.buffer.popleft())
+
+    def ready(self) -> list[bus.Output]:
+        """Every event already here, without waiting (stops after a Final; an Error waits for `next`)."""
+        out: list[bus.Output] = []
+        while not self.finished and self.buffer:
+            try:
+                event = self._take(self.buffer.popleft())
+            except TokenbusError as exc:
+                self.failure = exc
+                break
+            if event is not None:
+                out.append(event)
+        return out
+
+    def _take(self, event: bus.Event) -> bus.Output | None:
         if isinstance(event, bus.Error):
             self.finished = True
             raise from_kind(event.kind, event.message, event.param, event.code)
@@ -80,7 +116,7 @@ class EventRelay:
         for event in bus.decode_events(payload):
             waiting = self.jobs.get(event.job)
             if waiting is not None:  # a job whose client left: nobody waits, drop it
-                waiting.queue.put_nowait(event)
+                waiting.put(event)
 
     async def run(self) -> None:
         """Reads until cancelled; Redis outages are retried with a short pause."""
@@ -97,6 +133,13 @@ class EventRelay:
                 for entry_id, fields in entries:
                     self.last_id = entry_id
                     self.dispatch(fields[bus.EVENTS_FIELD])
+
+    async def tick(self) -> None:
+        """Wakes every waiting request now and then, to check its deadline and its client."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            for events in list(self.jobs.values()):
+                events.wake()
 
     async def housekeep(self, interval_s: float = 5.0) -> None:
         """Trims what was read and keeps the stream alive while the edge lives."""
@@ -115,6 +158,7 @@ async def running(relay: EventRelay) -> AsyncIterator[None]:
     tasks = [
         asyncio.create_task(relay.run(), name="event-relay"),
         asyncio.create_task(relay.housekeep(), name="event-housekeeping"),
+        asyncio.create_task(relay.tick(), name="event-ticker"),
     ]
     try:
         yield

@@ -10,6 +10,7 @@ from prometheus_client import start_http_server
 
 from services.worker.engine import VllmEngine
 from services.worker.models import resolve_model_dir
+from services.worker.sim import SimEngine
 from services.worker.worker import Worker
 from shared.settings import Settings
 
@@ -19,15 +20,20 @@ log = logging.getLogger(__name__)
 def run_worker(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("the worker needs --redis-url (or TOKENBUS_REDIS_URL)")
-    model_dir = resolve_model_dir(settings.model_dir, settings.task)
+    engine: VllmEngine | SimEngine
+    if settings.engine == "sim":
+        log.warning("serving %s with the SIMULATED engine (benchmarks and fault tests only)", settings.model)
+        engine = SimEngine(settings)
+    else:
+        engine = VllmEngine(settings, resolve_model_dir(settings.model_dir, settings.task))
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
         log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    asyncio.run(_serve(settings, VllmEngine(settings, model_dir)))
+    asyncio.run(_serve(settings, engine))
 
 
-async def _serve(settings: Settings, engine: VllmEngine) -> None:
-    log.info("starting the engine on %s", engine.model_dir)
+async def _serve(settings: Settings, engine: VllmEngine | SimEngine) -> None:
+    log.info("starting the %s engine", settings.engine)
     engine.start()  # in the loop: vLLM's output handler binds to the running loop
     worker = Worker(settings, engine)
     stop = asyncio.Event()

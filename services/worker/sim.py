@@ -1,0 +1,94 @@
+"""A simulated engine, for benchmarking the edge and the bus and for fault tests: never for serving.
+
+It behaves like a continuously batching engine with fixed timings: each request waits `ttft` (its
+prefill), then joins the running batch, which produces one token for every running request per step of
+`itl`. Its text is a counting placeholder, not language.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shared import bus
+from shared.settings import Settings
+
+DEFAULT_MAX_TOKENS = 128
+WORD = " tok"
+
+
+@dataclass
+class _Sequence:
+    job: bus.Job
+    choice: int
+    left: int
+    queue: asyncio.Queue[bus.Tokens | None] = field(default_factory=asyncio.Queue)
+    produced: int = 0
+
+
+class SimEngine:
+    """Engine protocol over a timer instead of a model."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.ttft_s = settings.sim_ttft_ms / 1000
+        self.itl_s = settings.sim_itl_ms / 1000
+        self.max_model_len = settings.max_model_len
+        self.dimensions = 0
+        self.running: list[_Sequence] = []
+        self.aborted: set[str] = set()
+        self.stepper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Nothing to load."""
+
+    def shutdown(self) -> None:
+        if self.stepper is not None:
+            self.stepper.cancel()
+
+    async def _step(self) -> None:
+        """One token for every running sequence per step, like a batching engine."""
+        next_step = time.monotonic()
+        while self.running:
+            next_step += self.itl_s
+            await asyncio.sleep(max(0.0, next_step - time.monotonic()))
+            for seq in list(self.running):
+                aborted = seq.job.id in self.aborted
+                seq.left -= 1
+                seq.produced += 1
+                finish = "abort" if aborted else ("length" if seq.left <= 0 else None)
+                seq.queue.put_nowait(bus.Tokens(job=seq.job.id, text=WORD, token_ids=[seq.produced % 1000],
+                                                choice=seq.choice, finish_reason=finish))
+                if finish is not None:
+                    self.running.remove(seq)
+                    seq.queue.put_nowait(None)
+        self.stepper = None
+
+    async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
+        prompts = len(job.prompts) or 1
+        prompt_tokens = sum(len(p.split()) for p in job.prompts) or sum(len(m.content.split()) for m in job.messages)
+        await asyncio.sleep(self.ttft_s)  # prefill, which yields each sequence's first token
+        want = job.params.max_tokens or DEFAULT_MAX_TOKENS
+        sequences = [_Sequence(job=job, choice=c, left=want - 1, produced=1) for c in range(prompts * job.params.n)]
+        for seq in sequences:
+            finish = "length" if seq.left <= 0 else None
+            seq.queue.put_nowait(bus.Tokens(job=job.id, text=WORD, token_ids=[1], choice=seq.choice,
+                                            finish_reason=finish))
+            if finish:
+                seq.queue.put_nowait(None)
+        self.running.extend(seq for seq in sequences if seq.left > 0)
+        if self.stepper is None:
+            self.stepper = asyncio.create_task(self._step())
+        done = 0
+        try:
+            for seq in sequences:
+                while (event := await seq.queue.get()) is not None:
+                    yield event
+                done += seq.produced
+        finally:
+            self.aborted.discard(job.id)
+        yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=done)
+
+    async def abort(self, job_id: str) -> None:
+        self.aborted.add(job_id)

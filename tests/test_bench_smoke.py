@@ -1,0 +1,45 @@
+"""A short run of the harness against the simulated engine: the numbers it prints are sane."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from services.bench import edge_bench, load, report, systems
+from services.bench.workload import Distribution, requests
+
+SIM_TTFT_MS, SIM_ITL_MS = 40.0, 15.0
+
+
+@pytest.fixture(scope="module")
+def engine() -> systems.Engine:
+    return systems.Engine(model="sim-model", model_dir=Path("."))
+
+
+def test_load_against_the_simulator(engine: systems.Engine, tmp_path: Path) -> None:
+    with systems.tokenbus(engine, tmp_path / "sim.log", sim=(SIM_TTFT_MS, SIM_ITL_MS)) as running:
+        shape = load.Load(running.base_url, engine.model, "chat", concurrency=4)
+        result = asyncio.run(load.run(shape, requests(12, Distribution("fixed", 8), Distribution("fixed", 10), 1),
+                                      quiet=True))
+        completions = asyncio.run(load.run(load.Load(running.base_url, engine.model, "completions", concurrency=2),
+                                           requests(4, Distribution("fixed", 8), Distribution("fixed", 5), 2),
+                                           quiet=True))
+    assert result.failed == 0 and completions.failed == 0
+    assert result.output_throughput * result.duration_s == pytest.approx(12 * 10, rel=0.01)
+    # the simulator's own timings are a floor, and the hop adds little on top of them
+    assert SIM_TTFT_MS <= result.ttft_ms.p50 < SIM_TTFT_MS + 100
+    assert result.itl_ms.p50 == pytest.approx(SIM_ITL_MS, abs=10)
+    assert result.tpot_ms.p50 == pytest.approx(SIM_ITL_MS, abs=10)
+
+
+def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None:
+    many = edge_bench.many_streams(engine, tmp_path / "sim.log", streams=100, tokens=5, itl_ms=50.0)
+    assert many.completed == 100
+    assert 1 <= many.edge_redis_connections_max <= 5
+    out = tmp_path / "benchmarks.md"
+    report.write(report.Report(command="test", comparison={}, hop=None, throughput=None, many=many,
+                               vllm_bench=None), out)
+    text = out.read_text()
+    assert "100 concurrent streams" in text and f"{many.edge_redis_connections_max} Redis connections" in text

@@ -1,0 +1,51 @@
+"""How one request waits for its events: in order, errors after the events before them, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.edge.relay import JobEvents
+from shared import bus
+from shared.errors import ContextLengthExceeded, RequestTimeout
+
+TOKENS = [bus.Tokens(job="j", text=t, token_ids=[i]) for i, t in enumerate("abc")]
+
+
+async def test_events_come_in_order_and_end_with_final() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+    for event in [*TOKENS, bus.Final(job="j", prompt_tokens=1, completion_tokens=3)]:
+        events.put(event)
+    assert await events.next() == TOKENS[0]
+    rest = events.ready()
+    assert [type(e) for e in rest] == [bus.Tokens, bus.Tokens, bus.Final]
+    assert events.finished
+
+
+async def test_an_error_after_tokens_waits_until_they_are_out() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+    events.put(TOKENS[0])
+    events.put(bus.Error(job="j", kind="ContextLengthExceeded", message="long", param="messages"))
+    assert events.ready() == [TOKENS[0]]
+    with pytest.raises(ContextLengthExceeded):
+        await events.next()
+
+
+async def test_a_waiter_wakes_for_an_event_or_a_tick() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+    waiting = asyncio.create_task(events.next())
+    await asyncio.sleep(0)
+    events.wake()  # a tick: nothing arrived
+    assert await waiting is None
+    waiting = asyncio.create_task(events.next())
+    await asyncio.sleep(0)
+    events.put(TOKENS[1])
+    assert await waiting == TOKENS[1]
+
+
+async def test_a_passed_deadline_raises() -> None:
+    events = JobEvents("j", time.monotonic() - 1)
+    with pytest.raises(RequestTimeout):
+        await events.next()
