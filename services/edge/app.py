@@ -124,7 +124,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     edge_id = uuid.uuid4().hex[:12]
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
     commands = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_pool_size, timeout=5, client_name=name))
+        settings.redis_url, max_connections=settings.redis_pool_size, timeout=30, client_name=name))
     reader = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=1, timeout=5, client_name=name))
     relay = EventRelay(reader, commands, keys.events_stream(edge_id))

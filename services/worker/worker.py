@@ -53,9 +53,14 @@ class Worker:
         self.running: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()
         self.slot_freed = asyncio.Event()
-        self.redis = aioredis.from_url(settings.redis_url, client_name=f"tokenbus-worker-{self.id}")
+        # bounded: a burst of jobs waits for a connection instead of opening hundreds; the pull and the
+        # cancel subscription hold one each for good
+        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_pool_size + 2, timeout=30,
+            client_name=f"tokenbus-worker-{self.id}"))
         self.publisher = EventPublisher(self.redis)
         self.tasks: list[asyncio.Task[None]] = []
+        self.checks: set[asyncio.Task[list[bool]]] = set()
         self.puller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -117,22 +122,40 @@ class Worker:
                 await asyncio.sleep(0.5)
                 continue
             for _stream, entries in reply or ():
-                for entry_id, fields in entries:
-                    self._accept(entry_id, fields)
+                self._accept(entries)
 
-    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        try:
-            job = bus.decode_job(fields[bus.JOB_FIELD])
-        except (KeyError, ValueError) as exc:
-            log.error("dropping malformed job entry %s: %s", entry_id, type(exc).__name__)
-            self.publisher.ack_after(self.stream, keys.WORKER_GROUP, entry_id)
+    def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Starts a batch of jobs; one round trip tells which were cancelled while they waited."""
+        jobs: list[tuple[bytes, bus.Job]] = []
+        for entry_id, fields in entries:
+            try:
+                jobs.append((entry_id, bus.decode_job(fields[bus.JOB_FIELD])))
+            except (KeyError, ValueError) as exc:
+                log.error("dropping malformed job entry %s: %s", entry_id, type(exc).__name__)
+                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, entry_id)
+        if not jobs:
             return
-        self.running[job.id] = asyncio.create_task(self._run(job, entry_id), name=f"job-{job.id}")
+        # registered before the check, so that a cancel published meanwhile finds them
+        cancelled = asyncio.create_task(  # noqa: RUF006 - kept in self.checks until done
+            self._cancelled([job.id for _entry, job in jobs]), name="cancel-check")
+        self.checks.add(cancelled)
+        cancelled.add_done_callback(self.checks.discard)
+        for i, (entry_id, job) in enumerate(jobs):
+            self.running[job.id] = asyncio.create_task(self._run(job, entry_id, cancelled, i), name=f"job-{job.id}")
 
-    async def _run(self, job: bus.Job, entry_id: bytes) -> None:
+    async def _cancelled(self, job_ids: list[str]) -> list[bool]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(keys.cancelled(job_id))
+        return [bool(found) for found in await pipe.execute()]
+
+    async def _run(self, job: bus.Job, entry_id: bytes, cancelled: asyncio.Future[list[bool]], index: int) -> None:
         outcome = "finished"
         try:
-            outcome = await self._generate(job)
+            if (await cancelled)[index] or job.id in self.aborted:
+                outcome = "cancelled"  # its client left while it was queued: never start it
+            else:
+                outcome = await self._generate(job)
         except TokenbusError as exc:
             outcome = "rejected"
             self.publisher.publish(job.reply_to, error_event(job.id, exc))
@@ -151,8 +174,6 @@ class Worker:
         remaining_s = (job.deadline_ms - bus.now_ms()) / 1000
         if remaining_s <= 0:
             raise RequestTimeout("The request expired while it waited in the queue.")
-        if await self.redis.exists(keys.cancelled(job.id)) or job.id in self.aborted:
-            return "cancelled"  # its client left while it was queued: never start it
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         try:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Protocol, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from services.edge.sse import DONE, data_frame
 from shared import bus
 from shared.errors import InvalidRequest, TokenbusError
 
@@ -162,6 +163,19 @@ def openai_error(error: TokenbusError) -> bytes:
     """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
     detail = ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
     return msgspec.json.encode(ErrorBody(error=detail))
+
+
+class OpenAIStreamEnd:
+    """How OpenAI's Chat Completions and Completions streams end: `[DONE]`, after an error frame if any."""
+
+    async def settle(self) -> None:
+        return None
+
+    def done(self) -> list[bytes]:
+        return [DONE]
+
+    def error(self, error: TokenbusError) -> list[bytes]:
+        return [data_frame(openai_error(error)), DONE]
 
 
 def encode(value: Any) -> bytes:

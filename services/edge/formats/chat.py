@@ -8,34 +8,25 @@ from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats.base import (
     Choices,
+    OpenAIStreamEnd,
     Out,
     Request,
-    StopList,
-    StopString,
     Usage,
     encode,
     finish_reason,
-    openai_error,
     refuse,
-    stop_list,
     usage_of,
 )
 from services.edge.formats.common import (
-    N,
-    Penalty,
     PositiveInt,
-    RepetitionPenalty,
-    StreamOptions,
-    Temperature,
+    Sampling,
     TokenLogprobOut,
-    TopK,
-    TopP,
-    logit_bias,
+    sampling_params,
     token_logprobs_out,
 )
-from services.edge.sse import DONE, data_frame
+from services.edge.sse import data_frame
 from shared import bus
-from shared.errors import InvalidRequest, TokenbusError
+from shared.errors import InvalidRequest
 
 # request
 
@@ -55,26 +46,13 @@ class ResponseFormat(Request):
     type: str
 
 
-class ChatCompletionRequest(Request):
+class ChatCompletionRequest(Sampling, kw_only=True):
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    stop: StopString | StopList | None = None
-    seed: int | None = None
-    n: N = 1
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    logit_bias: dict[str, float] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """Accepted for every model; a model that does not reason has nothing to spend it on."""
     response_format: ResponseFormat | None = None
@@ -86,11 +64,6 @@ class ChatCompletionRequest(Request):
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
-    user: str | None = None
-    ignore_eos: bool = False
-    """vLLM's extension: keep generating past the end-of-sequence token."""
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    """vLLM's extension: the fewest tokens to generate before a stop can end the choice."""
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -127,28 +100,12 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
 def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     """Validates what the schema cannot express and builds the internal job."""
     _refuse_unsupported(req)
-    temperature = 1.0 if req.temperature is None else req.temperature
     messages = [
         bus.Message(role="system" if m.role == "developer" else m.role, content=_text_of(m, i))
         for i, m in enumerate(req.messages)
     ]
-    params = bus.SamplingParams(
-        max_tokens=req.max_completion_tokens or req.max_tokens,
-        temperature=temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        stop=stop_list(req.stop),
-        n=req.n,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        logit_bias=logit_bias(req.logit_bias),
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-    )
+    params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=messages, params=params, created_ms=bus.now_ms(),
@@ -206,7 +163,7 @@ class ChatCompletion(Out, kw_only=True):
     usage: Usage
 
 
-class ChatRenderer:
+class ChatRenderer(OpenAIStreamEnd):
     """Chat Completions as a state machine: per choice a role chunk, content chunks, a finish chunk;
     then the usage chunk when asked for."""
 
@@ -214,7 +171,7 @@ class ChatRenderer:
         self.id = response_id
         self.created = created
         self.model = req.model
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.include_usage = req.include_usage
         self.with_logprobs = bool(req.logprobs)
         self.choices = Choices(req.n)
         self.started = [False] * req.n
@@ -246,15 +203,6 @@ class ChatRenderer:
             reason = finish_reason(event.finish_reason)
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=reason)]))
         return out
-
-    async def settle(self) -> None:
-        return None
-
-    def done(self) -> list[bytes]:
-        return [DONE]
-
-    def error(self, error: TokenbusError) -> list[bytes]:
-        return [data_frame(openai_error(error)), DONE]
 
     def body(self) -> bytes:
         choices = [

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from services.edge.formats.base import Out, Request
+from services.edge.formats.base import Out, Request, StopList, StopString, stop_list
 from shared import bus
 from shared.errors import InvalidRequest
 
@@ -22,6 +22,57 @@ N = Annotated[int, Meta(ge=1, le=16)]
 
 class StreamOptions(Request):
     include_usage: bool = False
+
+
+class Sampling(Request):
+    """The sampling and streaming fields Chat Completions and Completions share (with vLLM's extras)."""
+
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    stop: StopString | StopList | None = None
+    seed: int | None = None
+    n: N = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past the end-of-sequence token."""
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    """vLLM's extension: the fewest tokens to generate before a stop can end the choice."""
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def sampling_params(
+    req: Sampling, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> bus.SamplingParams:
+    """The engine-neutral sampling of a request; absent fields take OpenAI's defaults."""
+    return bus.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=stop_list(req.stop),
+        n=req.n,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=logit_bias(req.logit_bias),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+    )
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

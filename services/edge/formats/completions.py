@@ -8,32 +8,21 @@ from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats.base import (
     Choices,
+    OpenAIStreamEnd,
     Out,
-    Request,
-    StopList,
-    StopString,
     Usage,
     encode,
     finish_reason,
-    openai_error,
     refuse,
-    stop_list,
     usage_of,
 )
 from services.edge.formats.common import (
-    N,
-    Penalty,
     PositiveInt,
-    RepetitionPenalty,
-    StreamOptions,
-    Temperature,
-    TopK,
-    TopP,
-    logit_bias,
+    Sampling,
+    sampling_params,
 )
-from services.edge.sse import DONE, data_frame
+from services.edge.sse import data_frame
 from shared import bus
-from shared.errors import TokenbusError
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""
@@ -41,22 +30,11 @@ DEFAULT_MAX_TOKENS = 16
 NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
-class CompletionRequest(Request):
+class CompletionRequest(Sampling, kw_only=True):
     model: str
     prompt: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=256)]
     max_tokens: PositiveInt | None = DEFAULT_MAX_TOKENS
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    stop: StopString | StopList | None = None
-    seed: int | None = None
-    n: N = 1
     best_of: Annotated[int, Meta(ge=1)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: dict[str, float] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -64,11 +42,6 @@ class CompletionRequest(Request):
     use_raw_prompt: bool | None = None
     """False: wrap each prompt in the model's chat template; True or absent: the prompt as it is."""
     error_behavior: Literal["error", "truncate"] = "error"
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 def prompts_of(req: CompletionRequest) -> list[str]:
@@ -78,24 +51,8 @@ def prompts_of(req: CompletionRequest) -> list[str]:
 def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     if req.best_of is not None and req.best_of != req.n:
         raise refuse("best_of", "only best_of equal to n is served")
-    params = bus.SamplingParams(
-        max_tokens=req.max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        stop=stop_list(req.stop),
-        n=req.n,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        logprobs=req.logprobs,
-        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-        logit_bias=logit_bias(req.logit_bias),
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-    )
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
         prompts=prompts_of(req), chat_template=req.use_raw_prompt is False,
@@ -153,7 +110,7 @@ class LogprobsBuilder:
         self.offset += len(token)
 
 
-class CompletionRenderer:
+class CompletionRenderer(OpenAIStreamEnd):
     """Completions as a state machine: text chunks per choice (echo first, suffix last), then usage."""
 
     def __init__(self, req: CompletionRequest, *, response_id: str, created: int) -> None:
@@ -165,7 +122,7 @@ class CompletionRenderer:
         self.echo = req.echo
         self.suffix = req.suffix or ""
         self.with_logprobs = req.logprobs is not None
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.include_usage = req.include_usage
         count = len(self.prompts) * req.n
         self.choices = Choices(count)
         self.echoes: dict[int, bus.Prompt] = {}
@@ -214,15 +171,6 @@ class CompletionRenderer:
         whole.token_logprobs += piece.token_logprobs
         whole.top_logprobs += piece.top_logprobs
         whole.text_offset += piece.text_offset
-
-    async def settle(self) -> None:
-        return None
-
-    def done(self) -> list[bytes]:
-        return [DONE]
-
-    def error(self, error: TokenbusError) -> list[bytes]:
-        return [data_frame(openai_error(error)), DONE]
 
     def body(self) -> bytes:
         choices = [
