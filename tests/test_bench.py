@@ -89,3 +89,10 @@ def test_summary_counts_failures_and_goodput() -> None:
     assert result.output_throughput == pytest.approx(5 / 2.0)
     assert result.goodput == pytest.approx(1 / 2.0)
     assert result.ttft_ms.p50 == pytest.approx((100 + 3000) / 2)
+
+
+def test_the_vllm_bench_summary_is_cut_out_of_its_noise() -> None:
+    from services.bench.compare import result_block
+
+    table = "============ Serving Benchmark Result ============\nSuccessful requests: 16\n" + "=" * 50
+    assert result_block("warming up\n" + table + "\n 6%|| 1/16 progress\nleaked type") == table

@@ -75,6 +75,13 @@ def vllm_bench_serve(engine: systems.Engine, log_dir: Path, prompts: int = 16) -
                 "--max-concurrency", "4", "--ignore-eos"]
         done = subprocess.run([sys.executable, "-m", "services.bench.vllm_bench", *args],
                               capture_output=True, text=True, timeout=600)
-    text = done.stdout + done.stderr
+    return done.returncode, result_block(done.stdout + done.stderr)
+
+
+def result_block(text: str) -> str:
+    """The summary table `vllm bench serve` prints, without the progress bars and warnings around it."""
     start = text.find("============ Serving Benchmark Result ============")
-    return done.returncode, text[start:] if start >= 0 else text[-3000:]
+    if start < 0:
+        return text[-3000:]
+    end = text.find("=" * 50, start + 50)
+    return text[start:] if end < 0 else text[start:end + 50]
