@@ -49,3 +49,13 @@ async def test_a_passed_deadline_raises() -> None:
     events = JobEvents("j", time.monotonic() - 1)
     with pytest.raises(RequestTimeout):
         await events.next()
+
+
+def test_a_bad_batch_is_skipped_and_the_next_one_delivered() -> None:
+    from services.edge.relay import EventRelay
+
+    relay = EventRelay(None, None, "s")  # dispatch needs no Redis
+    events = relay.register("j", time.monotonic() + 5)
+    relay.dispatch(b"not msgpack")
+    relay.dispatch(bus.encode_events([TOKENS[0]]))
+    assert events.ready() == [TOKENS[0]]

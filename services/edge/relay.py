@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -101,6 +102,7 @@ class EventRelay:
         """A connection of its own: it spends its life blocked in XREAD."""
         self.commands = commands
         self.stream = stream
+        self.connection: Any = None
         self.jobs: dict[str, JobEvents] = {}
         self.last_id = "0-0"
 
@@ -113,7 +115,12 @@ class EventRelay:
         self.jobs.pop(job_id, None)
 
     def dispatch(self, payload: bytes) -> None:
-        for event in bus.decode_events(payload):
+        try:
+            events = bus.decode_events(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.error("skipping an undecodable event batch on %s: %s", self.stream, exc)
+            return
+        for event in events:
             waiting = self.jobs.get(event.job)
             if waiting is not None:  # a job whose client left: nobody waits, drop it
                 waiting.put(event)
@@ -122,17 +129,38 @@ class EventRelay:
         """Reads until cancelled; Redis outages are retried with a short pause."""
         while True:
             try:
-                reply: Any = await self.reader.xread(
-                    {self.stream: self.last_id}, count=READ_COUNT, block=READ_BLOCK_MS
-                )
+                reply = await self._read()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("reading %s failed (%s); retrying", self.stream, type(exc).__name__)
+                await self._drop_connection()
                 await asyncio.sleep(0.5)
                 continue
-            for _stream, entries in reply or ():
+            except Exception:  # never die quietly: every waiting request would hang until its deadline
+                log.exception("reading %s failed", self.stream)
+                await self._drop_connection()
+                await asyncio.sleep(0.5)
+                continue
+            # RESP3 answers {stream: entries}, RESP2 [[stream, entries]]; entries are [id, [field, payload]]
+            for _stream, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
                 for entry_id, fields in entries:
                     self.last_id = entry_id
-                    self.dispatch(fields[bus.EVENTS_FIELD])
+                    self.dispatch(fields[1])
+
+    async def _read(self) -> Any:
+        """One XREAD on the reader's own connection, held for good: redis-py's per-call argument checks
+        and pool checkout cost a fifth of the edge's CPU in a profile."""
+        if self.connection is None:
+            self.connection = await self.reader.connection_pool.get_connection()
+        await self.connection.send_command(
+            "XREAD", "COUNT", READ_COUNT, "BLOCK", READ_BLOCK_MS, "STREAMS", self.stream, self.last_id
+        )
+        return await self.connection.read_response()
+
+    async def _drop_connection(self) -> None:
+        if self.connection is not None:
+            await self.connection.disconnect()
+            await self.reader.connection_pool.release(self.connection)
+            self.connection = None
 
     async def tick(self) -> None:
         """Wakes every waiting request now and then, to check its deadline and its client."""
