@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,41 +100,41 @@ def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     _stop(started.process)
 
 
+@contextmanager
+def running_worker(redis_url: str, redis_client: redis.Redis, log: Path, model: str, **settings: object
+                   ) -> Iterator[Worker]:
+    """A real worker process of `model`, yielded once its heartbeat shows; stopped on the way out."""
+    metrics_port = free_port()
+    process = _spawn("worker", _env(redis_url, metrics_port=metrics_port, model=model, **settings), log)
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    try:
+        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(model, "*"))):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {model} worker did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+    finally:
+        _stop(process)
+
+
 @pytest.fixture(scope="session")
 def worker(
     redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    """The real vLLM worker on the default model, started once and warmed up."""
-    metrics_port = free_port()
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
-    process = _spawn("worker", _env(redis_url, metrics_port=metrics_port, kv_cache_gib=2), log)
-    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-    try:
-        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(MODEL, "*"))):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the worker did not start: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
-    finally:
-        _stop(process)
+    """The real vLLM worker on the default model, started once."""
+    with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("worker") / "worker.log", MODEL,
+                        kv_cache_gib=2) as started:
+        yield started
 
 
 @pytest.fixture(scope="session")
-def embedder(redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+def embedder(
+    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
     """A real vLLM worker in pooling mode on all-MiniLM-L6-v2, started once."""
-    metrics_port = free_port()
-    log = tmp_path_factory.mktemp("embedder") / "worker.log"
-    process = _spawn("worker", _env(redis_url, metrics_port=metrics_port, kv_cache_gib=1, task="embed",
-                                    model=EMBEDDING_MODEL), log)
-    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-    try:
-        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(EMBEDDING_MODEL, "*"))):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the embedding worker did not start: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
-    finally:
-        _stop(process)
+    with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("embedder") / "worker.log",
+                        EMBEDDING_MODEL, kv_cache_gib=1, task="embed") as started:
+        yield started
 
 
 @pytest.fixture(scope="session")
