@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -69,6 +70,9 @@ def _edge_parts(engine: systems.Engine, log_dir: Path, quick: bool) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (from `timeout`, CI or Ctrl-C's cousin) unwinds like an exception, so every system the
+    # harness started is stopped by its context manager instead of being orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.bench_command == "load":
         shape = load.Load(args.base_url, args.model, args.api, args.concurrency, args.rate, args.slo_ttft_ms,
                           args.slo_tpot_ms)
