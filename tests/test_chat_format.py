@@ -154,6 +154,21 @@ def test_stream_transcript_with_usage() -> None:
     ]
 
 
+def test_content_chunks_escape_text_and_keep_their_choice() -> None:
+    req = decode(request(stream=True, n=2), chat.ChatCompletionRequest)
+    renderer = chat.ChatRenderer(req, response_id="c", created=1)
+    texts = ['say "hi"\n', "\\ caf\u00e9 \u2603 \x01", "</script>"]
+    contents = []
+    for i, text in enumerate(texts):
+        for frame in renderer.frames(bus.Tokens(job="j", text=text, token_ids=[i], choice=i % 2)):
+            chunk = payload_of(frame)
+            assert isinstance(chunk, dict)
+            if chunk["choices"][0]["delta"].get("content"):
+                contents.append(chunk["choices"])
+    assert contents == [[{"index": i % 2, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]
+                        for i, text in enumerate(texts)]
+
+
 def test_stream_without_usage_has_no_usage_field() -> None:
     req = decode(request(stream=True), chat.ChatCompletionRequest)
     frames = transcript(chat.ChatRenderer(req, response_id="c", created=1), EVENTS)

@@ -59,3 +59,41 @@ def test_a_bad_batch_is_skipped_and_the_next_one_delivered() -> None:
     relay.dispatch(b"not msgpack")
     relay.dispatch(bus.encode_events([TOKENS[0]]))
     assert events.ready() == [TOKENS[0]]
+
+
+async def test_a_sink_takes_events_only_while_the_request_waits_with_nothing_queued() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+    taken: list[bus.Event] = []
+
+    def sink(event: bus.Event) -> bool:
+        if isinstance(event, bus.Tokens):
+            taken.append(event)
+            return True
+        return False
+
+    events.sink = sink
+    events.put(TOKENS[0])  # nobody waits yet: the request is busy, so it queues
+    assert taken == [] and events.ready() == [TOKENS[0]]
+    waiting = asyncio.create_task(events.next())
+    await asyncio.sleep(0)
+    events.put(TOKENS[1])  # the request waits and nothing is queued: taken on the spot
+    final = bus.Final(job="j", prompt_tokens=1, completion_tokens=3)
+    events.put(final)  # declined: queued, and the request wakes for it
+    events.put(TOKENS[2])  # something is queued now: it queues behind, keeping the order
+    assert taken == [TOKENS[1]]
+    assert await waiting == final
+    assert events.finished
+
+
+async def test_a_sink_that_fails_is_dropped_and_its_event_queued() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+
+    def broken(event: bus.Event) -> bool:
+        raise RuntimeError("bug")
+
+    events.sink = broken
+    waiting = asyncio.create_task(events.next())
+    await asyncio.sleep(0)
+    events.put(TOKENS[0])
+    assert await waiting == TOKENS[0]
+    assert events.sink is None

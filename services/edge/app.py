@@ -125,8 +125,10 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
     commands = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_pool_size, timeout=30, client_name=name))
+    # no socket timeout: the relay bounds each read itself (see EventRelay._read)
     reader = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=1, timeout=5, client_name=name))
+        settings.redis_url, max_connections=1, timeout=5, client_name=name, socket_timeout=None,
+        socket_connect_timeout=5))
     relay = EventRelay(reader, commands, keys.events_stream(edge_id))
     app[REDIS] = commands
     app[GATEWAY] = Gateway(commands, relay)

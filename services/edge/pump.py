@@ -7,10 +7,38 @@ import time
 from aiohttp import web
 
 from services.edge.formats.base import Renderer
-from services.edge.relay import JobEvents
+from services.edge.relay import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter
 from shared import bus, metrics
 from shared.errors import EngineError, TokenbusError
+
+
+class _Delivery:
+    """Renders one job's events and counts the tokens that reached the client (once, at the end)."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.tokens = 0
+
+    async def render(self, event: bus.Output) -> list[bytes]:
+        frames = self.renderer.frames(event)
+        if isinstance(event, bus.Tokens):
+            self.tokens += len(event.token_ids)
+        elif isinstance(event, bus.Final):
+            await self.renderer.settle()
+        return frames
+
+    def sink(self, sse: SSEWriter) -> Sink:
+        """What the relay calls with each event while the request waits: token chunks go straight out."""
+
+        def take(event: bus.Event) -> bool:
+            if not isinstance(event, bus.Tokens) or not sse.writable():
+                return False
+            sse.write_now(self.renderer.frames(event))
+            self.tokens += len(event.token_ids)
+            return True
+
+        return take
 
 
 async def respond(
@@ -25,56 +53,54 @@ async def respond(
     if first is None:
         raise EngineError("The worker ended the job without a result.")
     metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - started)
-    if not stream:
-        event: bus.Output | None = first
-        while event is not None:
-            await _render(renderer, event)
-            event = await _next(request, events)
-        return web.Response(body=renderer.body(), content_type="application/json")
-    sse = await SSEWriter.open(request)
+    delivery = _Delivery(renderer)
     try:
-        await _stream(request, sse, events, renderer, first, keepalive_s)
-    except TokenbusError as exc:
-        await sse.send(renderer.error(exc))
-    await sse.close()
-    return sse.response
+        if not stream:
+            event: bus.Output | None = first
+            while event is not None:
+                await delivery.render(event)
+                event = await _next(request, events)
+            return web.Response(body=renderer.body(), content_type="application/json")
+        sse = await SSEWriter.open(request)
+        try:
+            await _stream(request, sse, events, delivery, first, keepalive_s)
+        except TokenbusError as exc:
+            await sse.send(renderer.error(exc))
+        await sse.close()
+        return sse.response
+    finally:
+        events.sink = None
+        metrics.STREAMED_TOKENS.inc(delivery.tokens)
 
 
-async def _render(renderer: Renderer, event: bus.Output) -> list[bytes]:
-    frames = renderer.frames(event)
-    if isinstance(event, bus.Tokens):
-        metrics.STREAMED_TOKENS.inc(len(event.token_ids))
-    elif isinstance(event, bus.Final):
-        await renderer.settle()
-    return frames
-
-
-async def _next(request: web.Request, events: JobEvents, idle_s: float | None = None) -> bus.Output | None:
-    """The next event; None once the job's Final was seen, or after `idle_s` without one."""
-    idle_since = time.monotonic()
+async def _next(
+    request: web.Request, events: JobEvents, sse: SSEWriter | None = None, keepalive_s: float = 0.0
+) -> bus.Output | None:
+    """The next event; None once the job's Final was seen, or when `sse` wrote nothing for `keepalive_s`."""
     while not events.finished:
         if SSEWriter.client_gone(request):
             raise ClientGone
         event = await events.next()
         if event is not None:
             return event
-        if idle_s is not None and time.monotonic() - idle_since >= idle_s:
+        if sse is not None and time.monotonic() - sse.last_write >= keepalive_s:
             return None
     return None
 
 
 async def _stream(
-    request: web.Request, sse: SSEWriter, events: JobEvents, renderer: Renderer, first: bus.Output,
+    request: web.Request, sse: SSEWriter, events: JobEvents, delivery: _Delivery, first: bus.Output,
     keepalive_s: float,
 ) -> None:
+    events.sink = delivery.sink(sse)
     event: bus.Output | None = first
     while event is not None:
-        frames = await _render(renderer, event)
+        frames = await delivery.render(event)
         for more in events.ready():  # whatever else has arrived goes out in the same write
-            frames += await _render(renderer, more)
+            frames += await delivery.render(more)
         await sse.send(frames)
-        event = await _next(request, events, idle_s=keepalive_s)
+        event = await _next(request, events, sse, keepalive_s)
         while event is None and not events.finished:
             await sse.keepalive()
-            event = await _next(request, events, idle_s=keepalive_s)
-    await sse.send(renderer.done())
+            event = await _next(request, events, sse, keepalive_s)
+    await sse.send(delivery.renderer.done())

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -26,10 +26,16 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
 READ_COUNT = 512
+READ_GRACE_S = 5.0
+"""How much longer than its BLOCK an XREAD may take before its connection counts as lost."""
 TICK_S = 0.25
 """How often a quiet request wakes to look at its deadline and its client."""
 STREAM_TTL_S = 120
 """An events stream outlives its edge by this much, then Redis drops it."""
+
+
+Sink = Callable[[bus.Event], bool]
+"""Takes an event on the spot (True), or leaves it to the waiting request (False)."""
 
 
 class JobEvents:
@@ -37,6 +43,11 @@ class JobEvents:
 
     Waiting costs one future per event: no timer per wait. The relay's ticker wakes every waiter a few
     times a second instead, so that it can look at its deadline and its client.
+
+    A streaming request installs a `sink` once its stream is open: while the request waits with nothing
+    queued, the relay hands each event to the sink, which writes token chunks straight to the client's
+    socket. That saves a task switch per token; whatever the sink declines (the end of the stream, errors,
+    tokens for a client that is behind) queues for the request as before, so order is kept.
     """
 
     def __init__(self, job_id: str, deadline: float) -> None:
@@ -44,11 +55,20 @@ class JobEvents:
         self.deadline = deadline
         self.buffer: deque[bus.Event] = deque()
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None
         self.finished = False
         self.failure: TokenbusError | None = None
         """An Error event met by `ready`, raised by the next `next` so that earlier events go out first."""
 
     def put(self, event: bus.Event) -> None:
+        # only while the request waits with nothing queued: everything before this event is written
+        if self.sink is not None and self.waiter is not None and not self.buffer:
+            try:
+                if self.sink(event):
+                    return
+            except Exception:  # a broken sink must not take the relay down: the request renders it instead
+                log.exception("writing an event of job %s directly failed", self.job_id)
+                self.sink = None
         self.buffer.append(event)
         self.wake()
 
@@ -148,13 +168,16 @@ class EventRelay:
 
     async def _read(self) -> Any:
         """One XREAD on the reader's own connection, held for good: redis-py's per-call argument checks
-        and pool checkout cost a fifth of the edge's CPU in a profile."""
+        and pool checkout cost a fifth of the edge's CPU in a profile. Its deadline is an asyncio.timeout
+        here, not the connection's socket timeout, which costs redis-py a task per command."""
         if self.connection is None:
             self.connection = await self.reader.connection_pool.get_connection()
-        await self.connection.send_command(
-            "XREAD", "COUNT", READ_COUNT, "BLOCK", READ_BLOCK_MS, "STREAMS", self.stream, self.last_id
-        )
-        return await self.connection.read_response()
+        async with asyncio.timeout(READ_BLOCK_MS / 1000 + READ_GRACE_S):
+            await self.connection.send_command(
+                "XREAD", "COUNT", READ_COUNT, "BLOCK", READ_BLOCK_MS, "STREAMS", self.stream, self.last_id,
+                check_health=False,
+            )
+            return await self.connection.read_response()
 
     async def _drop_connection(self) -> None:
         if self.connection is not None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
-    "Connection": "keep-alive",
     "X-Accel-Buffering": "no",  # tell nginx-like proxies not to buffer the stream
 }
 
@@ -23,6 +24,7 @@ def event_frame(name: str, payload: bytes) -> bytes:
 
 
 DONE = data_frame(b"[DONE]")
+KEEPALIVE = b": keep-alive\n\n"
 
 
 class ClientGone(Exception):
@@ -30,25 +32,50 @@ class ClientGone(Exception):
 
 
 class SSEWriter:
-    """Writes `data:` frames to one response; any failed write becomes ClientGone."""
+    """Writes whole frames to one response; any failed write becomes ClientGone.
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    Two ways to write: `send` awaits (it waits out a slow client), `write_now` does not and is only
+    allowed while `writable()`: the event relay uses it to put token chunks straight on the socket.
+    """
+
+    def __init__(self, response: web.StreamResponse, transport: asyncio.Transport | None) -> None:
         self.response = response
+        self.transport = transport if response.chunked else None
+        """Set when chunks may be framed and written here directly (HTTP/1.1 chunked encoding)."""
+        self.last_write = time.monotonic()
 
     @classmethod
     async def open(cls, request: web.Request, headers: dict[str, str] | None = None) -> SSEWriter:
         response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+        if request.version >= HttpVersion11:
+            response.enable_chunked_encoding()
+        else:
+            response.force_close()  # HTTP/1.0 has no chunks: the stream ends when the connection closes
         try:
-            await response.prepare(request)
+            await response.prepare(request)  # sends the headers now
         except ConnectionError as exc:
             raise ClientGone from exc
-        return cls(response)
+        return cls(response, request.transport)
+
+    def writable(self) -> bool:
+        """True when `write_now` can hand bytes to the kernel without queueing behind earlier ones."""
+        transport = self.transport
+        return transport is not None and not transport.is_closing() and not transport.get_write_buffer_size()
+
+    def write_now(self, frames: list[bytes]) -> None:
+        """Writes frames as one HTTP chunk without waiting; only call it while `writable()`."""
+        assert self.transport is not None
+        data = b"".join(frames)
+        if data:  # an empty chunk would end the response
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.last_write = time.monotonic()
 
     async def _write(self, data: bytes) -> None:
         try:
             await self.response.write(data)
         except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
             raise ClientGone from exc
+        self.last_write = time.monotonic()
 
     async def send(self, frames: list[bytes]) -> None:
         """Sends whole frames (made by `data_frame` / `event_frame`) in one write."""
@@ -56,7 +83,7 @@ class SSEWriter:
             await self._write(b"".join(frames))
 
     async def keepalive(self) -> None:
-        await self._write(b": keep-alive\n\n")
+        await self._write(KEEPALIVE)
 
     async def close(self) -> None:
         with contextlib.suppress(ConnectionError):

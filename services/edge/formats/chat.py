@@ -7,10 +7,12 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats.base import (
+    TEXT_MARK,
     Choices,
     OpenAIStreamEnd,
     Out,
     Request,
+    TextTemplate,
     Usage,
     encode,
     finish_reason,
@@ -175,6 +177,8 @@ class ChatRenderer(OpenAIStreamEnd):
         self.with_logprobs = bool(req.logprobs)
         self.choices = Choices(req.n)
         self.started = [False] * req.n
+        self.content: list[TextTemplate | None] = [None] * req.n
+        """Per choice, the frame of a plain content token (no logprobs, not the last)."""
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | UnsetType | None = UNSET) -> bytes:
         if usage is UNSET and self.include_usage:
@@ -195,7 +199,9 @@ class ChatRenderer(OpenAIStreamEnd):
         if not self.started[i]:
             self.started[i] = True
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]))
-        if event.text or event.logprobs:
+        if event.text and event.finish_reason is None and not self.with_logprobs:  # most tokens
+            out.append(self._content_template(i).fill(event.text))
+        elif event.text or event.logprobs:
             logprobs = ChoiceLogprobs(content=token_logprobs_out(event.logprobs or [])) \
                 if self.with_logprobs else None
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(content=event.text), logprobs=logprobs)]))
@@ -203,6 +209,13 @@ class ChatRenderer(OpenAIStreamEnd):
             reason = finish_reason(event.finish_reason)
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=reason)]))
         return out
+
+    def _content_template(self, i: int) -> TextTemplate:
+        template = self.content[i]
+        if template is None:
+            template = self.content[i] = TextTemplate(
+                self._chunk([ChunkChoice(index=i, delta=Delta(content=TEXT_MARK))]))
+        return template
 
     def body(self) -> bytes:
         choices = [
