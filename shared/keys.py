@@ -8,8 +8,9 @@ WORKER_GROUP = "workers"
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 """Pub/sub channel on which edges name jobs to abort; every worker listens."""
 
-WORKER_PATTERN = f"{PREFIX}:worker:*"
-"""Matches every worker heartbeat key."""
+WORKERS = f"{PREFIX}:workers"
+"""Sorted set of worker heartbeat keys, scored by when each last beat expires (unix seconds): edges read
+the live workers from it instead of scanning the keyspace."""
 
 
 def requests_stream(model: str) -> str:

@@ -14,7 +14,7 @@ import redis
 
 from services.supervisor import free_port
 from shared import keys
-from tests.conftest import MODEL, Worker, _env, _spawn, _stop, metric_value
+from tests.conftest import MODEL, Worker, _env, _spawn, _stop, metric_value, running_worker
 
 pytestmark = pytest.mark.engine
 
@@ -64,3 +64,28 @@ async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
         assert MODEL in [m.id async for m in client.models.list()]
     finally:
         _stop(second)
+
+
+async def test_an_edge_finds_a_new_model_at_once_and_forgets_it_when_its_worker_dies(
+    client: openai.AsyncOpenAI, redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A fault test: the simulated engine stands in for a worker that is killed; what is tested is how the
+    edge learns which models have live workers (a registry of heartbeats, no keyspace scans)."""
+    model = "fault-test-model"
+    log = tmp_path_factory.mktemp("sim-worker") / "worker.log"
+    with running_worker(redis_url, redis_client, log, model, engine="sim", heartbeat_ttl_s=2,
+                        heartbeat_interval_s=0.5) as sim:
+        # the edge started long before this worker: its first request must not wait for a refresh
+        reply = await client.completions.create(model=model, prompt="count", max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        assert model in [m.id async for m in client.models.list()]
+        assert any(name.startswith(f"tokenbus:worker:{model}:".encode())
+                   for name in redis_client.zrange(keys.WORKERS, 0, -1))
+        os.killpg(sim.process.pid, signal.SIGKILL)  # no goodbye: only its heartbeat's expiry tells
+        sim.process.wait(timeout=10)
+        killed = time.monotonic()
+        while model in [m.id async for m in client.models.list()]:
+            assert time.monotonic() - killed < 2 + 3, "the dead worker's model is still listed"
+            await asyncio.sleep(0.2)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model=model, prompt="count", max_tokens=3)

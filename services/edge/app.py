@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.edge import handlers, openapi
+from services.edge.directory import ModelDirectory
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
@@ -80,7 +81,7 @@ async def ready(request: web.Request) -> web.Response:
     """Ready when Redis answers and at least one worker is alive."""
     try:
         await request.app[REDIS].ping()
-        models = await request.app[GATEWAY].live_models()
+        models = await request.app[GATEWAY].directory.refresh()
     except RedisError as exc:
         return web.json_response({"status": "unavailable", "reason": f"redis: {exc}"}, status=503)
     if not models:
@@ -131,9 +132,10 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
         socket_connect_timeout=5))
     relay = EventRelay(reader, commands, keys.events_stream(edge_id))
     app[REDIS] = commands
-    app[GATEWAY] = Gateway(commands, relay)
+    directory = ModelDirectory(commands)
+    app[GATEWAY] = Gateway(commands, relay, directory)
     app[STORE] = ResponseStore(commands, settings.response_ttl_s)
-    async with running(relay):
+    async with running(relay), directory.running():
         log.info("edge %s reads its events from %s", edge_id, relay.stream)
         yield
     await reader.aclose()

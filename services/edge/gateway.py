@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.edge.directory import ModelDirectory
 from services.edge.relay import EventRelay, JobEvents
 from shared import bus, keys
 from shared.errors import InvalidRequest, ModelNotFound, Overloaded
 
 log = logging.getLogger(__name__)
 
-MODELS_CACHE_S = 1.0
 CANCEL_MARK_TTL_S = 3600
 
 
 class Gateway:
     """Submits jobs and yields their events; every call has a deadline."""
 
-    def __init__(self, redis: aioredis.Redis, relay: EventRelay) -> None:
+    def __init__(self, redis: aioredis.Redis, relay: EventRelay, directory: ModelDirectory) -> None:
         self.redis = redis
         self.relay = relay
-        self._models: dict[str, bus.WorkerInfo] = {}
-        self._models_at = 0.0
+        self.directory = directory
 
     @contextlib.asynccontextmanager
     async def submit(self, job: bus.Job, deadline: float) -> AsyncIterator[JobEvents]:
@@ -56,29 +54,15 @@ class Gateway:
         except RedisError as exc:
             log.warning("could not cancel job %s: %s", job_id, exc)
 
-    async def live_models(self) -> dict[str, bus.WorkerInfo]:
-        """Models with at least one live worker, and one worker's heartbeat for each (cached 1 s)."""
-        if time.monotonic() - self._models_at < MODELS_CACHE_S:
-            return self._models
-        found: dict[str, bus.WorkerInfo] = {}
-        names = [name async for name in self.redis.scan_iter(match=keys.WORKER_PATTERN, count=500)]
-        if names:
-            for raw in await self.redis.mget(names):
-                if isinstance(raw, bytes):
-                    info = bus.decode_info(raw)
-                    found.setdefault(info.model, info)
-        self._models, self._models_at = found, time.monotonic()
-        return found
-
     async def find_model(self, model: str) -> bus.WorkerInfo:
         """The heartbeat of a live worker of the model; a 404 if there is none."""
         try:
-            models = await self.live_models()
+            info = await self.directory.find(model)
         except RedisError as exc:
             raise Overloaded("The service cannot reach its queue; try again.") from exc
-        if model not in models:
+        if info is None:
             raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
-        return models[model]
+        return info
 
     async def require_model(self, model: str, task: str = "generate") -> bus.WorkerInfo:
         """Like find_model, and a 400 if the model serves another task."""

@@ -151,7 +151,7 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models = await request.app[GATEWAY].live_models()
+    models = request.app[GATEWAY].directory.models
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenbus", "task": info.task,
              "max_model_len": info.max_model_len} for name, info in sorted(models.items())]
     return web.Response(body=encode({"object": "list", "data": data}), content_type="application/json")

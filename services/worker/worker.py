@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -80,7 +81,11 @@ class Worker:
         self.puller.cancel()
         self.puller = None
         with contextlib.suppress(RedisError):
-            await self.redis.delete(keys.worker_heartbeat(self.model, self.id))
+            heartbeat = keys.worker_heartbeat(self.model, self.id)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(heartbeat)
+            pipe.zrem(keys.WORKERS, heartbeat)
+            await pipe.execute()
         if self.running:
             log.info("waiting up to %.0f s for %d running jobs", STOP_GRACE_S, len(self.running))
             _done, late = await asyncio.wait(list(self.running.values()), timeout=STOP_GRACE_S)
@@ -226,7 +231,10 @@ class Worker:
                 slots=self.settings.max_num_seqs, running=len(self.running),
             ))
             try:
-                await self.redis.set(key, info, px=ttl_ms)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(key, info, px=ttl_ms)
+                pipe.zadd(keys.WORKERS, {key: time.time() + self.settings.heartbeat_ttl_s})
+                await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)

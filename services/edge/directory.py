@@ -1,0 +1,73 @@
+"""Which models have a live worker, read from the workers' heartbeats in the background: a request looks
+it up without a round trip to Redis, and never scans the keyspace."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared import bus, keys
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 1.0
+PRUNE_AFTER_S = 300.0
+"""A worker missing from the registry this long after its heartbeat expired is dropped from it."""
+
+
+class ModelDirectory:
+    """The models of live workers, and one worker's heartbeat for each."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self.models: dict[str, bus.WorkerInfo] = {}
+        self._reading: asyncio.Task[dict[str, bus.WorkerInfo]] | None = None
+
+    async def refresh(self) -> dict[str, bus.WorkerInfo]:
+        """Reads every registered worker's heartbeat; callers that come meanwhile share the same read."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read(), name="model-directory-read")
+        self.models = await asyncio.shield(self._reading)
+        return self.models
+
+    async def find(self, model: str) -> bus.WorkerInfo | None:
+        """The model's heartbeat; one fresh read first when it is unknown (its worker may have just started)."""
+        if model not in self.models:
+            await self.refresh()
+        return self.models.get(model)
+
+    async def _read(self) -> dict[str, bus.WorkerInfo]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(keys.WORKERS, "-inf", time.time() - PRUNE_AFTER_S)
+        pipe.zrange(keys.WORKERS, 0, -1)
+        _pruned, names = await pipe.execute()
+        found: dict[str, bus.WorkerInfo] = {}
+        for raw in await self.redis.mget(names) if names else ():
+            if isinstance(raw, bytes):  # None: that heartbeat expired
+                info = bus.decode_info(raw)
+                found.setdefault(info.model, info)
+        return found
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (RedisError, OSError) as exc:
+                log.warning("reading the worker registry failed (%s); keeping the last answer", exc)
+            await asyncio.sleep(REFRESH_S)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Keeps the directory fresh for the lifetime of the block."""
+        task = asyncio.create_task(self._refresh_forever(), name="model-directory")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
