@@ -58,9 +58,12 @@ async def test_an_edge_keeps_a_fixed_number_of_redis_connections(
     assert 1 <= during <= 5  # the reader and at most the default pool of 4, for 24 streams at once
 
 
-def _job(reply_to: str, deadline_ms: int) -> bus.Job:
+def _job(reply_to: str, deadline_ms: int, *, queued_ms: int = 5000, max_tokens: int = 5) -> bus.Job:
+    """A job as an edge would enqueue it, `queued_ms` ago."""
     return bus.Job(id=f"test-{uuid.uuid4().hex}", model=MODEL, reply_to=reply_to, deadline_ms=deadline_ms,
-                   messages=[bus.Message(role="user", content="Hi")], params=bus.SamplingParams(max_tokens=5))
+                   messages=[bus.Message(role="user", content="Hi")],
+                   params=bus.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   created_ms=bus.now_ms() - queued_ms)
 
 
 def _events(redis_client: redis.Redis, stream: str, wait_s: float) -> list[bus.Event]:
@@ -94,6 +97,25 @@ def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, wo
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert _events(redis_client, reply_to, wait_s=0.5) == []
+
+
+def test_a_fresh_job_whose_cancel_the_channel_missed_is_aborted_at_once(
+    redis_client: redis.Redis, worker: Worker
+) -> None:
+    """Fresh jobs start without waiting for the cancel check (it is off the time-to-first-token path); a mark
+    the cancel channel did not deliver still stops the job before it runs far."""
+    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    job = _job(reply_to, deadline_ms=bus.now_ms() + 60_000, queued_ms=0, max_tokens=500)
+    aborted = {"outcome": "aborted"}
+    before = metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", aborted)
+    redis_client.set(keys.cancelled(job.id), 1, ex=60)  # marked, but never published on the channel
+    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+    deadline = time.monotonic() + 10
+    while metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", aborted) == before:
+        assert time.monotonic() < deadline, "the job was not aborted"
+        time.sleep(0.05)
+    published = _events(redis_client, reply_to, wait_s=0.5)  # nobody listens after an abort: no Final
+    assert sum(len(e.token_ids) for e in published if isinstance(e, bus.Tokens)) < 50
 
 
 def test_tokens_are_published_in_batches(redis_client: redis.Redis, worker: Worker, served: Edge) -> None:

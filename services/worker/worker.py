@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -21,9 +22,14 @@ from shared.errors import EngineError, RequestTimeout, TokenbusError, kind_of
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PULL_BLOCK_MS = 1000
 STOP_GRACE_S = 10.0
+CHECK_FIRST_AFTER_MS = 1000
+"""A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
+starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
+sent while it waits also reaches the worker on the cancel channel."""
 
 
 class Engine(Protocol):
@@ -61,7 +67,8 @@ class Worker:
             client_name=f"tokenbus-worker-{self.id}"))
         self.publisher = EventPublisher(self.redis)
         self.tasks: list[asyncio.Task[None]] = []
-        self.checks: set[asyncio.Task[list[bool]]] = set()
+        self.background: set[asyncio.Task[Any]] = set()
+        """Cancel checks and the aborts they lead to, kept referenced until they end."""
         self.puller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -141,12 +148,19 @@ class Worker:
         if not jobs:
             return
         # registered before the check, so that a cancel published meanwhile finds them
-        cancelled = asyncio.create_task(  # noqa: RUF006 - kept in self.checks until done
-            self._cancelled([job.id for _entry, job in jobs]), name="cancel-check")
-        self.checks.add(cancelled)
-        cancelled.add_done_callback(self.checks.discard)
+        cancelled = self._in_background(self._cancelled([job.id for _entry, job in jobs]))
         for i, (entry_id, job) in enumerate(jobs):
             self.running[job.id] = asyncio.create_task(self._run(job, entry_id, cancelled, i), name=f"job-{job.id}")
+
+    def _in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    def _abort_if_cancelled(self, job_id: str, index: int, check: asyncio.Future[list[bool]]) -> None:
+        if not check.cancelled() and check.exception() is None and check.result()[index]:
+            self._in_background(self.abort(job_id))
 
     async def _cancelled(self, job_ids: list[str]) -> list[bool]:
         pipe = self.redis.pipeline(transaction=False)
@@ -157,9 +171,11 @@ class Worker:
     async def _run(self, job: bus.Job, entry_id: bytes, cancelled: asyncio.Future[list[bool]], index: int) -> None:
         outcome = "finished"
         try:
-            if (await cancelled)[index] or job.id in self.aborted:
+            waited_long = bus.now_ms() - job.created_ms > CHECK_FIRST_AFTER_MS
+            if job.id in self.aborted or (waited_long and (await cancelled)[index]):
                 outcome = "cancelled"  # its client left while it was queued: never start it
             else:
+                cancelled.add_done_callback(functools.partial(self._abort_if_cancelled, job.id, index))
                 outcome = await self._generate(job)
         except TokenbusError as exc:
             outcome = "rejected"
