@@ -6,7 +6,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
@@ -20,7 +19,7 @@ from services.edge.relay import EventRelay, running
 from services.edge.sse import ClientGone
 from services.edge.state import GATEWAY, REDIS, SETTINGS, STORE
 from services.edge.store import ResponseStore
-from shared import keys, metrics
+from shared import keys, metrics, redis_clients
 from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, TokenbusError
 from shared.settings import Settings
 
@@ -124,12 +123,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     edge_id = uuid.uuid4().hex[:12]
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
-    commands = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_pool_size, timeout=30, client_name=name))
-    # no socket timeout: the relay bounds each read itself (see EventRelay._read)
-    reader = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=1, timeout=5, client_name=name, socket_timeout=None,
-        socket_connect_timeout=5))
+    commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size)
+    reader = redis_clients.dedicated(settings.redis_url, name)  # the relay bounds each read itself
     relay = EventRelay(reader, commands, keys.events_stream(edge_id))
     app[REDIS] = commands
     directory = ModelDirectory(commands)

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 STREAM_MAXLEN = 100_000
 """Bounds an events stream whose edge died without trimming it (it also expires)."""
 RETRY_PAUSE_S = 0.2
+WRITE_TIMEOUT_S = 5.0
 
 
 class EventPublisher:
@@ -71,9 +72,10 @@ class EventPublisher:
                 pipe.xack(stream, group, entry_id)
                 pipe.xdel(stream, entry_id)
             try:
-                await pipe.execute()
+                async with asyncio.timeout(WRITE_TIMEOUT_S):  # its connection has no socket timeout of its own
+                    await pipe.execute()
                 break
-            except RedisError as exc:  # keep the events: a short Redis outage must not lose them
+            except (RedisError, TimeoutError) as exc:  # keep the events: a short Redis outage must not lose them
                 log.warning("writing %d event batches failed (%s); retrying", len(pending), exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
         metrics.EVENT_FLUSHES.inc()

@@ -13,11 +13,10 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Protocol, TypeVar
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from services.worker.publisher import EventPublisher
-from shared import bus, keys, metrics
+from shared import bus, keys, metrics, redis_clients
 from shared.errors import EngineError, RequestTimeout, TokenbusError, kind_of
 from shared.settings import Settings
 
@@ -62,10 +61,9 @@ class Worker:
         self.slot_freed = asyncio.Event()
         # bounded: a burst of jobs waits for a connection instead of opening hundreds; the pull and the
         # cancel subscription hold one each for good
-        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=settings.redis_pool_size + 2, timeout=30,
-            client_name=f"tokenbus-worker-{self.id}"))
-        self.publisher = EventPublisher(self.redis)
+        name = f"tokenbus-worker-{self.id}"
+        self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 2)
+        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name))
         self.tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[Any]] = set()
         """Cancel checks and the aborts they lead to, kept referenced until they end."""
@@ -104,6 +102,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.redis.aclose()
+        await self.publisher.redis.aclose()
         log.info("worker %s stopped", self.id)
 
     async def _ensure_group(self) -> None:
@@ -135,6 +134,7 @@ class Worker:
                 continue
             for _stream, entries in reply or ():
                 self._accept(entries)
+            await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
     def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Starts a batch of jobs; one round trip tells which were cancelled while they waited."""
