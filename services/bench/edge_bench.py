@@ -20,7 +20,10 @@ class HopResult:
     sim_ttft_ms: float
     sim_itl_ms: float
     ttft_overhead_ms: Summary
+    """Over the requests after the first wave: `streams` in flight, arriving as others finish."""
     itl_overhead_ms: Summary
+    first_wave_ttft_overhead_ms: Summary
+    """Over the first `streams` requests, which all arrive in the same instant."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class EdgeThroughput:
     tokens_per_s: float
     edge_cpu_s: float
     edge_cpu_us_per_token: float
+    edge_kernel_share: float
+    """The part of the edge's CPU time spent in the kernel (socket writes, loopback TCP)."""
     client_cpu_bound: bool
 
 
@@ -59,13 +64,18 @@ def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: 
         work = requests(streams * 4, Distribution("fixed", 32), Distribution("uniform", tokens // 2, tokens * 3 // 2),
                         seed=1)
         asyncio.run(load.run(shape, work[:streams], system="warm-up", quiet=True))
-        result = asyncio.run(load.run(shape, work, system="tokenbus+sim"))
+        timings, _duration = asyncio.run(load.collect(shape, work, system="tokenbus+sim"))
+    ok = sorted((t for t in timings if t.ok), key=lambda t: t.start)
+    first_wave, steady = ok[:streams], ok[streams:]
     return HopResult(streams, ttft_ms, itl_ms,
-                     ttft_overhead_ms=_minus(result.ttft_ms, ttft_ms), itl_overhead_ms=_minus(result.itl_ms, itl_ms))
+                     ttft_overhead_ms=_overhead([t.ttft for t in steady], ttft_ms),
+                     itl_overhead_ms=_overhead([i for t in steady for i in t.itls], itl_ms),
+                     first_wave_ttft_overhead_ms=_overhead([t.ttft for t in first_wave], ttft_ms))
 
 
-def _minus(summary: Summary, base: float) -> Summary:
-    return Summary(summary.mean - base, summary.p50 - base, summary.p90 - base, summary.p99 - base)
+def _overhead(seconds: list[float], base_ms: float) -> Summary:
+    summary = Summary.of(seconds).scaled(1000)
+    return Summary(summary.mean - base_ms, summary.p50 - base_ms, summary.p90 - base_ms, summary.p99 - base_ms)
 
 
 def edge_throughput(engine: systems.Engine, log: Path, streams: int = 256, tokens: int = 256,
@@ -76,12 +86,15 @@ def edge_throughput(engine: systems.Engine, log: Path, streams: int = 256, token
         shape = load.Load(running.base_url, engine.model, concurrency=streams)
         work = requests(streams, Distribution("fixed", 16), Distribution("fixed", tokens), seed=2)
         asyncio.run(load.run(shape, work[:16], system="warm-up", quiet=True))
-        cpu_before, started = systems.cpu_seconds(edge_pid), time.process_time()
+        (user_before, kernel_before), started = systems.cpu_times(edge_pid), time.process_time()
         result = asyncio.run(load.run(shape, work, system="edge-throughput"))
-        edge_cpu = systems.cpu_seconds(edge_pid) - cpu_before
+        user, kernel = (after - before for after, before in zip(systems.cpu_times(edge_pid),
+                                                                 (user_before, kernel_before), strict=True))
         client_cpu = time.process_time() - started
     total = round(result.output_throughput * result.duration_s)
+    edge_cpu = user + kernel
     return EdgeThroughput(streams, total, result.output_throughput, edge_cpu, edge_cpu / max(total, 1) * 1e6,
+                          edge_kernel_share=kernel / edge_cpu if edge_cpu else 0.0,
                           client_cpu_bound=client_cpu > 0.8 * result.duration_s)
 
 

@@ -78,6 +78,13 @@ async def _progress(label: str, timings: list[Timing], total: int) -> None:
 async def run(load: Load, requests: list[Request], *, system: str = "server", seed: int = 0,
               quiet: bool = False) -> Result:
     """Sends every request (at most `concurrency` at once, arriving as a Poisson process) and summarizes."""
+    timings, duration = await collect(load, requests, system=system, seed=seed, quiet=quiet)
+    return summarize(system, load, timings, duration)
+
+
+async def collect(load: Load, requests: list[Request], *, system: str = "server", seed: int = 0,
+                  quiet: bool = False) -> tuple[list[Timing], float]:
+    """Like `run`, and gives each request's timing (in the order they finished) and the duration."""
     url = load.base_url.rstrip("/") + PATHS[load.api]
     gate = asyncio.Semaphore(load.concurrency)
     timings: list[Timing] = []
@@ -100,4 +107,4 @@ async def run(load: Load, requests: list[Request], *, system: str = "server", se
         duration = time.perf_counter() - started
         if reporter is not None:
             reporter.cancel()
-    return summarize(system, load, timings, duration)
+    return timings, duration

@@ -118,10 +118,11 @@ def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
         _stop(process)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far, from /proc."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and kernel CPU seconds of a process so far, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def rss_mib(pid: int) -> float:
