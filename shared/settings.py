@@ -69,7 +69,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_ttl_s: float = 6.0
     """How long a worker's heartbeat outlives it."""
     redis_pool_size: int = 4
-    """Redis connections an edge uses for commands (one more reads its events); a worker uses two more."""
+    """Redis connections an edge uses for commands (one more reads its events); a worker uses three more."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body the edge accepts."""
     keepalive_interval_s: float = 15.0
