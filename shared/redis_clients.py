@@ -11,7 +11,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 def pooled(url: str, name: str, size: int) -> aioredis.Redis:
     """A client over at most `size` connections; every command is bounded by redis-py's socket timeout."""
-    return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(  # closing the client closes the pool
         url, max_connections=size, timeout=CHECKOUT_TIMEOUT_S, client_name=name))
 
 
@@ -19,6 +19,6 @@ def dedicated(url: str, name: str) -> aioredis.Redis:
     """A client over one connection for a single hot loop, with no socket timeout: redis-py bounds each
     command's write with asyncio.wait_for, a task per command, which showed in the edge's profile. The loop
     bounds every call itself with asyncio.timeout instead."""
-    return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+    return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=1, timeout=CHECKOUT_TIMEOUT_S, client_name=name, socket_timeout=None,
         socket_connect_timeout=CONNECT_TIMEOUT_S))

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.edge.directory import ModelDirectory
+from services.edge.enqueue import JobQueue
 from services.edge.relay import EventRelay, JobEvents
 from shared import bus, keys
 from shared.errors import InvalidRequest, ModelNotFound, Overloaded
@@ -26,6 +27,7 @@ class Gateway:
         self.redis = redis
         self.relay = relay
         self.directory = directory
+        self.queue = JobQueue(redis)
 
     @contextlib.asynccontextmanager
     async def submit(self, job: bus.Job, deadline: float) -> AsyncIterator[JobEvents]:
@@ -33,7 +35,7 @@ class Gateway:
         events = self.relay.register(job.id, deadline)
         try:
             try:
-                await self.redis.xadd(keys.requests_stream(job.model), {bus.JOB_FIELD: bus.encode_job(job)})
+                await self.queue.put(keys.requests_stream(job.model), bus.encode_job(job))
             except RedisError as exc:
                 raise Overloaded("The request queue is unavailable; try again.") from exc
             try:

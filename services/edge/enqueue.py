@@ -1,0 +1,48 @@
+"""Puts jobs on their models' request streams: the jobs of every request that arrives in the same instant
+go out in one pipelined write, so a burst of requests costs the edge one round trip, not one each."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from shared import bus
+
+
+class JobQueue:
+    """`put` returns once the job is on its stream; it raises RedisError if it could not be written."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self.batch: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        self.writer: asyncio.Task[None] | None = None
+
+    async def put(self, stream: str, job: bytes) -> None:
+        written = asyncio.get_running_loop().create_future()
+        self.batch.append((stream, job, written))
+        if self.writer is None or self.writer.done():
+            # it runs once the requests that arrived with this one have queued their jobs too
+            self.writer = asyncio.create_task(self._write_batches(), name="job-queue")
+        await written
+
+    async def _write_batches(self) -> None:
+        while self.batch:
+            batch, self.batch = self.batch, []
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, job, _written in batch:
+                pipe.xadd(stream, {bus.JOB_FIELD: job})
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except (RedisError, OSError) as exc:
+                failure = exc if isinstance(exc, RedisError) else RedisConnectionError(str(exc))
+                results = [failure] * len(batch)
+            for (_stream, _job, written), result in zip(batch, results, strict=True):
+                if written.done():  # its request went away meanwhile (its job is cancelled on the way out)
+                    continue
+                if isinstance(result, Exception):
+                    written.set_exception(result)
+                else:
+                    written.set_result(None)
