@@ -54,6 +54,9 @@ class Timing:
         return [b - a for a, b in zip(self.content, self.content[1:], strict=False)]
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def body_for(api: str, model: str, request: Request) -> dict[str, Any]:
     common = {"model": model, "max_tokens": request.max_tokens, "stream": True, "ignore_eos": True,
               "temperature": 0.0, "stream_options": {"include_usage": True}}
@@ -84,7 +87,7 @@ def read_frame(api: str, data: bytes, timing: Timing, now: float) -> None:
 async def send(session: aiohttp.ClientSession, url: str, api: str, model: str, request: Request) -> Timing:
     timing = Timing(start=time.perf_counter())
     try:
-        async with session.post(url, json=body_for(api, model, request)) as response:
+        async with session.post(url, data=orjson.dumps(body_for(api, model, request)), headers=JSON) as response:
             if response.status != 200:
                 timing.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return timing
