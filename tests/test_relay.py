@@ -97,3 +97,23 @@ async def test_a_sink_that_fails_is_dropped_and_its_event_queued() -> None:
     events.put(TOKENS[0])
     assert await waiting == TOKENS[0]
     assert events.sink is None
+
+
+async def test_the_ticker_wakes_only_requests_with_something_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.edge import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "TICK_S", 0.01)
+    relay = relay_module.EventRelay(None, None, "s")  # ticking needs no Redis
+    flowing, gone, unwatched = (relay.register(name, time.monotonic() + 5) for name in ("flowing", "gone", "plain"))
+    flowing.watch = lambda: False  # its tokens go out directly: nothing to check
+    gone.watch = lambda: True  # e.g. its client left
+    waits = {events.job_id: asyncio.create_task(events.next()) for events in (flowing, gone, unwatched)}
+    ticker = asyncio.create_task(relay.tick())
+    try:
+        done, _pending = await asyncio.wait(waits.values(), timeout=0.2)
+        assert done == {waits["gone"], waits["plain"]}
+        assert not waits["flowing"].done()
+        flowing.deadline = time.monotonic()  # a passed deadline always wakes it
+        assert await asyncio.wait_for(waits["flowing"], 1) is None
+    finally:
+        ticker.cancel()

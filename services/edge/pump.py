@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from aiohttp import web
@@ -49,6 +50,7 @@ async def respond(
 
     A client that goes away raises ClientGone, which the caller turns into a cancel of the job.
     """
+    events.watch = functools.partial(SSEWriter.client_gone, request)
     first = await _next(request, events)
     if first is None:
         raise EngineError("The worker ended the job without a result.")
@@ -93,6 +95,7 @@ async def _stream(
     keepalive_s: float,
 ) -> None:
     events.sink = delivery.sink(sse)
+    events.watch = lambda: SSEWriter.client_gone(request) or time.monotonic() - sse.last_write >= keepalive_s
     event: bus.Output | None = first
     while event is not None:
         frames = await delivery.render(event)

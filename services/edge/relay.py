@@ -56,6 +56,9 @@ class JobEvents:
         self.buffer: deque[bus.Event] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Sink | None = None
+        self.watch: Callable[[], bool] | None = None
+        """Whether the waiting request has something to do without an event (its client left, a keep-alive is
+        due), for the ticker to wake only those; None: woken on every tick."""
         self.finished = False
         self.failure: TokenbusError | None = None
         """An Error event met by `ready`, raised by the next `next` so that earlier events go out first."""
@@ -186,11 +189,14 @@ class EventRelay:
             self.connection = None
 
     async def tick(self) -> None:
-        """Wakes every waiting request now and then, to check its deadline and its client."""
+        """Wakes the waiting requests that have something to do a few times a second: a passed deadline, a
+        client gone, a keep-alive due. A request whose tokens flow is left alone."""
         while True:
             await asyncio.sleep(TICK_S)
+            now = time.monotonic()
             for events in list(self.jobs.values()):
-                events.wake()
+                if events.waiter is not None and (now >= events.deadline or events.watch is None or events.watch()):
+                    events.wake()
 
     async def housekeep(self, interval_s: float = 5.0) -> None:
         """Trims what was read and keeps the stream alive while the edge lives."""
