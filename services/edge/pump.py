@@ -21,11 +21,14 @@ class _Delivery:
         self.renderer = renderer
         self.tokens = 0
 
-    async def render(self, event: bus.Output) -> list[bytes]:
-        frames = self.renderer.frames(event)
+    def frames(self, event: bus.Output) -> list[bytes]:
         if isinstance(event, bus.Tokens):
             self.tokens += len(event.token_ids)
-        elif isinstance(event, bus.Final):
+        return self.renderer.frames(event)
+
+    async def render(self, event: bus.Output) -> list[bytes]:
+        frames = self.frames(event)
+        if isinstance(event, bus.Final):
             await self.renderer.settle()
         return frames
 
@@ -35,8 +38,7 @@ class _Delivery:
         def take(event: bus.Event) -> bool:
             if not isinstance(event, bus.Tokens) or not sse.writable():
                 return False
-            sse.write_now(self.renderer.frames(event))
-            self.tokens += len(event.token_ids)
+            sse.write_now(self.frames(event))
             return True
 
         return take
@@ -85,7 +87,7 @@ async def _next(
         event = await events.next()
         if event is not None:
             return event
-        if sse is not None and time.monotonic() - sse.last_write >= keepalive_s:
+        if sse is not None and sse.quiet_for(keepalive_s):
             return None
     return None
 
@@ -95,7 +97,7 @@ async def _stream(
     keepalive_s: float,
 ) -> None:
     events.sink = delivery.sink(sse)
-    events.watch = lambda: SSEWriter.client_gone(request) or time.monotonic() - sse.last_write >= keepalive_s
+    events.watch = lambda: SSEWriter.client_gone(request) or sse.quiet_for(keepalive_s)
     event: bus.Output | None = first
     while event is not None:
         frames = await delivery.render(event)

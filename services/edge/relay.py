@@ -41,8 +41,8 @@ Sink = Callable[[bus.Event], bool]
 class JobEvents:
     """The events of one job, in order; iterating ends after the Final event, an Error raises.
 
-    Waiting costs one future per event: no timer per wait. The relay's ticker wakes every waiter a few
-    times a second instead, so that it can look at its deadline and its client.
+    Waiting costs one future per event: no timer per wait. The relay's ticker wakes a waiter a few times a
+    second instead when it has something to look at: its deadline, its client, a keep-alive (see `watch`).
 
     A streaming request installs a `sink` once its stream is open: while the request waits with nothing
     queued, the relay hands each event to the sink, which writes token chunks straight to the client's

@@ -70,6 +70,10 @@ class SSEWriter:
             self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             self.last_write = time.monotonic()
 
+    def quiet_for(self, seconds: float) -> bool:
+        """True when nothing was written for `seconds` (a keep-alive is due)."""
+        return time.monotonic() - self.last_write >= seconds
+
     async def _write(self, data: bytes) -> None:
         try:
             await self.response.write(data)
