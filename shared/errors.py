@@ -5,8 +5,8 @@
     │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
     │   ├── PayloadTooLarge        413 invalid_request_error / body_too_large
     │   └── MethodNotAllowed       405 invalid_request_error / method_not_allowed
-    ├── ModelNotFound              404 invalid_request_error / model_not_found
     ├── NotFound                   404 invalid_request_error / not_found
+    │   └── ModelNotFound          404 invalid_request_error / model_not_found
     ├── Overloaded                 503 overloaded_error
     ├── RequestTimeout             504 timeout_error
     └── EngineError                500 server_error
@@ -52,16 +52,14 @@ class MethodNotAllowed(InvalidRequest):
     code = "method_not_allowed"
 
 
-class ModelNotFound(TokenbusError):
-    status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
-
-
 class NotFound(TokenbusError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
 
 
 class Overloaded(TokenbusError):

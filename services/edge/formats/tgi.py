@@ -20,7 +20,6 @@ from shared.errors import (
     ContextLengthExceeded,
     EngineError,
     InvalidRequest,
-    ModelNotFound,
     NotFound,
     Overloaded,
     TokenbusError,
@@ -200,7 +199,7 @@ def error_status(error: TokenbusError) -> tuple[int, str]:
         return 422, "validation"
     if isinstance(error, Overloaded):
         return 429, "overloaded"
-    if isinstance(error, ModelNotFound | NotFound):
+    if isinstance(error, NotFound):
         return 404, "not_found"
     if isinstance(error, EngineError):
         return 424, "generation"
