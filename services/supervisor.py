@@ -19,7 +19,7 @@ import msgspec
 import redis
 
 from shared import keys
-from shared.settings import ENV_PREFIX, Settings
+from shared.settings import ENV_PREFIX, Settings, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -33,29 +33,53 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@contextmanager
-def private_redis(port: int | None = None) -> Iterator[str]:
-    """A redis-server of our own on a free loopback port, without persistence; yields its URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed: run `make install`, or set TOKENBUS_REDIS_URL")
-    port = port or free_port()
-    with tempfile.TemporaryDirectory(prefix="tokenbus-redis-") as workdir:
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", workdir, "--loglevel", "warning"],
+class RedisServer:
+    """A redis-server of our own on a loopback port, with an append-only file (fsync every second) in
+    `data_dir`, so that queued jobs and stored responses survive a restart; fault tests kill and restart it."""
+
+    def __init__(self, data_dir: str, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server is not installed: run `make install`, or set TOKENBUS_REDIS_URL")
+        self.binary = binary
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--appendfsync", "everysec", "--dir", self.data_dir, "--loglevel", "warning"],
             stdout=subprocess.DEVNULL,
         )
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            _wait_for_redis(url, proc)
-            yield url
-        finally:
-            proc.terminate()
+        _wait_for_redis(self.url, self.proc)
+        return self.url
+
+    def kill(self) -> None:
+        """SIGKILL, as when its machine dies: what the last second wrote may be lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                proc.wait(timeout=10)
+                self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                self.proc.kill()
+
+
+@contextmanager
+def private_redis(port: int | None = None, data_dir: str | None = None) -> Iterator[str]:
+    """A RedisServer on a free loopback port (in a temporary folder unless `data_dir`); yields its URL."""
+    with tempfile.TemporaryDirectory(prefix="tokenbus-redis-") as workdir:
+        server = RedisServer(data_dir or workdir, port)
+        try:
+            yield server.start()
+        finally:
+            server.stop()
 
 
 def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
@@ -151,8 +175,10 @@ def _redis_for(settings: Settings) -> Iterator[str]:
     if settings.redis_url:
         yield settings.redis_url
     else:
-        with private_redis() as url:
-            log.info("started a private redis-server at %s", url)
+        data_dir = cache_dir() / "redis"  # its append-only file keeps queued jobs and stored responses
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with private_redis(data_dir=str(data_dir)) as url:
+            log.info("started a private redis-server at %s (data in %s)", url, data_dir)
             yield url
 
 

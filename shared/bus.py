@@ -1,8 +1,13 @@
 """The internal job and event formats that cross Redis, independent of the public API formats.
 
-A job is what an edge asks a worker to do; events are what the worker sends back: `Tokens` deltas
-per choice, then exactly one `Final` or `Error`. Both are msgpack-encoded msgspec structs; new
-fields always get defaults so edges and workers of neighbouring versions understand each other.
+A job is what an edge asks a worker to do; events are what the worker sends back: `Started` (who owns
+the job now), `Tokens` deltas per choice, then exactly one `Final` or `Error`. Both are msgpack-encoded
+msgspec structs; new fields always get defaults so edges and workers of neighbouring versions understand
+each other.
+
+Every event has a position (`seq`) in its job's sequence and the `epoch` of the owner that wrote it: a job
+that moves to another worker continues at the next position under a higher epoch, so a reader keeps each
+position once and drops what a former owner writes late (see shared.sequence).
 """
 
 from __future__ import annotations
@@ -76,6 +81,29 @@ class Job(Base):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     created_ms: int = 0
     tenant: str = ""
+    handovers: int = 0
+    """How many times a draining worker handed this job on (0: as the edge enqueued it). A job with
+    handovers, or one reclaimed from a dead worker, continues from its event log."""
+    continuation: Continuation | None = None
+    """Set by the worker that takes the job over: what the client already has, for the engine to continue."""
+
+
+class Continuation(Base):
+    """What a former owner already generated for a job, read from its event log: the new owner continues
+    each unfinished choice after these tokens, and the usage counts them."""
+
+    token_ids: list[list[int]] = []
+    """Per choice, the tokens generated so far."""
+    finished: list[bool] = []
+    """Per choice, whether it has ended."""
+    prompted: list[int] = []
+    """Prompts whose Prompt event (echo logprobs) was already sent."""
+    embedded: list[int] = []
+    """Embedding inputs whose vectors were already sent."""
+
+    def carried(self) -> int:
+        """Completion tokens the former owners generated."""
+        return sum(map(len, self.token_ids))
 
 
 class TopLogprob(Base, array_like=True):
@@ -93,10 +121,25 @@ class TokenLogprob(Base, array_like=True):
     special: bool = False
 
 
-class Prompt(Base, tag="prompt"):
-    """The tokens of prompt `index` of a job, with their logprobs (for echo); sent before its tokens."""
+class Stamped(Base, kw_only=True):
+    """What every event carries: its job, its position in the job's sequence, its owner's epoch."""
 
     job: str
+    seq: int = 0
+    epoch: int = 0
+
+
+class Started(Stamped, tag="start", kw_only=True):
+    """A worker took the job: `epoch` counts its owners so far, `seq` is where this owner begins."""
+
+    worker: str
+    resumed: bool = False
+    """It continues what a former owner began (a migration)."""
+
+
+class Prompt(Stamped, tag="prompt", kw_only=True):
+    """The tokens of prompt `index` of a job, with their logprobs (for echo); sent before its tokens."""
+
     index: int
     token_ids: list[int]
     first_token: str = ""
@@ -105,10 +148,9 @@ class Prompt(Base, tag="prompt"):
     """Of the second token onwards."""
 
 
-class Tokens(Base, tag="tok"):
+class Tokens(Stamped, tag="tok", kw_only=True):
     """New tokens of one choice from one engine step; the last one of a choice has finish_reason."""
 
-    job: str
     text: str
     token_ids: list[int]
     choice: int = 0
@@ -119,28 +161,25 @@ class Tokens(Base, tag="tok"):
     """The stop string or token that ended the choice, when one did."""
 
 
-class Embedding(Base, tag="emb"):
+class Embedding(Stamped, tag="emb", kw_only=True):
     """The vector of input `index` of an embedding job."""
 
-    job: str
     index: int
     vector: list[float]
     prompt_tokens: int
 
 
-class Final(Base, tag="end"):
+class Final(Stamped, tag="end", kw_only=True):
     """The job is finished: the last event of a successful job."""
 
-    job: str
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
 
 
-class Error(Base, tag="err"):
+class Error(Stamped, tag="err", kw_only=True):
     """The job failed; `kind` names a class in shared.errors."""
 
-    job: str
     kind: str
     message: str
     param: str | None = None
@@ -149,7 +188,7 @@ class Error(Base, tag="err"):
 
 Output = Prompt | Tokens | Embedding | Final
 """What a job produces when it goes well."""
-Event = Prompt | Tokens | Embedding | Final | Error
+Event = Started | Prompt | Tokens | Embedding | Final | Error
 
 class WorkerInfo(Base):
     """A worker's heartbeat: what it serves and how much; it expires when the worker stops beating."""
@@ -162,6 +201,15 @@ class WorkerInfo(Base):
     slots: int = 1
     running: int = 0
     adapters: list[str] = []
+
+
+class Route(Base):
+    """Sent by an edge on keys.ROUTE_CHANNEL about a running job: its client resumed on the edge that reads
+    `reply_to`, or (no `reply_to`) its client left and the job may run until `keep_until_ms` for a resume."""
+
+    job: str
+    reply_to: str = ""
+    keep_until_ms: int = 0
 
 
 JOB_FIELD = b"j"
@@ -199,6 +247,18 @@ def encode_info(info: WorkerInfo) -> bytes:
 
 def decode_info(data: bytes) -> WorkerInfo:
     return _info_decoder.decode(data)
+
+
+_route_encoder = msgspec.msgpack.Encoder()
+_route_decoder = msgspec.msgpack.Decoder(Route)
+
+
+def encode_route(route: Route) -> bytes:
+    return _route_encoder.encode(route)
+
+
+def decode_route(data: bytes) -> Route:
+    return _route_decoder.decode(data)
 
 
 def now_ms() -> int:

@@ -8,6 +8,9 @@
     ├── NotFound                   404 invalid_request_error / not_found
     │   └── ModelNotFound          404 invalid_request_error / model_not_found
     ├── Overloaded                 503 overloaded_error
+    │   └── Unavailable            503 overloaded_error / redis_unavailable (the queue cannot be reached)
+    ├── WorkerLost                 503 server_error / worker_lost (its worker died, nobody could continue)
+    ├── StreamAbandoned            410 invalid_request_error / stream_abandoned (not resumed in time)
     ├── RequestTimeout             504 timeout_error
     └── EngineError                500 server_error
 
@@ -67,6 +70,22 @@ class Overloaded(TokenbusError):
     type = "overloaded_error"
 
 
+class Unavailable(Overloaded):
+    code = "redis_unavailable"
+
+
+class WorkerLost(TokenbusError):
+    status = 503
+    type = "server_error"
+    code = "worker_lost"
+
+
+class StreamAbandoned(TokenbusError):
+    status = 410
+    type = "invalid_request_error"
+    code = "stream_abandoned"
+
+
 class RequestTimeout(TokenbusError):
     status = 504
     type = "timeout_error"
@@ -80,7 +99,8 @@ class EngineError(TokenbusError):
 _BY_NAME: dict[str, type[TokenbusError]] = {
     cls.__name__: cls
     for cls in (TokenbusError, InvalidRequest, ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
-                ModelNotFound, NotFound, Overloaded, RequestTimeout, EngineError)
+                ModelNotFound, NotFound, Overloaded, Unavailable, WorkerLost, StreamAbandoned, RequestTimeout,
+                EngineError)
 }
 
 

@@ -36,3 +36,40 @@ def cancelled(job_id: str) -> str:
 def stored_response(response_id: str) -> str:
     """A finished Responses-API response and its conversation, for GET and previous_response_id."""
     return f"{PREFIX}:response:{response_id}"
+
+
+ROUTE_CHANNEL = f"{PREFIX}:route"
+"""Pub/sub channel on which an edge that resumes a stream tells the job's owner where to send events now,
+and an edge whose client left tells it how long to keep the job for a resume (see bus.Route)."""
+
+
+def edges_alive(reply_to: str) -> str:
+    """An edge's heartbeat, named after its events stream: workers abort (or keep for a resume) the jobs of
+    an edge whose heartbeat expired."""
+    return f"{reply_to}:alive"
+
+
+def job_log(job_id: str) -> str:
+    """Every event of one job, in order (a stream): what a resumed stream replays and what a worker that
+    takes the job over continues from. It expires a while after the job ends."""
+    return f"{PREFIX}:log:{{{job_id}}}"
+
+
+def job_record(job_id: str) -> str:
+    """How a streamed job was asked for (route, body, creation time), so that any edge can resume it."""
+    return f"{PREFIX}:stream:{{{job_id}}}"
+
+
+def job_owners(job_id: str) -> str:
+    """Hash of a job's hand-over counters: `epoch` (owners after the first) and `reclaims` (owners that died)."""
+    return f"{PREFIX}:owners:{{{job_id}}}"
+
+
+def job_reply_to(job_id: str) -> str:
+    """The events stream a resumed job now reports to, when an edge other than its first one took it."""
+    return f"{PREFIX}:replyto:{{{job_id}}}"
+
+
+def dead_letters(model: str) -> str:
+    """Jobs of a model taken off its queue after too many owners died running them, with the reason."""
+    return f"{PREFIX}:deadletter:{{{model}}}"

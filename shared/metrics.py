@@ -26,3 +26,13 @@ ENGINE_ABORTS = Counter("tokenbus_worker_engine_aborts", "Requests aborted in th
 GENERATED_TOKENS = Counter("tokenbus_worker_generated_tokens", "Tokens generated", ["model"])
 EVENT_FLUSHES = Counter("tokenbus_worker_event_flushes", "Pipelined writes of token events to Redis")
 EVENTS_PUBLISHED = Counter("tokenbus_worker_events_published", "Token events written to Redis")
+
+# faults
+MIGRATIONS = Counter("tokenbus_worker_migrations", "Jobs a worker took over from another, by how", ["model", "how"])
+"""how: reclaimed (its owner died) | handed_over (its owner drained)"""
+RECLAIMS = Counter("tokenbus_worker_reclaimed_entries", "Queue entries claimed from dead workers", ["model"])
+DEAD_LETTERS = Counter("tokenbus_worker_dead_letters", "Jobs moved to the dead-letter stream", ["model"])
+HANDOVERS = Counter("tokenbus_worker_handovers", "Jobs a draining worker handed to others", ["model"])
+RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Event-ID", ["route"])
+WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died")
+REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage")

@@ -6,13 +6,16 @@ import redis.asyncio as aioredis
 
 CHECKOUT_TIMEOUT_S = 30.0
 """How long a caller waits for a free connection of a full pool."""
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
+COMMAND_TIMEOUT_S = 10.0
+"""Longer than any blocking read made on a pooled connection (those block for a second)."""
 
 
 def pooled(url: str, name: str, size: int) -> aioredis.Redis:
     """A client over at most `size` connections; every command is bounded by redis-py's socket timeout."""
     return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(  # closing the client closes the pool
-        url, max_connections=size, timeout=CHECKOUT_TIMEOUT_S, client_name=name))
+        url, max_connections=size, timeout=CHECKOUT_TIMEOUT_S, client_name=name,
+        socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S))
 
 
 def dedicated(url: str, name: str) -> aioredis.Redis:

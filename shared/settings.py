@@ -78,6 +78,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Port of the worker's Prometheus endpoint; 0 means none."""
     log_level: str = "INFO"
     """Logging level of every process."""
+    resume_window_s: float = 10.0
+    """How long a job keeps running after its client (or its edge) went away, so that the client can resume
+    it on any edge with Last-Event-ID; 0 aborts it within a second of the disconnect."""
+    replay_ttl_s: float = 300.0
+    """How long a finished job's events stay replayable (its event log in Redis)."""
+    replay_max_events: int = 20000
+    """Most events one job's log keeps (Redis memory bound); a job that outgrows it cannot resume or migrate."""
+    max_reclaims: int = 3
+    """Owners that may die running one job before it goes to the dead-letter stream."""
+    worker_grace_s: float = 30.0
+    """On SIGTERM a worker finishes its running jobs for this long, then hands the rest to other workers."""
+    shutdown_grace_s: float = 120.0
+    """On SIGTERM an edge stops accepting and lets its streams finish for this long (covers long streams)."""
+    redis_down_after_s: float = 2.0
+    """How long Redis may stay unreachable before an edge fails the streams it is serving."""
+    read_timeout_s: float = 30.0
+    """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
 
 
 def _flag(name: str) -> str:

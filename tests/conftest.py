@@ -76,10 +76,10 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-def start_edge(redis_url: str, log_dir: Path, name: str = "edge") -> Edge:
+def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: object) -> Edge:
     port = free_port()
     log = log_dir / f"{name}.log"
-    process = _spawn("edge", _env(redis_url, port=port, keepalive_interval_s=1), log)
+    process = _spawn("edge", _env(redis_url, **{"port": port, "keepalive_interval_s": 1, **settings}), log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -7,17 +7,18 @@ import time
 
 import pytest
 
-from services.edge.relay import JobEvents
+from services.edge.jobevents import JobEvents
 from shared import bus
-from shared.errors import ContextLengthExceeded, RequestTimeout
+from shared.errors import ContextLengthExceeded, RequestTimeout, WorkerLost
 
-TOKENS = [bus.Tokens(job="j", text=t, token_ids=[i]) for i, t in enumerate("abc")]
+TOKENS = [bus.Tokens(job="j", text=t, token_ids=[i], seq=i) for i, t in enumerate("abc")]
+FINAL = bus.Final(job="j", prompt_tokens=1, completion_tokens=3, seq=3)
 
 
 async def test_events_come_in_order_and_end_with_final() -> None:
     events = JobEvents("j", time.monotonic() + 5)
-    for event in [*TOKENS, bus.Final(job="j", prompt_tokens=1, completion_tokens=3)]:
-        events.put(event)
+    for event in [*TOKENS, FINAL]:
+        events.offer(event)
     assert await events.next() == TOKENS[0]
     rest = events.ready()
     assert [type(e) for e in rest] == [bus.Tokens, bus.Tokens, bus.Final]
@@ -26,8 +27,8 @@ async def test_events_come_in_order_and_end_with_final() -> None:
 
 async def test_an_error_after_tokens_waits_until_they_are_out() -> None:
     events = JobEvents("j", time.monotonic() + 5)
-    events.put(TOKENS[0])
-    events.put(bus.Error(job="j", kind="ContextLengthExceeded", message="long", param="messages"))
+    events.offer(TOKENS[0])
+    events.offer(bus.Error(job="j", kind="ContextLengthExceeded", message="long", param="messages", seq=1))
     assert events.ready() == [TOKENS[0]]
     with pytest.raises(ContextLengthExceeded):
         await events.next()
@@ -41,8 +42,8 @@ async def test_a_waiter_wakes_for_an_event_or_a_tick() -> None:
     assert await waiting is None
     waiting = asyncio.create_task(events.next())
     await asyncio.sleep(0)
-    events.put(TOKENS[1])
-    assert await waiting == TOKENS[1]
+    events.offer(TOKENS[0])
+    assert await waiting == TOKENS[0]
 
 
 async def test_a_passed_deadline_raises() -> None:
@@ -72,16 +73,17 @@ async def test_a_sink_takes_events_only_while_the_request_waits_with_nothing_que
         return False
 
     events.sink = sink
-    events.put(TOKENS[0])  # nobody waits yet: the request is busy, so it queues
+    events.offer(TOKENS[0])  # nobody waits yet: the request is busy, so it queues
     assert taken == [] and events.ready() == [TOKENS[0]]
     waiting = asyncio.create_task(events.next())
     await asyncio.sleep(0)
-    events.put(TOKENS[1])  # the request waits and nothing is queued: taken on the spot
-    final = bus.Final(job="j", prompt_tokens=1, completion_tokens=3)
-    events.put(final)  # declined: queued, and the request wakes for it
-    events.put(TOKENS[2])  # something is queued now: it queues behind, keeping the order
+    events.offer(TOKENS[1])  # the request waits and nothing is queued: taken on the spot
+    prompt = bus.Prompt(job="j", index=0, token_ids=[1], seq=2)
+    events.offer(prompt)  # declined: queued, and the request wakes for it
+    events.offer(FINAL)  # something is queued now: it queues behind, keeping the order
     assert taken == [TOKENS[1]]
-    assert await waiting == final
+    assert await waiting == prompt
+    assert events.ready() == [FINAL]
     assert events.finished
 
 
@@ -94,7 +96,7 @@ async def test_a_sink_that_fails_is_dropped_and_its_event_queued() -> None:
     events.sink = broken
     waiting = asyncio.create_task(events.next())
     await asyncio.sleep(0)
-    events.put(TOKENS[0])
+    events.offer(TOKENS[0])
     assert await waiting == TOKENS[0]
     assert events.sink is None
 
@@ -117,3 +119,42 @@ async def test_the_ticker_wakes_only_requests_with_something_to_do(monkeypatch: 
         assert await asyncio.wait_for(waits["flowing"], 1) is None
     finally:
         ticker.cancel()
+
+
+def _owned(epoch: int, start: int, *texts: str, worker: str = "w") -> list[bus.Event]:
+    """A Started at `start` under `epoch`, then one token event per text."""
+    started: list[bus.Event] = [bus.Started(job="j", worker=worker, seq=start, epoch=epoch)]
+    return started + [bus.Tokens(job="j", text=t, token_ids=[i], seq=start + 1 + i, epoch=epoch)
+                      for i, t in enumerate(texts)]
+
+
+async def test_a_job_taken_over_continues_without_repeats_and_drops_the_old_owner() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+    first, second = _owned(1, 0, "a", "b", "c"), _owned(2, 3, "c2", "d", worker="w2")
+    for event in [*first[:3], *first[1:3], *second, first[3]]:  # repeats, then a late event of the old owner
+        events.offer(event)
+    assert [e.text for e in events.ready() if isinstance(e, bus.Tokens)] == ["a", "b", "c2", "d"]
+    assert events.owner == "w2"
+
+
+async def test_a_gap_is_filled_from_the_log_before_later_events() -> None:
+    log = _owned(1, 0, "a", "b", "c", "d")
+
+    async def read_log(job_id: str) -> list[bus.Event]:
+        return log
+
+    events = JobEvents("j", time.monotonic() + 5, read_log)
+    events.offer(log[0])
+    events.offer(log[1])
+    events.offer(log[4])  # "d": "b" and "c" never reached this edge
+    assert [e.text for e in [await events.next()] + events.ready() if isinstance(e, bus.Tokens)] == ["a"]
+    assert [e.text for e in [await events.next()] + events.ready() if isinstance(e, bus.Tokens)] == ["b", "c", "d"]
+
+
+async def test_a_new_owner_that_starts_behind_what_was_delivered_ends_the_stream() -> None:
+    events = JobEvents("j", time.monotonic() + 5)
+    for event in [*_owned(1, 0, "a", "b", "c"), *_owned(2, 2, "x")]:
+        events.offer(event)
+    assert [e.text for e in events.ready() if isinstance(e, bus.Tokens)] == ["a", "b", "c"]
+    with pytest.raises(WorkerLost):
+        await events.next()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,12 +16,12 @@ from services.edge.directory import ModelDirectory
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
-from services.edge.relay import EventRelay, running
+from services.edge.relay import EventRelay, Timing, running
 from services.edge.sse import ClientGone
-from services.edge.state import GATEWAY, REDIS, SETTINGS, STORE
+from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS, STORE
 from services.edge.store import ResponseStore
 from shared import keys, metrics, redis_clients
-from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, TokenbusError
+from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, TokenbusError, Unavailable
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,14 +30,23 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 TGI_ROUTES = frozenset({"/", "/generate", "/generate_stream", "/info"})
+WITHOUT_REDIS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "unmatched"})
+"""Routes that answer during a Redis outage; every other one is refused at once with a 503."""
 """Routes that answer errors in TGI's shape and with TGI's status codes."""
+
+
+RETRY_AFTER_S = 1
+"""What a 503 or 429 tells a client to wait before trying again."""
 
 
 def _error_response(route: str, error: TokenbusError) -> web.Response:
     if route in TGI_ROUTES:
         status, _type = tgi.error_status(error)
-        return web.Response(status=status, body=tgi.tgi_error(error), content_type="application/json")
-    return web.Response(status=error.status, body=openai_error(error), content_type="application/json")
+        body = tgi.tgi_error(error)
+    else:
+        status, body = error.status, openai_error(error)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> TokenbusError:
@@ -56,7 +66,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     route = resource.canonical if resource else "unmatched"
     response: web.StreamResponse
     try:
+        if route not in WITHOUT_REDIS:
+            request.app[GATEWAY].check_redis()
         response = await handler(request)
+    except (RedisError, OSError) as exc:  # the one place Redis failures become an API error
+        log.warning("redis failed on %s: %s", route, type(exc).__name__)
+        response = _error_response(route, Unavailable("The service cannot reach its queue; try again shortly."))
     except TokenbusError as exc:
         response = _error_response(route, exc)
     except web.HTTPException as exc:
@@ -77,12 +92,16 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers and at least one worker is alive."""
+    """Ready when Redis answers, at least one worker is alive, and the edge is not draining."""
+    if request.app[DRAINING].is_set():
+        return web.json_response({"status": "draining"}, status=503)
+    if request.app[GATEWAY].relay.redis_down():
+        return web.json_response({"status": "unavailable", "reason": "redis unreachable"}, status=503)
     try:
         await request.app[REDIS].ping()
         models = await request.app[GATEWAY].directory.refresh()
-    except RedisError as exc:
-        return web.json_response({"status": "unavailable", "reason": f"redis: {exc}"}, status=503)
+    except (RedisError, OSError) as exc:
+        return web.json_response({"status": "unavailable", "reason": f"redis: {type(exc).__name__}"}, status=503)
     if not models:
         return web.json_response({"status": "unavailable", "reason": "no live worker"}, status=503)
     return web.json_response({"status": "ready", "models": sorted(models)})
@@ -97,6 +116,7 @@ async def prometheus(request: web.Request) -> web.Response:
 def create_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
+    app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_bus)
     for prefix in ("/v1", "/v3"):  # /v3: OpenVINO Model Server's paths for the same API
         app.router.add_post(f"{prefix}/chat/completions", handlers.chat_completions)
@@ -106,6 +126,7 @@ def create_app(settings: Settings) -> web.Application:
         app.router.add_delete(f"{prefix}/responses/{{response_id}}", handlers.delete_response)
         app.router.add_post(f"{prefix}/embeddings", handlers.create_embeddings)
         app.router.add_get(f"{prefix}/models", handlers.list_models)
+        app.router.add_get(f"{prefix}/streams/{{stream_id}}", handlers.resume_stream)
     app.router.add_post("/serving-endpoints/{name}/invocations", handlers.invocations)
     app.router.add_post("/generate", handlers.generate)
     app.router.add_post("/generate_stream", handlers.generate_stream)
@@ -125,10 +146,12 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
     commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size)
     reader = redis_clients.dedicated(settings.redis_url, name)  # the relay bounds each read itself
-    relay = EventRelay(reader, commands, keys.events_stream(edge_id))
-    app[REDIS] = commands
     directory = ModelDirectory(commands)
-    app[GATEWAY] = Gateway(commands, relay, directory)
+    timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
+                    redis_down_after_s=settings.redis_down_after_s)
+    relay = EventRelay(reader, commands, keys.events_stream(edge_id), timing, directory.alive)
+    app[REDIS] = commands
+    app[GATEWAY] = Gateway(commands, relay, directory, settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings.response_ttl_s)
     async with running(relay), directory.running():
         log.info("edge %s reads its events from %s", edge_id, relay.stream)

@@ -27,6 +27,9 @@ class ModelDirectory:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self.models: dict[str, bus.WorkerInfo] = {}
+        self.workers: set[str] = set()
+        """Ids of the workers whose heartbeat was alive at the last read."""
+        self.loaded = False
         self._reading: asyncio.Task[dict[str, bus.WorkerInfo]] | None = None
 
     async def refresh(self) -> dict[str, bus.WorkerInfo]:
@@ -35,6 +38,10 @@ class ModelDirectory:
             self._reading = asyncio.create_task(self._read(), name="model-directory-read")
         self.models = await asyncio.shield(self._reading)
         return self.models
+
+    def alive(self, worker_id: str) -> bool:
+        """Whether the worker's heartbeat was alive at the last read (or no read has succeeded yet)."""
+        return not self.loaded or worker_id in self.workers
 
     async def find(self, model: str) -> bus.WorkerInfo | None:
         """The model's heartbeat; one fresh read first when it is unknown (its worker may have just started)."""
@@ -48,10 +55,13 @@ class ModelDirectory:
         pipe.zrange(keys.WORKERS, 0, -1)
         _pruned, names = await pipe.execute()
         found: dict[str, bus.WorkerInfo] = {}
+        workers: set[str] = set()
         for raw in await self.redis.mget(names) if names else ():
             if isinstance(raw, bytes):  # None: that heartbeat expired
                 info = bus.decode_info(raw)
                 found.setdefault(info.model, info)
+                workers.add(info.worker)
+        self.workers, self.loaded = workers, True
         return found
 
     async def _refresh_forever(self) -> None:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.edge.directory import ModelDirectory
-from services.edge.enqueue import JobQueue
-from services.edge.relay import EventRelay, JobEvents
+from services.edge.enqueue import JobQueue, Record
+from services.edge.jobevents import JobEvents
+from services.edge.relay import EventRelay
+from services.edge.sse import ClientGone
 from shared import bus, keys
-from shared.errors import InvalidRequest, ModelNotFound, Overloaded
+from shared.errors import InvalidRequest, ModelNotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -23,28 +27,82 @@ CANCEL_MARK_TTL_S = 3600
 class Gateway:
     """Submits jobs and yields their events; every call has a deadline."""
 
-    def __init__(self, redis: aioredis.Redis, relay: EventRelay, directory: ModelDirectory) -> None:
+    def __init__(self, redis: aioredis.Redis, relay: EventRelay, directory: ModelDirectory,
+                 resume_window_s: float = 0.0) -> None:
         self.redis = redis
         self.relay = relay
         self.directory = directory
         self.queue = JobQueue(redis)
+        self.resume_window_s = resume_window_s
+
+    def check_redis(self) -> None:
+        """Refuses at once while Redis is known to be unreachable, instead of waiting on a connect."""
+        if self.relay.redis_down():
+            raise Unavailable("The service cannot reach its queue; try again shortly.")
 
     @contextlib.asynccontextmanager
-    async def submit(self, job: bus.Job, deadline: float) -> AsyncIterator[JobEvents]:
-        """Enqueues the job; the block reads its events. Leaving early cancels the job."""
+    async def submit(self, job: bus.Job, deadline: float, record: Record | None = None) -> AsyncIterator[JobEvents]:
+        """Enqueues the job (with its resume record, if any); the block reads its events. Leaving early
+        cancels the job, or keeps it for a resume when its client went away after it started."""
+        self.check_redis()
         events = self.relay.register(job.id, deadline)
         try:
             try:
-                await self.queue.put(keys.requests_stream(job.model), bus.encode_job(job))
+                await self.queue.put(keys.requests_stream(job.model), bus.encode_job(job), record)
             except RedisError as exc:
-                raise Overloaded("The request queue is unavailable; try again.") from exc
-            try:
+                raise Unavailable("The request queue is unavailable; try again shortly.") from exc
+            async with self._leaving(events):
                 yield events
-            finally:
-                if not events.finished:
-                    await self.cancel(job.id)
         finally:
             self.relay.unregister(job.id)
+
+    @contextlib.asynccontextmanager
+    async def follow(self, job_id: str, deadline: float) -> AsyncIterator[JobEvents]:
+        """Reads a job another edge began (a resumed stream): its owner sends the events here from now on,
+        and everything before comes from the job's log."""
+        self.check_redis()
+        events = self.relay.register(job_id, deadline)
+        events.gap_at = 0
+        try:
+            route = bus.Route(job=job_id, reply_to=self.relay.stream)
+            ttl_ms = max(1000, int((deadline - time.monotonic()) * 1000))
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(keys.job_reply_to(job_id), self.relay.stream, px=ttl_ms)
+                pipe.publish(keys.ROUTE_CHANNEL, bus.encode_route(route))
+                await pipe.execute()
+            except RedisError as exc:
+                raise Unavailable("The service cannot reach its queue; try again shortly.") from exc
+            async with self._leaving(events):
+                yield events
+        finally:
+            self.relay.unregister(job_id)
+
+    @contextlib.asynccontextmanager
+    async def _leaving(self, events: JobEvents) -> AsyncIterator[None]:
+        try:
+            yield
+        except (ClientGone, asyncio.CancelledError):
+            if not events.finished or events.failing:
+                await self._let_go(events, client_left=True)
+            raise
+        except BaseException:
+            if not events.finished or events.failing:
+                await self._let_go(events, client_left=False)
+            raise
+        else:
+            if not events.finished or events.failing:  # an error found at the edge: the job must stop too
+                await self._let_go(events, client_left=False)
+
+    async def _let_go(self, events: JobEvents, client_left: bool) -> None:
+        """A job whose client left after it started runs on for the resume window; any other is cancelled."""
+        if client_left and events.owner and self.resume_window_s > 0:
+            keep_until = bus.now_ms() + int(self.resume_window_s * 1000)
+            with contextlib.suppress(RedisError):
+                await self.redis.publish(keys.ROUTE_CHANNEL,
+                                         bus.encode_route(bus.Route(job=events.job_id, keep_until_ms=keep_until)))
+            return
+        await self.cancel(events.job_id)
 
     async def cancel(self, job_id: str) -> None:
         """Marks the job cancelled (for a worker yet to pick it up) and tells running workers."""
@@ -61,7 +119,7 @@ class Gateway:
         try:
             info = await self.directory.find(model)
         except RedisError as exc:
-            raise Overloaded("The service cannot reach its queue; try again.") from exc
+            raise Unavailable("The service cannot reach its queue; try again shortly.") from exc
         if info is None:
             raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
         return info

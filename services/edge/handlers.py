@@ -1,134 +1,129 @@
-"""The generation routes: each decodes its format, builds a job and lets the pump answer."""
+"""The routes: generation (a plan from services.edge.plans, answered by the pump), resumed streams, stored
+responses, models and TGI's info."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import dataclass
-from typing import TypeVar
 
 import msgspec
 import orjson
 from aiohttp import web
 
 from services.edge import pump
-from services.edge.formats import chat, completions, embeddings, responses, tgi
-from services.edge.formats.base import Renderer, decode, encode, unknown_fields
-from services.edge.state import GATEWAY, SETTINGS, STORE
-from shared import bus, metrics
-from shared.errors import InvalidRequest, NotFound
-
-T = TypeVar("T", bound=msgspec.Struct)
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """What every generation request gets on arrival: its id, its deadline, where its events go."""
-
-    job_id: str
-    started: float
-    deadline_ms: int
-    reply_to: str
+from services.edge.formats import responses, tgi
+from services.edge.formats.base import decode, encode
+from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
+from services.edge.server import read_body
+from services.edge.state import GATEWAY, REDIS, SETTINGS, STORE
+from shared import bus, keys, metrics
+from shared.errors import InvalidRequest, NotFound, StreamAbandoned
 
 
-def _decode(body: bytes, kind: type[T], route: str) -> T:
-    parsed = decode(body, kind)
-    if ignored := unknown_fields(body, kind):
-        metrics.UNKNOWN_FIELDS.labels(route).inc(len(ignored))
-    return parsed
-
-
-def _arrive(request: web.Request, prefix: str) -> Arrival:
-    timeout_s = request.app[SETTINGS].request_timeout_s
-    return Arrival(job_id=f"{prefix}{uuid.uuid4().hex}", started=time.monotonic(),
-                   deadline_ms=bus.now_ms() + int(timeout_s * 1000),
-                   reply_to=request.app[GATEWAY].relay.stream)
-
-
-async def _generate(
-    request: web.Request, arrival: Arrival, job: bus.Job, renderer: Renderer, *, stream: bool, route: str
-) -> web.StreamResponse:
+async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.StreamResponse:
     settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
+    arrival = plan.arrival
     deadline = arrival.started + settings.request_timeout_s
+    record = None
+    if plan.stream:  # kept so that any edge can resume the stream
+        ttl_ms = int((settings.request_timeout_s + settings.replay_ttl_s) * 1000)
+        record = (keys.job_record(arrival.job_id), _records.encode(plan.record(body)), ttl_ms)
     metrics.IN_FLIGHT.inc()
     try:
-        async with gateway.submit(job, deadline) as events:
-            return await pump.respond(request, events, renderer, stream=stream, route=route,
+        async with gateway.submit(plan.job, deadline, record) as events:
+            return await pump.respond(request, events, plan.renderer, stream=plan.stream, route=plan.route,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started)
     finally:
         metrics.IN_FLIGHT.dec()
-        metrics.REQUEST_DURATION.labels(route).observe(time.monotonic() - arrival.started)
+        metrics.REQUEST_DURATION.labels(plan.route).observe(time.monotonic() - arrival.started)
+
+
+async def _planned(request: web.Request, planner: str, body: bytes | None = None) -> web.StreamResponse:
+    """Serves a generation request, or resumes its stream when it carries a Last-Event-ID."""
+    if (last := request.headers.get("Last-Event-ID")) is not None:
+        job_id, after = parse_event_id(last)
+        return await resume(request, job_id, after)
+    body = await read_body(request) if body is None else body
+    return await _generate(request, await PLANNERS[planner](request, body, None), body)
+
+
+# Resumed streams
+
+
+_records = msgspec.msgpack.Encoder()
+_record_decoder = msgspec.msgpack.Decoder(StreamRecord)
+
+
+def parse_event_id(value: str) -> tuple[str, int]:
+    """A Last-Event-ID as tokenbus writes them: `{stream id}:{frame number}`."""
+    job_id, _, number = value.strip().rpartition(":")
+    if not job_id or not number.isdigit():
+        raise InvalidRequest("Last-Event-ID must be an id this service sent: `{stream id}:{number}`.",
+                             param="Last-Event-ID", code="invalid_event_id")
+    return job_id, int(number)
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    """GET /v1/streams/{id}: the stream from the frame after Last-Event-ID (all of it without one)."""
+    job_id = request.match_info["stream_id"]
+    last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
+    after = -1
+    if last:
+        named, after = parse_event_id(last)
+        if named != job_id:
+            raise InvalidRequest("Last-Event-ID belongs to another stream.", param="Last-Event-ID",
+                                 code="invalid_event_id")
+    return await resume(request, job_id, after)
+
+
+async def resume(request: web.Request, job_id: str, after: int) -> web.StreamResponse:
+    """Renders a stream again from its job's log on this edge, sends what follows frame `after`, then the
+    rest live: the job's owner sends its events here from now on."""
+    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
+    gateway.check_redis()
+    pipe = request.app[REDIS].pipeline(transaction=False)
+    pipe.get(keys.job_record(job_id))
+    pipe.exists(keys.cancelled(job_id))
+    raw, cancelled = await pipe.execute()
+    if raw is None:
+        raise NotFound(f"No stream with id '{job_id}' can be resumed (unknown, or it ended too long ago).",
+                       param="stream_id", code="stream_not_found")
+    record = _record_decoder.decode(raw)
+    arrival = Arrival(job_id=job_id, started=time.monotonic(), deadline_ms=record.deadline_ms,
+                      reply_to=gateway.relay.stream, created=record.created, seed=record.seed)
+    plan = await PLANNERS[record.plan](request, record.body, arrival)
+    deadline = arrival.started + (record.deadline_ms - bus.now_ms()) / 1000
+    metrics.RESUMES.labels(plan.route).inc()
+    metrics.IN_FLIGHT.inc()
+    try:
+        async with gateway.follow(job_id, deadline) as events:
+            if cancelled:  # a job cancelled before it ran never ends by itself
+                await events.fill()
+                if not any(isinstance(e, bus.Final | bus.Error) for e in events.buffer):
+                    events.fail(StreamAbandoned("The stream was cancelled before it finished."))
+            return await pump.respond(request, events, plan.renderer, stream=True, route=plan.route,
+                                      keepalive_s=settings.keepalive_interval_s, started=arrival.started,
+                                      after=after)
+    finally:
+        metrics.IN_FLIGHT.dec()
 
 
 # OpenAI
 
 
-async def _chat(request: web.Request, body: bytes) -> web.StreamResponse:
-    req = _decode(body, chat.ChatCompletionRequest, "chat")
-    await request.app[GATEWAY].require_model(req.model)
-    arrival = _arrive(request, "chatcmpl-")
-    job = chat.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    renderer = chat.ChatRenderer(req, response_id=arrival.job_id, created=int(time.time()))
-    return await _generate(request, arrival, job, renderer, stream=req.stream, route="chat")
-
-
-async def _completions(request: web.Request, body: bytes, raw_prompt_default: bool = True) -> web.StreamResponse:
-    req = _decode(body, completions.CompletionRequest, "completions")
-    if req.use_raw_prompt is None and not raw_prompt_default:
-        req.use_raw_prompt = False
-    await request.app[GATEWAY].require_model(req.model)
-    arrival = _arrive(request, "cmpl-")
-    job = completions.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to,
-                             deadline_ms=arrival.deadline_ms)
-    renderer = completions.CompletionRenderer(req, response_id=arrival.job_id, created=int(time.time()))
-    return await _generate(request, arrival, job, renderer, stream=req.stream, route="completions")
-
-
-async def _responses(request: web.Request, body: bytes) -> web.StreamResponse:
-    req = _decode(body, responses.ResponsesRequest, "responses")
-    responses.refuse_unsupported(req)
-    await request.app[GATEWAY].require_model(req.model)
-    store = request.app[STORE]
-    history: list[bus.Message] = []
-    if req.previous_response_id:
-        previous = await store.load(req.previous_response_id)
-        if previous is None:
-            raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
-                           param="previous_response_id")
-        history = previous.history
-    history = history + responses.input_messages(req)
-    arrival = _arrive(request, "resp_")
-    job = responses.to_job(req, history, job_id=arrival.job_id, reply_to=arrival.reply_to,
-                           deadline_ms=arrival.deadline_ms)
-    renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=int(time.time()),
-                                           history=history, store=store)
-    return await _generate(request, arrival, job, renderer, stream=req.stream, route="responses")
-
-
-async def _embeddings(request: web.Request, body: bytes) -> web.StreamResponse:
-    req = _decode(body, embeddings.EmbeddingRequest, "embeddings")
-    info = await request.app[GATEWAY].require_model(req.model, task="embed")
-    embeddings.check_dimensions(req, info.dimensions)
-    arrival = _arrive(request, "embd-")
-    job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    return await _generate(request, arrival, job, embeddings.EmbeddingRenderer(req), stream=False,
-                           route="embeddings")
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _chat(request, await request.read())
+    return await _planned(request, "chat")
 
 
 async def text_completions(request: web.Request) -> web.StreamResponse:
-    return await _completions(request, await request.read())
+    return await _planned(request, "completions")
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    return await _responses(request, await request.read())
+    return await _planned(request, "responses")
 
 
 async def create_embeddings(request: web.Request) -> web.StreamResponse:
-    return await _embeddings(request, await request.read())
+    return await _planned(request, "embeddings")
 
 
 def _not_found(response_id: str) -> NotFound:
@@ -163,16 +158,16 @@ async def list_models(request: web.Request) -> web.Response:
 async def invocations(request: web.Request) -> web.StreamResponse:
     """Databricks' serving endpoint: the path names the model, the body's fields decide the task."""
     name = request.match_info["name"]
-    body = await request.read()
+    body = await read_body(request)
     fields = decode(body, dict[str, msgspec.Raw])
     info = await request.app[GATEWAY].find_model(name)
     body = orjson.dumps({**{k: orjson.Fragment(bytes(v)) for k, v in fields.items()}, "model": name})
     if "messages" in fields:
-        return await _chat(request, body)
+        return await _planned(request, "chat", body)
     if "prompt" in fields:
-        return await _completions(request, body, raw_prompt_default=False)
+        return await _planned(request, "completions_templated", body)
     if "input" in fields:
-        return await (_embeddings if info.task == "embed" else _responses)(request, body)
+        return await _planned(request, "embeddings" if info.task == "embed" else "responses", body)
     raise InvalidRequest("The body needs `messages` (chat), `prompt` (completions) or `input` "
                          "(embeddings, or responses for a generation model).", param="messages")
 
@@ -180,31 +175,17 @@ async def invocations(request: web.Request) -> web.StreamResponse:
 # TGI / MindIE
 
 
-async def _tgi(request: web.Request, stream: bool | None, array_body: bool = False) -> web.StreamResponse:
-    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
-    req = _decode(await request.read(), tgi.GenerateRequest, "tgi")
-    streaming = req.stream if stream is None else stream
-    model = req.model or settings.model
-    info = await gateway.require_model(model)
-    seed = tgi.draw_seed(req)
-    arrival = _arrive(request, "gen-")
-    job = tgi.to_job(req, model=model, seed=seed, stream=streaming, adapters=info.adapters,
-                     job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    renderer = tgi.TgiRenderer(req, seed=seed, array_body=array_body)
-    return await _generate(request, arrival, job, renderer, stream=streaming, route="tgi")
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
-    return await _tgi(request, stream=False)
+    return await _planned(request, "tgi")
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
-    return await _tgi(request, stream=True)
+    return await _planned(request, "tgi_stream")
 
 
 async def compat_generate(request: web.Request) -> web.StreamResponse:
     """TGI's and MindIE's `/`: the body's `stream` decides; the JSON answer is a one-item array."""
-    return await _tgi(request, stream=None, array_body=True)
+    return await _planned(request, "tgi_compat")
 
 
 async def tgi_info(request: web.Request) -> web.Response:

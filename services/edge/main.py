@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from aiohttp import web
-
 from services.edge.app import create_app
+from services.edge.server import serve
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -16,5 +16,4 @@ def run_edge(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("the edge needs --redis-url (or TOKENBUS_REDIS_URL)")
     log.info("edge listening on http://%s:%d", settings.host, settings.port)
-    web.run_app(create_app(settings), host=settings.host, port=settings.port, print=None,
-                access_log=None, shutdown_timeout=5.0)
+    asyncio.run(serve(create_app(settings), settings, shutdown_timeout=5.0))

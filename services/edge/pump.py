@@ -8,21 +8,35 @@ import time
 from aiohttp import web
 
 from services.edge.formats.base import Renderer
-from services.edge.relay import JobEvents, Sink
+from services.edge.jobevents import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter
 from shared import bus, metrics
 from shared.errors import EngineError, TokenbusError
 
 
 class _Delivery:
-    """Renders one job's events and counts the tokens that reached the client (once, at the end)."""
+    """Renders one job's events, numbers the frames (the SSE `id:` a client resumes after) and counts the
+    tokens that reached the client (once, at the end). A resumed stream renders everything again and sends
+    only the frames after the client's last id."""
 
-    def __init__(self, renderer: Renderer) -> None:
+    def __init__(self, renderer: Renderer, job_id: str, after: int = -1) -> None:
         self.renderer = renderer
         self.tokens = 0
+        self.prefix = b"id: " + job_id.encode() + b":"
+        self.numbered = 0
+        self.after = after
+
+    def stamp(self, frames: list[bytes]) -> list[bytes]:
+        """Gives each frame its id; drops the frames the client already has."""
+        out: list[bytes] = []
+        for frame in frames:
+            number, self.numbered = self.numbered, self.numbered + 1
+            if number > self.after:
+                out.append(self.prefix + b"%d\n" % number + frame)
+        return out
 
     def frames(self, event: bus.Output) -> list[bytes]:
-        if isinstance(event, bus.Tokens):
+        if isinstance(event, bus.Tokens) and self.numbered > self.after:
             self.tokens += len(event.token_ids)
         return self.renderer.frames(event)
 
@@ -38,7 +52,7 @@ class _Delivery:
         def take(event: bus.Event) -> bool:
             if not isinstance(event, bus.Tokens) or not sse.writable():
                 return False
-            sse.write_now(self.frames(event))
+            sse.write_now(self.stamp(self.frames(event)))
             return True
 
         return take
@@ -46,18 +60,19 @@ class _Delivery:
 
 async def respond(
     request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, route: str,
-    keepalive_s: float, started: float,
+    keepalive_s: float, started: float, after: int = -1,
 ) -> web.StreamResponse:
     """Waits for the first event before committing to a status: errors before it are plain 4xx/5xx.
 
-    A client that goes away raises ClientGone, which the caller turns into a cancel of the job.
+    A client that goes away raises ClientGone, which the caller turns into a cancel of the job (or keeps it
+    for a resume). A resumed stream sends only the frames numbered after `after`.
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
     first = await _next(request, events)
     if first is None:
         raise EngineError("The worker ended the job without a result.")
     metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - started)
-    delivery = _Delivery(renderer)
+    delivery = _Delivery(renderer, events.job_id, after)
     try:
         if not stream:
             event: bus.Output | None = first
@@ -69,7 +84,7 @@ async def respond(
         try:
             await _stream(request, sse, events, delivery, first, keepalive_s)
         except TokenbusError as exc:
-            await sse.send(renderer.error(exc))
+            await sse.send(delivery.stamp(renderer.error(exc)))
         await sse.close()
         return sse.response
     finally:
@@ -103,9 +118,9 @@ async def _stream(
         frames = await delivery.render(event)
         for more in events.ready():  # whatever else has arrived goes out in the same write
             frames += await delivery.render(more)
-        await sse.send(frames)
+        await sse.send(delivery.stamp(frames))
         event = await _next(request, events, sse, keepalive_s)
         while event is None and not events.finished:
             await sse.keepalive()
             event = await _next(request, events, sse, keepalive_s)
-    await sse.send(delivery.renderer.done())
+    await sse.send(delivery.stamp(delivery.renderer.done()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 from aiohttp import web
 
@@ -13,3 +15,5 @@ SETTINGS = web.AppKey("settings", Settings)
 GATEWAY = web.AppKey("gateway", Gateway)
 REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", ResponseStore)
+DRAINING = web.AppKey("draining", asyncio.Event)
+"""Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""

@@ -33,6 +33,18 @@ class Counts:
     completion_tokens: int = 0
 
 
+@dataclass
+class _Run:
+    """One engine request of a job: prompt `index`, its first choice number, the token ids it starts from."""
+
+    index: int
+    choice: int
+    ids: list[int]
+    params: Any
+    echo_ids: list[int] | None = None
+    """The prompt alone, when `ids` continues it with tokens generated before (for echo logprobs)."""
+
+
 def token_logprobs(
     token_ids: list[int], entries: list[dict[int, Any]] | None, top: int, special_ids: frozenset[int] = frozenset()
 ) -> list[bus.TokenLogprob]:
@@ -150,15 +162,17 @@ class VllmEngine:
             param=param,
         )
 
-    def sampling_params(self, job: bus.Job, max_tokens: int) -> Any:
+    def sampling_params(self, job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = False,
+                        prompt_logprobs: bool = True) -> Any:
+        """vLLM's parameters; a choice that continues after `had` tokens runs alone (`one`) for what is left."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         p = job.params
         try:
             return SamplingParams(
-                n=p.n,
-                max_tokens=max_tokens,
+                n=1 if one else p.n,
+                max_tokens=max_tokens - had,
                 temperature=p.temperature,
                 top_p=p.top_p,
                 top_k=p.top_k if p.top_k > 0 else 0,
@@ -170,10 +184,10 @@ class VllmEngine:
                 frequency_penalty=p.frequency_penalty,
                 repetition_penalty=p.repetition_penalty,
                 logprobs=p.logprobs,
-                prompt_logprobs=p.prompt_logprobs,
+                prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None,
                 logit_bias=p.logit_bias or None,
                 ignore_eos=p.ignore_eos,
-                min_tokens=p.min_tokens,
+                min_tokens=max(0, p.min_tokens - had),
                 skip_special_tokens=p.skip_special_tokens,
                 include_stop_str_in_output=p.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,
@@ -189,16 +203,12 @@ class VllmEngine:
             async for event in self._embed(job):
                 yield event
             return
-        runs = []
-        for index, ids in enumerate(self.prompt_ids(job)):
-            prompt, max_tokens = self._budget(job, ids)
-            runs.append((index, prompt, self.sampling_params(job, max_tokens)))
+        counts = Counts()
+        runs = self._runs(job, counts)
         request_ids = [job.id] if len(runs) == 1 else [f"{job.id}-{i}" for i in range(len(runs))]
         self.requests[job.id] = request_ids
-        counts = Counts()
         try:
-            streams = [self._one(job, rid, i, ids, params, counts)
-                       for rid, (i, ids, params) in zip(request_ids, runs, strict=True)]
+            streams = [self._one(job, rid, run, counts) for rid, run in zip(request_ids, runs, strict=True)]
             async for event in _merge(streams):
                 yield event
         finally:
@@ -206,21 +216,41 @@ class VllmEngine:
         yield bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
                         completion_tokens=counts.completion_tokens)
 
-    async def _one(
-        self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any, counts: Counts
-    ) -> AsyncIterator[bus.Output]:
-        counts.prompt_tokens += len(ids)
+    def _runs(self, job: bus.Job, counts: Counts) -> list[_Run]:
+        """One engine request per prompt; a job continued from another worker runs each unfinished choice
+        alone, after the tokens it already has."""
+        runs: list[_Run] = []
+        cont, n = job.continuation, job.params.n
+        for index, ids in enumerate(self.prompt_ids(job)):
+            prompt, max_tokens = self._budget(job, ids)
+            counts.prompt_tokens += len(prompt)
+            if cont is None:
+                runs.append(_Run(index, index * n, prompt, self.sampling_params(job, max_tokens)))
+                continue
+            for choice in range(index * n, index * n + n):
+                if choice >= len(cont.finished) or cont.finished[choice]:
+                    continue
+                had = cont.token_ids[choice]
+                echo = choice == index * n and index not in cont.prompted
+                params = self.sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
+                runs.append(_Run(index, choice, prompt + had, params, echo_ids=prompt))
+        return runs
+
+    async def _one(self, job: bus.Job, request_id: str, run: _Run, counts: Counts) -> AsyncIterator[bus.Output]:
         top = job.params.logprobs
         first = True
-        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
-            if first and job.params.prompt_logprobs is not None:
-                yield self._prompt_event(job, index, ids, out.prompt_logprobs)
+        if run.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
+            yield bus.Tokens(job=job.id, text="", token_ids=[], choice=run.choice, finish_reason="length")
+            return
+        async for out in self.llm.generate({"prompt_token_ids": run.ids}, run.params, request_id):
+            if first and run.params.prompt_logprobs is not None:
+                yield self._prompt_event(job, run.index, run.echo_ids or run.ids, out.prompt_logprobs)
             first = False
             for choice in out.outputs:
                 token_ids = list(choice.token_ids)
                 counts.completion_tokens += len(token_ids)
                 yield bus.Tokens(
-                    job=job.id, text=choice.text, token_ids=token_ids, choice=index * job.params.n + choice.index,
+                    job=job.id, text=choice.text, token_ids=token_ids, choice=run.choice + choice.index,
                     logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
                                                                      self.special_ids),
                     finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
@@ -246,11 +276,12 @@ class VllmEngine:
                         param="input",
                     )
                 prompts[i] = ids[: self.max_model_len]
+        done = set(job.continuation.embedded) if job.continuation else set()  # sent by a former owner
         request_ids = [f"{job.id}-{i}" for i in range(len(prompts))]
         self.requests[job.id] = request_ids
         try:
             streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="embed"))
-                       for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True))]
+                       for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True)) if i not in done]
             async for event in _merge(streams):
                 yield event
         finally:

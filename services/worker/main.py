@@ -29,10 +29,12 @@ def run_worker(settings: Settings) -> None:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
         log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    asyncio.run(_serve(settings, engine))
+    if not asyncio.run(_serve(settings, engine)):
+        raise SystemExit(1)
 
 
-async def _serve(settings: Settings, engine: VllmEngine | SimEngine) -> None:
+async def _serve(settings: Settings, engine: VllmEngine | SimEngine) -> bool:
+    """Serves until SIGINT or SIGTERM (True), or until a loop of the worker died (False)."""
     log.info("starting the %s engine", settings.engine)
     engine.start()  # in the loop: vLLM's output handler binds to the running loop
     worker = Worker(settings, engine)
@@ -42,10 +44,14 @@ async def _serve(settings: Settings, engine: VllmEngine | SimEngine) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await worker.start()
-        await stop.wait()
+        stopped, crashed = asyncio.create_task(stop.wait()), asyncio.create_task(worker.crashed.wait())
+        await asyncio.wait([stopped, crashed], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        crashed.cancel()
         log.info("stopping")
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await worker.stop()
         engine.shutdown()
+    return not worker.crashed.is_set()

@@ -1,19 +1,21 @@
-"""Writes token events to the edges' streams in one pipelined round trip per engine step.
+"""Writes token events to the edges' streams and to each job's log, in one pipelined round trip per step.
 
 Every job task hands its events to `publish` without waiting; a single flusher sends whatever has
 gathered since its last write. Events of one engine step arrive together, so they leave together,
-and while one write is in flight the next batch gathers behind it.
+and while one write is in flight the next batch gathers behind it. A job's log entry is written before
+the edge's copy in the same pipeline: whatever an edge has seen, the log has too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import bus, metrics
+from shared import bus, keys, metrics
 
 log = logging.getLogger(__name__)
 
@@ -23,24 +25,39 @@ RETRY_PAUSE_S = 0.2
 WRITE_TIMEOUT_S = 5.0
 
 
-class EventPublisher:
-    """Batches events per edge stream and acknowledges jobs after their last event is written."""
+@dataclass
+class _Batch:
+    live: dict[str, list[bus.Event]] = field(default_factory=dict)
+    logs: dict[str, list[bus.Event]] = field(default_factory=dict)
+    expiries: dict[str, int] = field(default_factory=dict)
+    acks: list[tuple[str, str, bytes]] = field(default_factory=list)
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __bool__(self) -> bool:
+        return bool(self.live or self.acks)
+
+
+class EventPublisher:
+    """Batches events per edge stream and per job log; acknowledges jobs after their last event is written."""
+
+    def __init__(self, redis: aioredis.Redis, log_max_events: int) -> None:
         self.redis = redis
-        self.pending: dict[str, list[bus.Event]] = {}
-        self.acks: list[tuple[str, str, bytes]] = []
+        self.log_max_events = log_max_events
+        self.batch = _Batch()
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
 
-    def publish(self, stream: str, event: bus.Event) -> None:
-        self.pending.setdefault(stream, []).append(event)
+    def publish(self, reply_to: str, event: bus.Event, log_ttl_ms: int = 0) -> None:
+        """Queues an event (stamped already) for its edge and its job's log; `log_ttl_ms` sets the log's expiry."""
+        self.batch.live.setdefault(reply_to, []).append(event)
+        self.batch.logs.setdefault(event.job, []).append(event)
+        if log_ttl_ms:
+            self.batch.expiries[event.job] = log_ttl_ms
         self._wake()
 
     def ack_after(self, stream: str, group: str, entry_id: bytes) -> None:
         """Acknowledges a job entry in the same write as (and after) its events published so far."""
-        self.acks.append((stream, group, entry_id))
+        self.batch.acks.append((stream, group, entry_id))
         self._wake()
 
     def _wake(self) -> None:
@@ -55,31 +72,38 @@ class EventPublisher:
             await self.flush()
 
     async def flush(self) -> None:
-        pending, acks = self.pending, self.acks
-        self.pending, self.acks = {}, []
-        if pending or acks:
-            await self._write(pending, acks)
-        if not self.pending and not self.acks:
+        batch, self.batch = self.batch, _Batch()
+        if batch:
+            await self._write(batch)
+        if not self.batch:
             self.idle.set()
 
-    async def _write(self, pending: dict[str, list[bus.Event]], acks: list[tuple[str, str, bytes]]) -> None:
+    def _pipeline(self, batch: _Batch) -> aioredis.client.Pipeline:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, events in batch.logs.items():
+            pipe.xadd(keys.job_log(job_id), {bus.EVENTS_FIELD: bus.encode_events(events)},
+                      maxlen=self.log_max_events, approximate=True)
+            if ttl_ms := batch.expiries.get(job_id):
+                pipe.pexpire(keys.job_log(job_id), ttl_ms)
+        for stream, events in batch.live.items():
+            pipe.xadd(stream, {bus.EVENTS_FIELD: bus.encode_events(events)}, maxlen=STREAM_MAXLEN,
+                      approximate=True)
+        for stream, group, entry_id in batch.acks:
+            pipe.xack(stream, group, entry_id)
+            pipe.xdel(stream, entry_id)
+        return pipe
+
+    async def _write(self, batch: _Batch) -> None:
         while True:
-            pipe = self.redis.pipeline(transaction=False)
-            for stream, events in pending.items():
-                pipe.xadd(stream, {bus.EVENTS_FIELD: bus.encode_events(events)}, maxlen=STREAM_MAXLEN,
-                          approximate=True)
-            for stream, group, entry_id in acks:
-                pipe.xack(stream, group, entry_id)
-                pipe.xdel(stream, entry_id)
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):  # its connection has no socket timeout of its own
-                    await pipe.execute()
+                    await self._pipeline(batch).execute()
                 break
-            except (RedisError, TimeoutError) as exc:  # keep the events: a short Redis outage must not lose them
-                log.warning("writing %d event batches failed (%s); retrying", len(pending), exc)
+            except (RedisError, OSError, TimeoutError) as exc:  # keep the events: a short outage must not lose them
+                log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
         metrics.EVENT_FLUSHES.inc()
-        metrics.EVENTS_PUBLISHED.inc(sum(map(len, pending.values())))
+        metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 
     async def drain(self, timeout_s: float) -> None:
         """Waits until everything published so far is written, at most `timeout_s`."""

@@ -2,7 +2,8 @@
 
 It behaves like a continuously batching engine with fixed timings: each request waits `ttft` (its
 prefill), then joins the running batch, which produces one token for every running request per step of
-`itl`. Its text is a counting placeholder, not language.
+`itl`. Its text is a counting placeholder, not language: token n of a choice is " t{n}", so a client can
+check that a stream that moved between workers lost and repeated nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from shared import bus
 from shared.settings import Settings
 
 DEFAULT_MAX_TOKENS = 128
-WORD = " tok"
 SPIN_S = 0.0015
 """The last stretch of a prefill is waited out by yielding to the loop rather than by a timer: asyncio's
 timers wake on the millisecond grain of epoll, on average half a millisecond late, and that lateness would
@@ -28,6 +28,11 @@ async def _sleep_until(deadline: float) -> None:
     await asyncio.sleep(max(0.0, deadline - SPIN_S - time.monotonic()))
     while time.monotonic() < deadline:  # noqa: ASYNC110 - a spin on purpose: no event marks a moment
         await asyncio.sleep(0)
+
+
+def token(job: bus.Job, choice: int, n: int, finish: str | None) -> bus.Tokens:
+    """Token n (from 1) of a choice."""
+    return bus.Tokens(job=job.id, text=f" t{n}", token_ids=[n % 1000], choice=choice, finish_reason=finish)
 
 
 @dataclass
@@ -69,8 +74,7 @@ class SimEngine:
                 seq.left -= 1
                 seq.produced += 1
                 finish = "abort" if aborted else ("length" if seq.left <= 0 else None)
-                seq.queue.put_nowait(bus.Tokens(job=seq.job.id, text=WORD, token_ids=[seq.produced % 1000],
-                                                choice=seq.choice, finish_reason=finish))
+                seq.queue.put_nowait(token(seq.job, seq.choice, seq.produced, finish))
                 if finish is not None:
                     self.running.remove(seq)
                     seq.queue.put_nowait(None)
@@ -80,12 +84,11 @@ class SimEngine:
         prompts = len(job.prompts) or 1
         prompt_tokens = sum(len(p.split()) for p in job.prompts) or sum(len(m.content.split()) for m in job.messages)
         await _sleep_until(time.monotonic() + self.ttft_s)  # prefill, which yields each sequence's first token
-        want = job.params.max_tokens or DEFAULT_MAX_TOKENS
-        sequences = [_Sequence(job=job, choice=c, left=want - 1, produced=1) for c in range(prompts * job.params.n)]
+        sequences = self._sequences(job, prompts * job.params.n)
+        carried = sum(seq.produced - 1 for seq in sequences)
         for seq in sequences:
             finish = "length" if seq.left <= 0 else None
-            seq.queue.put_nowait(bus.Tokens(job=job.id, text=WORD, token_ids=[1], choice=seq.choice,
-                                            finish_reason=finish))
+            seq.queue.put_nowait(token(job, seq.choice, seq.produced, finish))
             if finish:
                 seq.queue.put_nowait(None)
         self.running.extend(seq for seq in sequences if seq.left > 0)
@@ -99,7 +102,19 @@ class SimEngine:
                 done += seq.produced
         finally:
             self.aborted.discard(job.id)
-        yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=done)
+        yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=done - carried)
+
+    @staticmethod
+    def _sequences(job: bus.Job, choices: int) -> list[_Sequence]:
+        """A sequence per unfinished choice; one that continues another worker's starts after its tokens."""
+        want = job.params.max_tokens or DEFAULT_MAX_TOKENS
+        cont = job.continuation
+        sequences = []
+        for c in range(choices):
+            had = len(cont.token_ids[c]) if cont and c < len(cont.token_ids) else 0
+            if not (cont and c < len(cont.finished) and cont.finished[c]):
+                sequences.append(_Sequence(job=job, choice=c, left=want - had - 1, produced=had + 1))
+        return sequences
 
     async def abort(self, job_id: str) -> None:
         self.aborted.add(job_id)

@@ -1,30 +1,42 @@
-"""The worker's lifecycle: pull jobs while slots are free, run them, publish events, obey cancels."""
+"""The worker's lifecycle: pull jobs while slots are free, run them, publish events, obey cancels, keep its
+claims, take over the jobs of dead workers, and hand its own over when it drains."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import RedisError, ResponseError
 
+from services.worker.ownership import Ownership
 from services.worker.publisher import EventPublisher
 from shared import bus, keys, metrics, redis_clients
-from shared.errors import EngineError, RequestTimeout, TokenbusError, kind_of
+from shared.errors import (
+    EngineError,
+    RequestTimeout,
+    StreamAbandoned,
+    TokenbusError,
+    WorkerLost,
+    kind_of,
+)
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PULL_BLOCK_MS = 1000
-STOP_GRACE_S = 10.0
+HANDOVER_WAIT_S = 5.0
+"""How long a draining worker waits for the jobs it hands over to stop in the engine."""
+FORGET_CONSUMERS_EVERY = 10
+"""Supervision rounds between two sweeps for dead consumers of the group."""
 CHECK_FIRST_AFTER_MS = 1000
 """A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
 starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
@@ -47,6 +59,32 @@ def error_event(job_id: str, error: TokenbusError) -> bus.Error:
                      code=error.code)
 
 
+@dataclass(eq=False)
+class Run:
+    """One job on this worker: its place in the job's sequence, where its events go, how it may end."""
+
+    job: bus.Job
+    entry_id: bytes
+    epoch: int = 1
+    next_seq: int = 0
+    keep_until_ms: int = 0
+    """While its client (or edge) is gone: when to stop waiting for a resume and abort; 0 while attached."""
+    muted: bool = False
+    """Handed over or lost to another worker: nothing more of it may be published."""
+    released: bool = False
+    """Its queue entry was acknowledged or moved already (hand-over, dead letter) or belongs to another worker."""
+    abandoned: bool = False
+    """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
+
+
+@dataclass(frozen=True)
+class _Check:
+    """What a fresh job's one round trip found: a cancel, or an edge that resumed it elsewhere."""
+
+    cancelled: bool
+    reply_to: str | None
+
+
 class Worker:
     """Serves one model from its request stream; `start()` and `stop()` bracket its life."""
 
@@ -56,14 +94,22 @@ class Worker:
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.model = settings.model
         self.stream = keys.requests_stream(settings.model)
-        self.running: dict[str, asyncio.Task[None]] = {}
+        self.runs: dict[str, Run] = {}
+        self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()
         self.slot_freed = asyncio.Event()
+        self.stopping = False
+        self.crashed = asyncio.Event()
+        """Set when a loop the worker cannot live without died: the process should exit and be restarted."""
         # bounded: a burst of jobs waits for a connection instead of opening hundreds; the pull and the
         # cancel subscription hold one each for good
         name = f"tokenbus-worker-{self.id}"
-        self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 2)
-        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name))
+        self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 1)
+        self.channels = redis_clients.dedicated(settings.redis_url, name)
+        """The cancel and route subscription: quiet for long stretches, so no socket timeout."""
+        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name),
+                                        settings.replay_max_events)
+        self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[Any]] = set()
         """Cancel checks and the aborts they lead to, kept referenced until they end."""
@@ -72,38 +118,71 @@ class Worker:
     async def start(self) -> None:
         await self._ensure_group()
         self.tasks = [
-            asyncio.create_task(self.publisher.run(), name="publisher"),
-            asyncio.create_task(self._listen_for_cancels(), name="cancels"),
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            self._vital(self.publisher.run(), "publisher"),
+            self._vital(self._listen(), "channels"),
+            self._vital(self._heartbeat(), "heartbeat"),
+            self._vital(self._supervise(), "supervise"),
         ]
-        self.puller = asyncio.create_task(self._pull(), name="pull")
+        self.puller = self._vital(self._pull(), "pull")
         log.info("worker %s serves %s from %s", self.id, self.model, self.stream)
 
+    def _vital(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A loop that must never end: if it dies, the worker says so and asks to be restarted."""
+        task = asyncio.create_task(work, name=name)
+        task.add_done_callback(self._check_vital)
+        return task
+
+    def _check_vital(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("the worker's %s loop died: %r", task.get_name(), task.exception())
+            self.crashed.set()
+
     async def stop(self) -> None:
-        """Stops pulling, lets running jobs finish for a grace period, aborts the rest. Idempotent."""
+        """Stops pulling, lets running jobs finish for a grace period, hands the rest over. Idempotent."""
         if self.puller is None:
             return
+        self.stopping = True
         self.puller.cancel()
         self.puller = None
-        with contextlib.suppress(RedisError):
+        if self.tasks_by_job:
+            grace = self.settings.worker_grace_s
+            log.info("waiting up to %.0f s for %d running jobs", grace, len(self.tasks_by_job))
+            _done, late = await asyncio.wait(list(self.tasks_by_job.values()), timeout=grace)
+            if late:
+                await self._hand_over_running()
+        await self.publisher.drain(timeout_s=5.0)
+        with contextlib.suppress(RedisError, OSError):
             heartbeat = keys.worker_heartbeat(self.model, self.id)
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(heartbeat)
             pipe.zrem(keys.WORKERS, heartbeat)
             await pipe.execute()
-        if self.running:
-            log.info("waiting up to %.0f s for %d running jobs", STOP_GRACE_S, len(self.running))
-            _done, late = await asyncio.wait(list(self.running.values()), timeout=STOP_GRACE_S)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
-        await self.publisher.drain(timeout_s=5.0)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.redis.aclose()
+        await self.channels.aclose()
         await self.publisher.redis.aclose()
         log.info("worker %s stopped", self.id)
+
+    async def _hand_over_running(self) -> None:
+        """Stops the jobs still running and puts them back on the queue to continue on another worker."""
+        runs = list(self.runs.values())
+        for run in runs:
+            run.muted = run.released = True
+            await self.engine.abort(run.job.id)
+        tasks = [self.tasks_by_job[r.job.id] for r in runs if r.job.id in self.tasks_by_job]
+        _done, stuck = await asyncio.wait(tasks, timeout=HANDOVER_WAIT_S) if tasks else (set(), set())
+        for task in stuck:
+            task.cancel()
+        await self.publisher.drain(timeout_s=5.0)  # the log holds everything its clients can have
+        for run in runs:
+            try:
+                await self.ownership.hand_over(run.entry_id, run.job)
+                metrics.HANDOVERS.labels(self.model).inc()
+            except (RedisError, OSError) as exc:  # its entry stays pending: a live worker reclaims it
+                log.warning("could not hand job %s over (%s); it will be reclaimed", run.job.id, exc)
+        log.info("handed %d running jobs over to other workers", len(runs))
 
     async def _ensure_group(self) -> None:
         try:
@@ -112,9 +191,12 @@ class Worker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def _free_slots(self) -> int:
+        return self.settings.max_num_seqs - len(self.tasks_by_job)
+
     async def _pull(self) -> None:
         while True:
-            free = self.settings.max_num_seqs - len(self.running)
+            free = self._free_slots()
             if free <= 0:
                 self.slot_freed.clear()
                 await self.slot_freed.wait()
@@ -136,8 +218,7 @@ class Worker:
                 self._accept(entries)
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
-    def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        """Starts a batch of jobs; one round trip tells which were cancelled while they waited."""
+    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[bytes, bus.Job]]:
         jobs: list[tuple[bytes, bus.Job]] = []
         for entry_id, fields in entries:
             try:
@@ -145,12 +226,27 @@ class Worker:
             except (KeyError, ValueError) as exc:
                 log.error("dropping malformed job entry %s: %s", entry_id, type(exc).__name__)
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, entry_id)
-        if not jobs:
+        return jobs
+
+    def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        """Starts a batch of jobs; one round trip tells which were cancelled or resumed while they waited."""
+        jobs = self._decode(entries)
+        fresh = [(entry_id, job) for entry_id, job in jobs if not job.handovers]
+        for entry_id, job in jobs:
+            if job.handovers:
+                run = Run(job, entry_id)
+                self._start(run, self._take_over(run, reclaimed=False))
+        if not fresh:
             return
         # registered before the check, so that a cancel published meanwhile finds them
-        cancelled = self._in_background(self._cancelled([job.id for _entry, job in jobs]))
-        for i, (entry_id, job) in enumerate(jobs):
-            self.running[job.id] = asyncio.create_task(self._run(job, entry_id, cancelled, i), name=f"job-{job.id}")
+        checks = self._in_background(self._check([job.id for _entry, job in fresh]))
+        for i, (entry_id, job) in enumerate(fresh):
+            run = Run(job, entry_id)
+            self._start(run, self._run_fresh(run, checks, i))
+
+    def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
+        self.runs[run.job.id] = run
+        self.tasks_by_job[run.job.id] = asyncio.create_task(self._finishing(run, work), name=f"job-{run.job.id}")
 
     def _in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(work)
@@ -158,53 +254,126 @@ class Worker:
         task.add_done_callback(self.background.discard)
         return task
 
-    def _abort_if_cancelled(self, job_id: str, index: int, check: asyncio.Future[list[bool]]) -> None:
-        if not check.cancelled() and check.exception() is None and check.result()[index]:
-            self._in_background(self.abort(job_id))
-
-    async def _cancelled(self, job_ids: list[str]) -> list[bool]:
+    async def _check(self, job_ids: list[str]) -> list[_Check]:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.exists(keys.cancelled(job_id))
-        return [bool(found) for found in await pipe.execute()]
+            pipe.get(keys.job_reply_to(job_id))
+        found = await pipe.execute()
+        return [_Check(bool(found[i]), found[i + 1].decode() if found[i + 1] else None)
+                for i in range(0, len(found), 2)]
 
-    async def _run(self, job: bus.Job, entry_id: bytes, cancelled: asyncio.Future[list[bool]], index: int) -> None:
+    def _apply_check(self, run: Run, index: int, checks: asyncio.Future[list[_Check]]) -> None:
+        if checks.cancelled() or checks.exception() is not None:
+            return
+        check = checks.result()[index]
+        if check.reply_to:
+            run.job.reply_to = check.reply_to
+        if check.cancelled:
+            self._in_background(self.abort(run.job.id))
+
+    async def _finishing(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
+        """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
+        try:
+            await work
+        finally:
+            self.runs.pop(run.job.id, None)
+            self.tasks_by_job.pop(run.job.id, None)
+            self.aborted.discard(run.job.id)
+            self.slot_freed.set()
+            if not run.released:
+                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id)
+
+    async def _run_fresh(self, run: Run, checks: asyncio.Task[list[_Check]], index: int) -> None:
+        job = run.job
+        waited_long = bus.now_ms() - job.created_ms > CHECK_FIRST_AFTER_MS
+        if job.id in self.aborted or (waited_long and (await checks)[index].cancelled):
+            metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
+            return
+        checks.add_done_callback(lambda done: self._apply_check(run, index, done))
+        await self._run(run, resumed=False)
+
+    async def _take_over(self, run: Run, reclaimed: bool) -> None:
+        """Runs a job another worker began: after what its log holds, under a new epoch."""
+        job = run.job
+        keep_s = (job.deadline_ms - bus.now_ms()) / 1000 + self.settings.replay_ttl_s
+        taken = await self.ownership.take_over(job, reclaimed, keep_s)
+        run.epoch, run.next_seq, job.reply_to = taken.epoch, taken.next_seq, taken.reply_to
+        if taken.cancelled or taken.ended:
+            metrics.JOBS.labels(self.model, "cancelled" if taken.cancelled else "finished").inc()
+            return
+        if taken.reclaims > self.settings.max_reclaims:
+            await self._dead_letter(run, f"{taken.reclaims} workers died running it")
+            return
+        if taken.conflict:
+            self._end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
+            metrics.JOBS.labels(self.model, "lost").inc()
+            return
+        job.continuation = taken.continuation
+        metrics.MIGRATIONS.labels(self.model, "reclaimed" if reclaimed else "handed_over").inc()
+        log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)
+        await self._run(run, resumed=True)
+
+    async def _dead_letter(self, run: Run, reason: str) -> None:
+        self._end_with(run, WorkerLost(f"The job was given up: {reason}."))
+        await self.publisher.drain(timeout_s=5.0)
+        await self.ownership.dead_letter(run.entry_id, run.job, reason)
+        run.released = True
+        metrics.DEAD_LETTERS.labels(self.model).inc()
+        metrics.JOBS.labels(self.model, "dead_letter").inc()
+        log.warning("job %s went to the dead-letter stream: %s", run.job.id, reason)
+
+    async def _run(self, run: Run, resumed: bool) -> None:
         outcome = "finished"
         try:
-            waited_long = bus.now_ms() - job.created_ms > CHECK_FIRST_AFTER_MS
-            if job.id in self.aborted or (waited_long and (await cancelled)[index]):
-                outcome = "cancelled"  # its client left while it was queued: never start it
-            else:
-                cancelled.add_done_callback(functools.partial(self._abort_if_cancelled, job.id, index))
-                outcome = await self._generate(job)
+            outcome = await self._generate(run, resumed)
         except TokenbusError as exc:
             outcome = "rejected"
-            self.publisher.publish(job.reply_to, error_event(job.id, exc))
+            self._end_with(run, exc)
         except Exception:
             outcome = "failed"
-            log.exception("job %s failed in the engine", job.id)
-            self.publisher.publish(job.reply_to, error_event(job.id, EngineError("The engine failed.")))
+            log.exception("job %s failed in the engine", run.job.id)
+            self._end_with(run, EngineError("The engine failed."))
         finally:
-            self.running.pop(job.id, None)
-            self.aborted.discard(job.id)
-            self.slot_freed.set()
-            self.publisher.ack_after(self.stream, keys.WORKER_GROUP, entry_id)
+            if run.muted:
+                outcome = "handed_over"
+            elif run.job.id in self.aborted:  # its log still ends, for a client that tries to resume it
+                why = "Nobody resumed the stream in time" if run.abandoned else "The stream was cancelled"
+                self._end_with(run, StreamAbandoned(f"{why}; it was stopped."))
             metrics.JOBS.labels(self.model, outcome).inc()
 
-    async def _generate(self, job: bus.Job) -> str:
+    def emit(self, run: Run, event: bus.Event, log_ttl_ms: int = 0) -> None:
+        """Publishes one event of the job at its next position, unless the job is no longer this worker's."""
+        if run.muted:
+            return
+        event.seq, event.epoch = run.next_seq, run.epoch
+        run.next_seq += 1
+        self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
+
+    def _end_with(self, run: Run, error: TokenbusError) -> None:
+        self.emit(run, error_event(run.job.id, error), int(self.settings.replay_ttl_s * 1000))
+
+    async def _generate(self, run: Run, resumed: bool) -> str:
+        job = run.job
         remaining_s = (job.deadline_ms - bus.now_ms()) / 1000
         if remaining_s <= 0:
             raise RequestTimeout("The request expired while it waited in the queue.")
+        replay_ms = int(self.settings.replay_ttl_s * 1000)
+        self.emit(run, bus.Started(job=job.id, worker=self.id, resumed=resumed),
+                  int(remaining_s * 1000) + replay_ms)
+        carried = job.continuation.carried() if job.continuation else 0
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         try:
             async with asyncio.timeout(remaining_s):
                 async for event in self.engine.run(job):
-                    if job.id in self.aborted:
+                    if job.id in self.aborted or run.muted:
                         # the cancel may have come before the engine knew the request: abort again
                         await self.engine.abort(job.id)
                         break
-                    self.publisher.publish(job.reply_to, event)
+                    if isinstance(event, bus.Final):
+                        event.completion_tokens += carried
+                    self.emit(run, event, replay_ms if isinstance(event, bus.Final) else 0)
                     if isinstance(event, bus.Tokens):
                         metrics.GENERATED_TOKENS.labels(self.model).inc(len(event.token_ids))
         except TimeoutError:
@@ -214,22 +383,37 @@ class Worker:
             running.dec()
         return "aborted" if job.id in self.aborted else "finished"
 
-    async def abort(self, job_id: str) -> None:
+    async def abort(self, job_id: str, abandoned: bool = False) -> None:
         """Aborts a running job in the engine; its generator then ends by itself."""
-        if job_id not in self.running or job_id in self.aborted:
+        run = self.runs.get(job_id)
+        if run is None or job_id in self.aborted:
             return
+        run.abandoned = abandoned
         self.aborted.add(job_id)
         await self.engine.abort(job_id)
         metrics.ENGINE_ABORTS.labels(self.model).inc()
         log.info("aborted job %s in the engine: its client went away", job_id)
 
-    async def _listen_for_cancels(self) -> None:
+    def _reroute(self, route: bus.Route) -> None:
+        """An edge resumed the job (send its events there now), or its client left (keep it a while)."""
+        run = self.runs.get(route.job)
+        if run is None:
+            return
+        if route.reply_to:
+            run.job.reply_to, run.keep_until_ms = route.reply_to, 0
+        elif not run.keep_until_ms:
+            run.keep_until_ms = route.keep_until_ms
+
+    async def _listen(self) -> None:
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.channels.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(keys.CANCEL_CHANNEL)
+                await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.ROUTE_CHANNEL)
                 async for message in pubsub.listen():
-                    await self.abort(message["data"].decode())
+                    if message["channel"] == keys.ROUTE_CHANNEL.encode():
+                        self._reroute(bus.decode_route(message["data"]))
+                    else:
+                        await self.abort(message["data"].decode())
             except (RedisError, OSError) as exc:
                 log.warning("cancel channel lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
@@ -244,7 +428,7 @@ class Worker:
             info = bus.encode_info(bus.WorkerInfo(
                 worker=self.id, model=self.model, task=self.settings.task,
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
-                slots=self.settings.max_num_seqs, running=len(self.running),
+                slots=self.settings.max_num_seqs, running=len(self.tasks_by_job),
             ))
             try:
                 pipe = self.redis.pipeline(transaction=False)
@@ -254,3 +438,62 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _supervise(self) -> None:
+        """Every heartbeat: keep our claims, notice gone edges and clients, take over dead workers' jobs."""
+        rounds = 0
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            rounds += 1
+            try:
+                await self._keep_claims()
+                await self._watch_edges()
+                await self._expire_detached()
+                if not self.stopping:
+                    await self._reclaim()
+                if rounds % FORGET_CONSUMERS_EVERY == 0:
+                    await self.ownership.forget_dead_consumers()
+            except (RedisError, OSError) as exc:
+                log.warning("supervision round failed (%s)", exc)
+
+    async def _keep_claims(self) -> None:
+        runs = [run for run in self.runs.values() if not run.released]
+        lost = await self.ownership.refresh([run.entry_id for run in runs])
+        for run in runs:
+            if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
+                log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
+                run.muted = run.released = True
+                await self.engine.abort(run.job.id)
+
+    async def _watch_edges(self) -> None:
+        """Jobs whose edge stopped beating wait for a resume like those whose client left."""
+        attached = [run for run in self.runs.values() if not run.keep_until_ms]
+        streams = sorted({run.job.reply_to for run in attached})
+        if not streams:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.exists(keys.edges_alive(stream))
+        gone = {stream for stream, alive in zip(streams, await pipe.execute(), strict=True) if not alive}
+        keep_until = bus.now_ms() + int(self.settings.resume_window_s * 1000)
+        for run in attached:
+            if run.job.reply_to in gone:
+                run.keep_until_ms = keep_until
+
+    async def _expire_detached(self) -> None:
+        now = bus.now_ms()
+        for run in list(self.runs.values()):
+            if run.keep_until_ms and now >= run.keep_until_ms:
+                await self.abort(run.job.id, abandoned=True)
+
+    async def _reclaim(self) -> None:
+        free = self._free_slots()
+        if free <= 0:
+            return
+        min_idle_ms = int(self.settings.heartbeat_ttl_s * 1000)
+        entries = await self.ownership.claim_abandoned(min_idle_ms, free)
+        for entry_id, job in self._decode(entries):
+            metrics.RECLAIMS.labels(self.model).inc()
+            log.info("claimed job %s from a worker that stopped beating", job.id)
+            run = Run(job, entry_id)
+            self._start(run, self._take_over(run, reclaimed=True))

@@ -10,7 +10,7 @@ from msgspec import UNSET, UnsetType
 
 from services.edge.sse import DONE, data_frame
 from shared import bus
-from shared.errors import InvalidRequest, TokenbusError
+from shared.errors import ContextLengthExceeded, InvalidRequest, TokenbusError
 
 T = TypeVar("T")
 
@@ -55,6 +55,10 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise InvalidRequest(f"Invalid value{where}: {message}", param=param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
+        raise InvalidRequest(f"The request body is not valid UTF-8 (byte {exc.start}).") from None
+    except RecursionError:  # msgspec descends once per level of nesting, on this thread's stack
+        raise InvalidRequest("The request body is nested too deeply.") from None
 
 
 def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
@@ -71,6 +75,15 @@ def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     if sum(map(len, stops)) > MAX_STOP_CHARS:
         raise InvalidRequest(f"`{param}` may hold at most {MAX_STOP_CHARS} characters in all.", param=param)
     return stops
+
+
+def refuse_beyond_context(max_tokens: int | None, max_model_len: int, param: str) -> None:
+    """Refuses at the edge a completion budget that alone leaves no room in the model's context (whose
+    length comes with the worker's heartbeat; 0 means unknown), rather than letting it run to its deadline."""
+    if max_tokens is not None and 0 < max_model_len <= max_tokens:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens, prompt and completion together; "
+            f"`{param}` asks for {max_tokens}, which leaves no room for the prompt.", param=param)
 
 
 def refuse(param: str, why: str) -> InvalidRequest:

@@ -17,6 +17,7 @@ from services.edge.formats.base import (
     encode,
     finish_reason,
     refuse,
+    refuse_beyond_context,
     usage_of,
 )
 from services.edge.formats.common import (
@@ -97,6 +98,12 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
         raise refuse("modalities", "only text output is served")
     if req.response_format is not None and req.response_format.type != "text":
         raise refuse("response_format", "only the 'text' format is served yet")
+
+
+def check_context(req: ChatCompletionRequest, max_model_len: int) -> None:
+    """The budget the job runs with (max_completion_tokens wins) must leave room for the prompt."""
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    refuse_beyond_context(getattr(req, param), max_model_len, param)
 
 
 def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:

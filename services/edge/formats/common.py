@@ -10,12 +10,18 @@ from services.edge.formats.base import Out, Request, StopList, StopString, stop_
 from shared import bus
 from shared.errors import InvalidRequest
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
-PositiveInt = Annotated[int, Meta(gt=0)]
-TopK = Annotated[int, Meta(ge=-1)]
+PositiveInt = Annotated[int, Meta(gt=0, le=INT64_MAX)]
+"""Token budgets: anything the bus can carry; the edge refuses those beyond the model's context."""
+TopK = Annotated[int, Meta(ge=-1, le=INT32_MAX)]
 """vLLM's extension: 0 or -1 means no top-k filtering."""
+Seed = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
+"""A signed 64-bit integer, as in OpenAI's schema and vLLM's (torch's) generators."""
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=2)]
 N = Annotated[int, Meta(ge=1, le=16)]
 
@@ -34,7 +40,7 @@ class Sampling(Request):
     top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     stop: StopString | StopList | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     n: N = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -43,7 +49,7 @@ class Sampling(Request):
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-sequence token."""
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
     """vLLM's extension: the fewest tokens to generate before a stop can end the choice."""
 
     @property
@@ -75,11 +81,17 @@ def sampling_params(
     )
 
 
+def _is_token_id(key: str) -> bool:
+    # isascii: str.isdigit() also accepts digits such as '²' that int() refuses; the length check keeps
+    # int() clear of Python's limit on digits and the value within what the engine indexes
+    return key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX
+
+
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's token-id strings to ints, each bias in [-100, 100]."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not key.isdigit() or not -100 <= value <= 100:
+        if not (_is_token_id(key) and -100 <= value <= 100):
             raise InvalidRequest(
                 f"`logit_bias` maps token ids to biases in [-100, 100]; {key!r}: {value!r} is not one.",
                 param="logit_bias",

@@ -14,6 +14,7 @@ from services.edge.formats.base import (
     encode,
     finish_reason,
     refuse,
+    refuse_beyond_context,
     usage_of,
 )
 from services.edge.formats.common import (
@@ -46,6 +47,12 @@ class CompletionRequest(Sampling, kw_only=True):
 
 def prompts_of(req: CompletionRequest) -> list[str]:
     return [req.prompt] if isinstance(req.prompt, str) else req.prompt
+
+
+def check_context(req: CompletionRequest, max_model_len: int) -> None:
+    """max_tokens must leave room for the prompt, unless Databricks' truncate asks for what fits instead."""
+    if req.error_behavior != "truncate":
+        refuse_beyond_context(req.max_tokens, max_model_len, "max_tokens")
 
 
 def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:

@@ -22,7 +22,7 @@ class EmbeddingRequest(Request):
     instruction: str | None = None
     """Prepended to every input, as instruction-tuned embedding models expect (Databricks)."""
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Meta(gt=0)] | None = None
+    dimensions: Annotated[int, Meta(gt=0, le=2**31 - 1)] | None = None
     user: str | None = None
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
-from services.edge.formats.base import Choices, Out, Request, encode, refuse
+from services.edge.formats.base import Choices, Out, Request, encode, refuse, refuse_beyond_context
 from services.edge.formats.common import PositiveInt, Temperature, TopP
 from services.edge.sse import event_frame
 from services.edge.store import ResponseStore
@@ -88,6 +88,11 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise refuse(f"tools[{i}]", f"the built-in tool {kind!r} is not served")
     if req.text and req.text.format and req.text.format.type != "text":
         raise refuse("text.format", "only the 'text' format is served yet")
+
+
+def check_context(req: ResponsesRequest, max_model_len: int) -> None:
+    """max_output_tokens must leave room for the input (truncation drops turns, never the budget)."""
+    refuse_beyond_context(req.max_output_tokens, max_model_len, "max_output_tokens")
 
 
 def _content_text(content: str | list[InputContent], index: int) -> str:

@@ -13,7 +13,16 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from services.edge.formats.base import Out, Request, StopList, StopString, encode, refuse, stop_list
+from services.edge.formats.base import (
+    Out,
+    Request,
+    StopList,
+    StopString,
+    encode,
+    refuse,
+    refuse_beyond_context,
+    stop_list,
+)
 from services.edge.sse import data_frame
 from shared import bus
 from shared.errors import (
@@ -23,6 +32,8 @@ from shared.errors import (
     NotFound,
     Overloaded,
     TokenbusError,
+    Unavailable,
+    WorkerLost,
 )
 
 MAX_INPUT_CHARS = 4 * 1024 * 1024
@@ -83,6 +94,11 @@ def _refuse_unsupported(req: GenerateRequest, stream: bool, adapters: list[str])
         raise refuse("parameters.best_of", "only best_of=1 is served")
     if p.grammar is not None:
         raise refuse("parameters.grammar", "guided decoding is not served yet")
+
+
+def check_context(req: GenerateRequest, max_model_len: int) -> None:
+    """max_new_tokens must leave room for the inputs, as TGI's max_total_tokens demands."""
+    refuse_beyond_context(req.parameters.max_new_tokens, max_model_len, "parameters.max_new_tokens")
 
 
 def draw_seed(req: GenerateRequest) -> int:
@@ -197,6 +213,8 @@ def error_status(error: TokenbusError) -> tuple[int, str]:
         return 400, "validation"
     if isinstance(error, InvalidRequest | ContextLengthExceeded):
         return 422, "validation"
+    if isinstance(error, Unavailable | WorkerLost):
+        return 503, "unavailable"
     if isinstance(error, Overloaded):
         return 429, "overloaded"
     if isinstance(error, NotFound):

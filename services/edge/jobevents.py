@@ -1,0 +1,148 @@
+"""One request's view of its job's events: in order, each position once, from the job's current owner.
+
+The relay offers every event it reads (`offer`); the request takes them (`next`, `ready`). Events are judged
+by a shared.sequence.Sequencer, so a job that moved to another worker continues without a repeat, and a gap
+(events the edge never saw, say from a worker that died mid-write) is filled from the job's log before
+anything after it goes out. A resumed stream starts with such a gap: everything from position 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from shared import bus
+from shared.errors import RequestTimeout, TokenbusError, WorkerLost, from_kind, kind_of
+from shared.sequence import Sequencer, Verdict
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[bus.Event], bool]
+"""Takes an event on the spot (True), or leaves it to the waiting request (False)."""
+LogReader = Callable[[str], Awaitable[list[bus.Event]]]
+"""Reads a job's whole event log."""
+
+
+class JobEvents:
+    """The events of one job, in order; iterating ends after the Final event, an Error raises.
+
+    Waiting costs one future per event: no timer per wait. The relay's ticker wakes a waiter a few times a
+    second instead when it has something to look at: its deadline, its client, a keep-alive (see `watch`).
+
+    A streaming request installs a `sink` once its stream is open: while the request waits with nothing
+    queued, the relay hands each event to the sink, which writes token chunks straight to the client's
+    socket. That saves a task switch per token; whatever the sink declines (the end of the stream, errors,
+    tokens for a client that is behind) queues for the request as before, so order is kept.
+    """
+
+    def __init__(self, job_id: str, deadline: float, log_reader: LogReader | None = None) -> None:
+        self.job_id = job_id
+        self.deadline = deadline
+        self.log_reader = log_reader
+        self.sequencer = Sequencer()
+        self.buffer: deque[bus.Event] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.sink: Sink | None = None
+        self.watch: Callable[[], bool] | None = None
+        """Whether the waiting request has something to do without an event (its client left, a keep-alive is
+        due), for the ticker to wake only those; None: woken on every tick."""
+        self.finished = False
+        self.failure: TokenbusError | None = None
+        """An Error event met by `ready`, raised by the next `next` so that earlier events go out first."""
+        self.gap_at: int | None = None
+        """A position seen before the ones ahead of it: they are read from the log first."""
+        self.failing = False
+        self.owner_lost_since: float | None = None
+        """When the relay's ticker first saw the job's owner without a heartbeat."""
+
+    @property
+    def owner(self) -> str:
+        return self.sequencer.owner
+
+    def offer(self, event: bus.Event) -> None:
+        """Takes an event from the relay (or the log) if it is the next one of the job's current owner."""
+        verdict = self.sequencer.accept(event)
+        if verdict is Verdict.TAKE:
+            if not isinstance(event, bus.Started):
+                self._put(event)
+        elif verdict is Verdict.GAP:
+            self.gap_at = max(self.gap_at or 0, event.seq)
+            self.wake()
+        elif verdict is Verdict.CONFLICT:
+            self.fail(WorkerLost("The job's worker was lost and its stream cannot be continued."))
+
+    def fail(self, error: TokenbusError) -> None:
+        """Ends the job with an error found at the edge, after the events already here."""
+        if not self.finished and not self.failing:
+            self.failing = True
+            self._put(bus.Error(job=self.job_id, kind=kind_of(error), message=error.message, code=error.code))
+
+    def _put(self, event: bus.Event) -> None:
+        # only while the request waits with nothing queued: everything before this event is written
+        if self.sink is not None and self.waiter is not None and not self.buffer:
+            try:
+                if self.sink(event):
+                    return
+            except Exception:  # a broken sink must not take the relay down: the request renders it instead
+                log.exception("writing an event of job %s directly failed", self.job_id)
+                self.sink = None
+        self.buffer.append(event)
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self) -> bus.Output | None:
+        """The next event, or None when woken by a tick without one (the caller may send a keep-alive)."""
+        if self.failure is not None:
+            raise self.failure
+        if not self.buffer and self.gap_at is not None:
+            await self.fill()
+        if not self.buffer:
+            if time.monotonic() >= self.deadline:
+                raise RequestTimeout("The request did not finish before its deadline.")
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+            if not self.buffer:
+                return None
+        return self._take(self.buffer.popleft())
+
+    async def fill(self) -> None:
+        """Reads the events this request missed from the job's log."""
+        wanted, self.gap_at = self.gap_at or 0, None
+        if self.log_reader is None:
+            return
+        for event in await self.log_reader(self.job_id):
+            self.offer(event)
+        if self.sequencer.next_seq <= wanted and not self.finished:
+            self.fail(WorkerLost("Events of this stream were lost with its worker."))
+
+    def ready(self) -> list[bus.Output]:
+        """Every event already here, without waiting (stops after a Final; an Error waits for `next`)."""
+        out: list[bus.Output] = []
+        while not self.finished and self.buffer:
+            try:
+                event = self._take(self.buffer.popleft())
+            except TokenbusError as exc:
+                self.failure = exc
+                break
+            if event is not None:
+                out.append(event)
+        return out
+
+    def _take(self, event: bus.Event) -> bus.Output | None:
+        if isinstance(event, bus.Error):
+            self.finished = True
+            raise from_kind(event.kind, event.message, event.param, event.code)
+        if isinstance(event, bus.Started):
+            return None
+        if isinstance(event, bus.Final):
+            self.finished = True
+        return event

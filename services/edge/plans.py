@@ -1,0 +1,170 @@
+"""How each generation route turns a request body into a job and the renderer of its answer: a plan.
+
+A plan depends only on the body and the request's arrival (id, creation time, seed), so any edge can make
+the same plan again from a stored `StreamRecord` and render a resumed stream exactly as it began.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+
+from services.edge.formats import chat, completions, embeddings, responses, tgi
+from services.edge.formats.base import Renderer, decode, unknown_fields
+from services.edge.state import GATEWAY, SETTINGS, STORE
+from shared import bus, metrics
+from shared.errors import NotFound
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What every generation request gets on arrival: its id, its deadline, where its events go."""
+
+    job_id: str
+    started: float
+    deadline_ms: int
+    reply_to: str
+    created: int
+    """Unix seconds, as the answer reports them."""
+    seed: int | None = None
+    """TGI's drawn seed, kept so that a resumed stream reports the same one."""
+
+
+class StreamRecord(msgspec.Struct, omit_defaults=True):
+    """How a streamed job was asked for: the plan's name, the body, the arrival's fixed parts."""
+
+    plan: str
+    body: bytes
+    created: int
+    deadline_ms: int
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A job and the renderer of its answer."""
+
+    name: str
+    """Which planner made it (the key of PLANNERS)."""
+    arrival: Arrival
+    job: bus.Job
+    renderer: Renderer
+    stream: bool
+    route: str
+    """The metrics label of the route."""
+
+    def record(self, body: bytes) -> StreamRecord:
+        return StreamRecord(plan=self.name, body=body, created=self.arrival.created,
+                            deadline_ms=self.arrival.deadline_ms, seed=self.arrival.seed)
+
+
+Planner = Callable[[web.Request, bytes, Arrival | None], Awaitable[Plan]]
+
+
+def _decode(body: bytes, kind: type[T], route: str) -> T:
+    parsed = decode(body, kind)
+    if ignored := unknown_fields(body, kind):
+        metrics.UNKNOWN_FIELDS.labels(route).inc(len(ignored))
+    return parsed
+
+
+def arrive(request: web.Request, prefix: str, seed: int | None = None) -> Arrival:
+    timeout_s = request.app[SETTINGS].request_timeout_s
+    return Arrival(job_id=f"{prefix}{uuid.uuid4().hex}", started=time.monotonic(),
+                   deadline_ms=bus.now_ms() + int(timeout_s * 1000),
+                   reply_to=request.app[GATEWAY].relay.stream, created=int(time.time()), seed=seed)
+
+
+async def plan_chat(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+    req = _decode(body, chat.ChatCompletionRequest, "chat")
+    info = await request.app[GATEWAY].require_model(req.model)
+    chat.check_context(req, info.max_model_len)
+    arrival = given or arrive(request, "chatcmpl-")
+    job = chat.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    renderer = chat.ChatRenderer(req, response_id=arrival.job_id, created=arrival.created)
+    return Plan("chat", arrival, job, renderer, req.stream, "chat")
+
+
+async def plan_completions(request: web.Request, body: bytes, given: Arrival | None,
+                           raw_prompt_default: bool = True) -> Plan:
+    req = _decode(body, completions.CompletionRequest, "completions")
+    if req.use_raw_prompt is None and not raw_prompt_default:
+        req.use_raw_prompt = False
+    info = await request.app[GATEWAY].require_model(req.model)
+    completions.check_context(req, info.max_model_len)
+    arrival = given or arrive(request, "cmpl-")
+    job = completions.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                             deadline_ms=arrival.deadline_ms)
+    renderer = completions.CompletionRenderer(req, response_id=arrival.job_id, created=arrival.created)
+    name = "completions" if raw_prompt_default else "completions_templated"
+    return Plan(name, arrival, job, renderer, req.stream, "completions")
+
+
+async def plan_responses(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+    req = _decode(body, responses.ResponsesRequest, "responses")
+    responses.refuse_unsupported(req)
+    info = await request.app[GATEWAY].require_model(req.model)
+    responses.check_context(req, info.max_model_len)
+    store = request.app[STORE]
+    history: list[bus.Message] = []
+    if req.previous_response_id:
+        previous = await store.load(req.previous_response_id)
+        if previous is None:
+            raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
+                           param="previous_response_id")
+        history = previous.history
+    history = history + responses.input_messages(req)
+    arrival = given or arrive(request, "resp_")
+    job = responses.to_job(req, history, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                           deadline_ms=arrival.deadline_ms)
+    renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
+                                           history=history, store=store)
+    return Plan("responses", arrival, job, renderer, req.stream, "responses")
+
+
+async def plan_embeddings(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+    req = _decode(body, embeddings.EmbeddingRequest, "embeddings")
+    info = await request.app[GATEWAY].require_model(req.model, task="embed")
+    embeddings.check_dimensions(req, info.dimensions)
+    arrival = given or arrive(request, "embd-")
+    job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    return Plan("embeddings", arrival, job, embeddings.EmbeddingRenderer(req), False, "embeddings")
+
+
+async def plan_tgi(request: web.Request, body: bytes, given: Arrival | None, *, stream: bool | None,
+                   array_body: bool = False, name: str = "tgi") -> Plan:
+    """TGI / MindIE; `stream` None: the body's `stream` decides (the `/` route)."""
+    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
+    req = _decode(body, tgi.GenerateRequest, "tgi")
+    streaming = req.stream if stream is None else stream
+    model = req.model or settings.model
+    info = await gateway.require_model(model)
+    tgi.check_context(req, info.max_model_len)
+    arrival = given or arrive(request, "gen-", seed=tgi.draw_seed(req))
+    seed = arrival.seed if arrival.seed is not None else tgi.draw_seed(req)
+    job = tgi.to_job(req, model=model, seed=seed, stream=streaming, adapters=info.adapters,
+                     job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    renderer = tgi.TgiRenderer(req, seed=seed, array_body=array_body)
+    return Plan(name, arrival, job, renderer, streaming, "tgi")
+
+
+PLANNERS: dict[str, Planner] = {
+    "chat": plan_chat,
+    "completions": plan_completions,
+    "completions_templated": functools.partial(plan_completions, raw_prompt_default=False),
+    "responses": plan_responses,
+    "embeddings": plan_embeddings,
+    "tgi": functools.partial(plan_tgi, stream=False),
+    "tgi_stream": functools.partial(plan_tgi, stream=True, name="tgi_stream"),
+    "tgi_compat": functools.partial(plan_tgi, stream=None, array_body=True, name="tgi_compat"),
+}
+"""Every planner by name: a stored StreamRecord names the one that made its plan."""

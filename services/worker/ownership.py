@@ -1,0 +1,151 @@
+"""Who owns which job: a worker keeps its claims fresh, takes over the entries of dead workers (XAUTOCLAIM
+past an idle time tied to the heartbeat TTL), forgets dead consumers, and reads what a former owner left
+in a job's log so that the job continues after the last event its client can have.
+
+An entry's idle time restarts whenever its owner refreshes it (every heartbeat), so only the entries of a
+worker that stopped beating grow idle enough to be claimed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from shared import bus, joblog, keys
+from shared.sequence import in_order
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTER_MAXLEN = 10_000
+
+# Refreshes the idle time of the entries the caller still owns, and names those it lost (claimed by another
+# worker after it stalled): one round trip, and no window in which a check and a claim could disagree.
+_REFRESH = """
+local lost = {}
+for i = 3, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if entry[1] and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a new owner needs before it runs a job that someone else began."""
+
+    epoch: int
+    next_seq: int
+    continuation: bus.Continuation | None
+    ended: bool
+    """The log already holds the job's last event: nothing is left to run."""
+    conflict: bool
+    """The log cannot be continued faithfully (trimmed, or written by two owners at once)."""
+    cancelled: bool
+    reclaims: int
+    reply_to: str
+
+
+class Ownership:
+    """The ownership side of one worker of one model's queue."""
+
+    def __init__(self, redis: aioredis.Redis, worker_id: str, model: str, stream: str, group: str) -> None:
+        self.redis = redis
+        self.worker_id = worker_id
+        self.model = model
+        self.stream = stream
+        self.group = group
+        self._refresh = redis.register_script(_REFRESH)
+
+    async def refresh(self, entry_ids: list[bytes]) -> set[bytes]:
+        """Keeps these entries ours (their idle time restarts); returns those another worker has taken."""
+        if not entry_ids:
+            return set()
+        lost = await self._refresh(keys=[self.stream], args=[self.group, self.worker_id, *entry_ids])
+        return {bytes(entry) for entry in lost or ()}
+
+    async def claim_abandoned(self, min_idle_ms: int, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Claims up to `count` entries idle longer than `min_idle_ms`: their owners stopped beating."""
+        reply: Any = await self.redis.xautoclaim(self.stream, self.group, self.worker_id, min_idle_ms,
+                                                 start_id="0-0", count=count)
+        return [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+
+    async def forget_dead_consumers(self) -> list[str]:
+        """Removes consumers with nothing pending whose worker's heartbeat is gone."""
+        consumers: Any = await self.redis.xinfo_consumers(self.stream, self.group)
+        idle = [c["name"] for c in consumers if not c["pending"]]
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in idle]
+        names = [n for n in names if n != self.worker_id]
+        if not names:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(keys.worker_heartbeat(self.model, name))
+        alive = await pipe.execute()
+        dead = [name for name, beating in zip(names, alive, strict=True) if not beating]
+        for name in dead:
+            await self.redis.xgroup_delconsumer(self.stream, self.group, name)
+        return dead
+
+    async def take_over(self, job: bus.Job, reclaimed: bool, keep_s: float) -> Takeover:
+        """Reads the job's log and counters in one round trip and becomes its next owner (a higher epoch)."""
+        owners = keys.job_owners(job.id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(keys.job_log(job.id))
+        pipe.exists(keys.cancelled(job.id))
+        pipe.get(keys.job_reply_to(job.id))
+        pipe.hincrby(owners, "epoch", 1)
+        pipe.hincrby(owners, "reclaims", 1 if reclaimed else 0)
+        pipe.expire(owners, int(keep_s) + 1)
+        entries, cancelled, reply_to, epoch, reclaims, _ = await pipe.execute()
+        taken, conflict = in_order(joblog.parse(entries))
+        return Takeover(
+            epoch=int(epoch) + 1, next_seq=len(taken), continuation=continuation_of(job, taken) if taken else None,
+            ended=any(isinstance(e, bus.Final | bus.Error) for e in taken), conflict=conflict,
+            cancelled=bool(cancelled), reclaims=int(reclaims),
+            reply_to=reply_to.decode() if reply_to else job.reply_to,
+        )
+
+    async def dead_letter(self, entry_id: bytes, job: bus.Job, reason: str) -> None:
+        """Moves a job off the queue into the dead-letter stream, with why."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(keys.dead_letters(self.model), {"job": bus.encode_job(job), "reason": reason,
+                                                  "entry": entry_id, "worker": self.worker_id},
+                  maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        pipe.xack(self.stream, self.group, entry_id)
+        pipe.xdel(self.stream, entry_id)
+        await pipe.execute()
+
+    async def hand_over(self, entry_id: bytes, job: bus.Job) -> None:
+        """Puts the job back on the queue for another worker to continue, and lets go of its entry, at once."""
+        moved = msgspec.structs.replace(job, handovers=job.handovers + 1, continuation=None)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.stream, {bus.JOB_FIELD: bus.encode_job(moved)})
+        pipe.xack(self.stream, self.group, entry_id)
+        pipe.xdel(self.stream, entry_id)
+        await pipe.execute()
+
+
+def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:
+    """What the client can already have of the job, from the events its log holds."""
+    choices = max(1, len(job.prompts)) * job.params.n
+    token_ids: list[list[int]] = [[] for _ in range(choices)]
+    finished = [False] * choices
+    result = bus.Continuation(token_ids=token_ids, finished=finished)
+    for event in taken:
+        if isinstance(event, bus.Tokens) and event.choice < choices:
+            token_ids[event.choice].extend(event.token_ids)
+            finished[event.choice] = finished[event.choice] or event.finish_reason is not None
+        elif isinstance(event, bus.Prompt):
+            result.prompted.append(event.index)
+        elif isinstance(event, bus.Embedding):
+            result.embedded.append(event.index)
+    return result

@@ -1,0 +1,25 @@
+"""A job's event log in Redis: what the owner appends with each write of its events, what a resumed stream
+replays and what a worker that takes the job over continues from. Bounded in length, and expiring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared import bus, keys
+
+
+def parse(entries: Any) -> list[bus.Event]:
+    """The events of XRANGE entries ([id, {field: payload}] or [id, [field, payload]]), in log order."""
+    events: list[bus.Event] = []
+    for _entry_id, fields in entries or ():
+        payload = fields.get(bus.EVENTS_FIELD) if isinstance(fields, dict) else fields[1]
+        if payload is not None:
+            events.extend(bus.decode_events(payload))
+    return events
+
+
+async def read(redis: aioredis.Redis, job_id: str) -> list[bus.Event]:
+    """Every event in the job's log, in the order written (not yet judged: see shared.sequence)."""
+    return parse(await redis.xrange(keys.job_log(job_id)))
