@@ -95,7 +95,8 @@ def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: ob
 
 @pytest.fixture(scope="session")
 def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
-    started = start_edge(redis_url, tmp_path_factory.mktemp("edge"))
+    # no resume window: a client that leaves has its engine request aborted at once (tested)
+    started = start_edge(redis_url, tmp_path_factory.mktemp("edge"), resume_window_s=0)
     yield started
     _stop(started.process)
 

@@ -96,6 +96,8 @@ async def _next(
     request: web.Request, events: JobEvents, sse: SSEWriter | None = None, keepalive_s: float = 0.0
 ) -> bus.Output | None:
     """The next event; None once the job's Final was seen, or when `sse` wrote nothing for `keepalive_s`."""
+    if events.failure is not None:  # an Error that came in a batch, after the events it followed
+        raise events.failure
     while not events.finished:
         if SSEWriter.client_gone(request):
             raise ClientGone

@@ -24,7 +24,9 @@ def event_frame(name: str, payload: bytes) -> bytes:
 
 
 DONE = data_frame(b"[DONE]")
-KEEPALIVE = b": keep-alive\n\n"
+KEEPALIVE = b": keep-alive\n"
+"""A comment line alone, with no blank line after it: a blank line would end an event, and clients that
+remember the last event id (the openai SDK) then hand their caller an event with empty data."""
 
 
 class ClientGone(Exception):

@@ -315,10 +315,9 @@ class Worker:
         await self._run(run, resumed=True)
 
     async def _dead_letter(self, run: Run, reason: str) -> None:
-        self._end_with(run, WorkerLost(f"The job was given up: {reason}."))
-        await self.publisher.drain(timeout_s=5.0)
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
         run.released = True
+        self._end_with(run, WorkerLost(f"The job was given up: {reason}."))
         metrics.DEAD_LETTERS.labels(self.model).inc()
         metrics.JOBS.labels(self.model, "dead_letter").inc()
         log.warning("job %s went to the dead-letter stream: %s", run.job.id, reason)

@@ -1,0 +1,105 @@
+"""Real processes for fault tests: a redis-server of their own (with its append-only file), edges and
+simulated workers (`tokenbus worker --engine sim`), each a separate process to kill or stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from services.supervisor import RedisServer, free_port
+from shared import keys
+from tests.conftest import Edge, Worker, _env, _spawn, _stop, metric_value, start_edge
+
+FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
+"""Faults are noticed within two seconds: a test need not wait the production TTL."""
+
+
+@dataclass
+class Stack:
+    root: Path
+    model: str = "fault-model"
+    redis: RedisServer = field(init=False)
+    edges: list[Edge] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        (self.root / "redis").mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(str(self.root / "redis"))
+        self.url = self.redis.start()
+        self.client = redis.Redis.from_url(self.url)
+
+    def edge(self, **settings: Any) -> Edge:
+        edge = start_edge(self.url, self.root, f"edge{len(self.edges)}", model=self.model,
+                          **{**FAST_BEATS, **settings})
+        self.edges.append(edge)
+        return edge
+
+    def worker(self, **settings: Any) -> Worker:
+        """A simulated worker, returned once its own heartbeat shows."""
+        port = free_port()
+        log = self.root / f"worker{len(self.workers)}-{port}.log"
+        env = _env(self.url, model=self.model, engine="sim", metrics_port=port, **{**FAST_BEATS, **settings})
+        process = _spawn("worker", env, log)
+        deadline = time.monotonic() + 60
+        while not self.heartbeat_of(process.pid):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the sim worker did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        worker = Worker(process, f"http://127.0.0.1:{port}/metrics", log)
+        self.workers.append(worker)
+        return worker
+
+    def heartbeat_of(self, pid: int) -> bool:
+        return any(f"-{pid}-" in key.decode() for key in self.client.scan_iter(keys.worker_heartbeat(self.model, "*")))
+
+    def busiest(self) -> Worker:
+        """The live worker with the most jobs pending in the queue's consumer group."""
+        summary: Any = self.client.xpending(keys.requests_stream(self.model), keys.WORKER_GROUP)
+        counts = {c["name"].decode(): int(c["pending"]) for c in summary["consumers"]}
+        live = [w for w in self.workers if w.process.poll() is None]
+        return max(live, key=lambda w: sum(n for name, n in counts.items() if f"-{w.process.pid}-" in name))
+
+    def kill(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGKILL of the process and its children, as when its container dies."""
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+    def pending(self) -> int:
+        summary: Any = self.client.xpending(keys.requests_stream(self.model), keys.WORKER_GROUP)
+        return int(summary["pending"])
+
+    async def settled(self, timeout_s: float = 15.0) -> None:
+        """Waits until nothing is pending, no edge has a request in flight and no live worker runs a job."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = await self._unsettled()
+            if not state:
+                return
+            assert time.monotonic() < deadline, f"not settled: {state}"
+            await asyncio.sleep(0.2)
+
+    async def _unsettled(self) -> dict[str, float]:
+        state: dict[str, float] = {"pending": self.pending()}
+        async with httpx.AsyncClient() as http:
+            for edge in (e for e in self.edges if e.process.poll() is None):
+                text = (await http.get(edge.url + "/metrics")).text
+                state[edge.url] = metric_value(text, "tokenbus_edge_requests_in_flight")
+            for worker in (w for w in self.workers if w.process.poll() is None):
+                text = (await http.get(worker.metrics_url)).text
+                state[worker.metrics_url] = metric_value(text, "tokenbus_worker_running_jobs")
+        return {name: value for name, value in state.items() if value}
+
+    def close(self) -> None:
+        for process in [e.process for e in self.edges] + [w.process for w in self.workers]:
+            _stop(process)
+        self.client.close()
+        self.redis.stop()
