@@ -10,8 +10,8 @@ from shared import settings as settings_module
 
 EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "resume_window_s", "replay_ttl_s",
-                 "shutdown_grace_s", "redis_down_after_s", "heartbeat_interval_s", "heartbeat_ttl_s",
-                 "read_timeout_s"]
+                 "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
+                 "heartbeat_ttl_s", "read_timeout_s"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",

@@ -93,6 +93,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """On SIGTERM an edge stops accepting and lets its streams finish for this long (covers long streams)."""
     redis_down_after_s: float = 2.0
     """How long Redis may stay unreachable before an edge fails the streams it is serving."""
+    max_buffered_events: int = 4096
+    """Events one stream may hold for a client that reads slower than they come; past it the client is
+    dropped and its job stopped (an edge's memory must not grow with slow clients)."""
     read_timeout_s: float = 30.0
     """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
 

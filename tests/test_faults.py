@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from shared import keys
@@ -210,8 +212,9 @@ async def test_a_stream_nobody_resumes_is_stopped_after_its_window(stack: Stack)
         async with http.stream("GET", f"{edge.url}/v1/streams/{head[0][0].rsplit(':', 1)[0]}",
                                headers={"Last-Event-ID": head[-1][0]}) as response:
             body = (await response.aread()).decode()
+        metrics = (await http.get(worker.metrics_url)).text
     assert "stream_abandoned" in body
-    assert "outcome=\"aborted\"" in httpx.get(worker.metrics_url).text
+    assert "outcome=\"aborted\"" in metrics
 
 
 async def test_a_short_deadline_ends_with_a_timeout_and_frees_the_slot(stack: Stack) -> None:
@@ -237,4 +240,27 @@ async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stac
         await asyncio.wait_for(streaming, 20)
     letters = stack.client.xrange(keys.dead_letters(stack.model))
     assert len(letters) == 1 and b"died" in letters[0][1][b"reason"]
+    await stack.settled()
+
+
+async def test_a_client_that_falls_too_far_behind_is_dropped_and_its_job_stopped(stack: Stack) -> None:
+    """A client that reads nothing (a tiny receive window) cannot make the edge hold its stream without bound."""
+    edge = stack.edge(max_buffered_events=64, resume_window_s=30)
+    worker = stack.worker(sim_itl_ms=1, max_model_len=100_000)
+    host, port = edge.url.removeprefix("http://").split(":")
+    body = orjson.dumps(chat_body(stack.model, 50_000))  # 50 s of tokens
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        started = time.monotonic()
+        async with httpx.AsyncClient() as http:
+            while "outcome=\"aborted\"" not in (await http.get(worker.metrics_url)).text:
+                assert time.monotonic() - started < 10, "the slow client's job was not stopped"
+                await asyncio.sleep(0.2)
+    finally:
+        sock.close()
+    assert "fell 64 events behind" in edge.log.read_text()
     await stack.settled()

@@ -147,8 +147,8 @@ async def test_a_gap_is_filled_from_the_log_before_later_events() -> None:
     events.offer(log[0])
     events.offer(log[1])
     events.offer(log[4])  # "d": "b" and "c" never reached this edge
-    assert [e.text for e in [await events.next()] + events.ready() if isinstance(e, bus.Tokens)] == ["a"]
-    assert [e.text for e in [await events.next()] + events.ready() if isinstance(e, bus.Tokens)] == ["b", "c", "d"]
+    assert [e.text for e in [await events.next(), *events.ready()] if isinstance(e, bus.Tokens)] == ["a"]
+    assert [e.text for e in [await events.next(), *events.ready()] if isinstance(e, bus.Tokens)] == ["b", "c", "d"]
 
 
 async def test_a_new_owner_that_starts_behind_what_was_delivered_ends_the_stream() -> None:

@@ -148,7 +148,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     reader = redis_clients.dedicated(settings.redis_url, name)  # the relay bounds each read itself
     directory = ModelDirectory(commands)
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
-                    redis_down_after_s=settings.redis_down_after_s)
+                    redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
     relay = EventRelay(reader, commands, keys.events_stream(edge_id), timing, directory.alive)
     app[REDIS] = commands
     app[GATEWAY] = Gateway(commands, relay, directory, settings.resume_window_s)

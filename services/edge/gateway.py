@@ -96,7 +96,7 @@ class Gateway:
 
     async def _let_go(self, events: JobEvents, client_left: bool) -> None:
         """A job whose client left after it started runs on for the resume window; any other is cancelled."""
-        if client_left and events.owner and self.resume_window_s > 0:
+        if client_left and events.owner and self.resume_window_s > 0 and not events.overflowed:
             keep_until = bus.now_ms() + int(self.resume_window_s * 1000)
             with contextlib.suppress(RedisError):
                 await self.redis.publish(keys.ROUTE_CHANNEL,

@@ -38,8 +38,11 @@ class JobEvents:
     tokens for a client that is behind) queues for the request as before, so order is kept.
     """
 
-    def __init__(self, job_id: str, deadline: float, log_reader: LogReader | None = None) -> None:
+    def __init__(self, job_id: str, deadline: float, log_reader: LogReader | None = None,
+                 max_buffered: int = 4096) -> None:
         self.job_id = job_id
+        self.max_buffered = max_buffered
+        """Events it may hold undelivered; past it its client is dropped and its job stopped."""
         self.deadline = deadline
         self.log_reader = log_reader
         self.sequencer = Sequencer()
@@ -55,6 +58,10 @@ class JobEvents:
         self.gap_at: int | None = None
         """A position seen before the ones ahead of it: they are read from the log first."""
         self.failing = False
+        self.overflowed = False
+        """Its client fell max_buffered events behind and is being dropped."""
+        self.on_overflow: Callable[[], None] | None = None
+        """Drops the client (set by the request once its stream is open)."""
         self.owner_lost_since: float | None = None
         """When the relay's ticker first saw the job's owner without a heartbeat."""
 
@@ -82,6 +89,11 @@ class JobEvents:
 
     def _put(self, event: bus.Event) -> None:
         # only while the request waits with nothing queued: everything before this event is written
+        if len(self.buffer) >= self.max_buffered and not self.overflowed:
+            self.overflowed = True  # its client is too slow: an edge's memory must not grow with it
+            log.warning("dropping a client of job %s that fell %d events behind", self.job_id, self.max_buffered)
+            if self.on_overflow is not None:
+                self.on_overflow()
         if self.sink is not None and self.waiter is not None and not self.buffer:
             try:
                 if self.sink(event):

@@ -114,6 +114,7 @@ async def _stream(
     keepalive_s: float,
 ) -> None:
     events.sink = delivery.sink(sse)
+    events.on_overflow = sse.drop
     events.watch = lambda: SSEWriter.client_gone(request) or sse.quiet_for(keepalive_s)
     event: bus.Output | None = first
     while event is not None:

@@ -40,11 +40,12 @@ RETRY_PAUSE_S = 0.5
 
 @dataclass(frozen=True)
 class Timing:
-    """The relay's deadlines, from the settings."""
+    """The relay's deadlines and bounds, from the settings."""
 
     heartbeat_interval_s: float = 2.0
     heartbeat_ttl_s: float = 6.0
     redis_down_after_s: float = 2.0
+    max_buffered_events: int = 4096
 
     @property
     def takeover_wait_s(self) -> float:
@@ -71,7 +72,7 @@ class EventRelay:
         """When reading from Redis began to fail; None while it answers."""
 
     def register(self, job_id: str, deadline: float) -> JobEvents:
-        events = JobEvents(job_id, deadline, self.read_log)
+        events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
         self.jobs[job_id] = events
         return events
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 from aiohttp import HttpVersion11, web
@@ -29,6 +30,19 @@ KEEPALIVE = b": keep-alive\n"
 remember the last event id (the openai SDK) then hand their caller an event with empty data."""
 
 
+SEND_BUFFER_BYTES = 128 * 1024
+"""The kernel's send buffer of a streaming connection: a token stream needs little, and without a bound the
+kernel's autotuning hides a stalled client behind megabytes before the edge can notice it (see
+JobEvents.max_buffered)."""
+
+
+def _bound_send_buffer(transport: asyncio.BaseTransport | None) -> None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+
+
 class ClientGone(Exception):
     """The client closed its connection before the stream ended."""
 
@@ -42,6 +56,7 @@ class SSEWriter:
 
     def __init__(self, response: web.StreamResponse, transport: asyncio.Transport | None) -> None:
         self.response = response
+        self.connection = transport
         self.transport = transport if response.chunked else None
         """Set when chunks may be framed and written here directly (HTTP/1.1 chunked encoding)."""
         self.last_write = time.monotonic()
@@ -53,6 +68,7 @@ class SSEWriter:
             response.enable_chunked_encoding()
         else:
             response.force_close()  # HTTP/1.0 has no chunks: the stream ends when the connection closes
+        _bound_send_buffer(request.transport)
         try:
             await response.prepare(request)  # sends the headers now
         except ConnectionError as exc:
@@ -71,6 +87,11 @@ class SSEWriter:
         if data:  # an empty chunk would end the response
             self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             self.last_write = time.monotonic()
+
+    def drop(self) -> None:
+        """Closes the connection under a client that cannot keep up: its pending write fails as ClientGone."""
+        if self.connection is not None:
+            self.connection.abort()
 
     def quiet_for(self, seconds: float) -> bool:
         """True when nothing was written for `seconds` (a keep-alive is due)."""
