@@ -1,0 +1,69 @@
+"""Migration with the real vLLM worker: a job whose owner died after part of its answer continues from its log.
+
+Only one vLLM engine fits this machine, so the dead owner is played by its log: the first half of an
+uninterrupted greedy answer, written as the owner would have written it. The real worker takes the job over
+(as it does a job handed over by a draining worker), and the whole answer must equal the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from shared import bus, keys
+from tests.conftest import MODEL, Worker
+
+pytestmark = pytest.mark.engine
+
+COUNTING = [bus.Message(role="user", content="Count from 1 to 30, separated by commas.")]
+
+
+def _job(reply_to: str, *, n: int = 1, handovers: int = 0) -> bus.Job:
+    return bus.Job(id=f"test-{uuid.uuid4().hex}", model=MODEL, reply_to=reply_to, deadline_ms=bus.now_ms() + 60_000,
+                   messages=COUNTING, params=bus.SamplingParams(max_tokens=40, temperature=0, n=n),
+                   created_ms=bus.now_ms(), handovers=handovers)
+
+
+def _run(redis_client: redis.Redis, job: bus.Job) -> list[bus.Event]:
+    """Enqueues the job and returns its events up to the last one."""
+    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+    deadline = time.monotonic() + 60
+    events: list[bus.Event] = []
+    while not any(isinstance(e, bus.Final | bus.Error) for e in events):
+        assert time.monotonic() < deadline
+        reply: Any = redis_client.xread({job.reply_to: "0-0"}, block=200)
+        events = [e for _key, entries in reply or [] for _id, f in entries
+                  for e in bus.decode_events(f[bus.EVENTS_FIELD])]
+    return events
+
+
+def _text(events: list[bus.Event], choice: int = 0) -> str:
+    return "".join(e.text for e in events if isinstance(e, bus.Tokens) and e.choice == choice)
+
+
+def test_a_job_continues_after_what_its_former_owner_sent(redis_client: redis.Redis, worker: Worker) -> None:
+    stream = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    whole = _run(redis_client, _job(stream))
+    tokens = [e for e in whole if isinstance(e, bus.Tokens)]
+    final = whole[-1]
+    assert isinstance(final, bus.Final) and len(tokens) > 10
+
+    job = _job(keys.events_stream(f"test-{uuid.uuid4().hex}"), handovers=1)
+    former = [bus.Started(job=job.id, worker="a-dead-worker", seq=0, epoch=1)]
+    former += [bus.Tokens(job=job.id, text=t.text, token_ids=t.token_ids, seq=i + 1, epoch=1)
+               for i, t in enumerate(tokens[: len(tokens) // 2])]
+    redis_client.xadd(keys.job_log(job.id), {bus.EVENTS_FIELD: bus.encode_events(list(former))})
+    rest = _run(redis_client, job)
+
+    started = rest[0]
+    assert isinstance(started, bus.Started) and started.resumed
+    assert (started.seq, started.epoch) == (len(former), 2)
+    assert [e.seq for e in rest] == list(range(len(former), len(former) + len(rest)))
+    assert _text(former) + _text(rest) == _text(whole)
+    continued = rest[-1]
+    assert isinstance(continued, bus.Final)
+    assert (continued.prompt_tokens, continued.completion_tokens) == (final.prompt_tokens, final.completion_tokens)
