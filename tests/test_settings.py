@@ -30,3 +30,11 @@ def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]
         parser().parse_args([command, "--help"])
     assert exited.value.code == 0
     assert "--redis-url" in capsys.readouterr().out
+
+
+def test_every_setting_is_in_the_readme() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [name for name in Settings.__struct_fields__ if f"`TOKENBUS_{name.upper()}`" not in readme]
+    assert missing == []
