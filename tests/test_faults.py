@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from shared import keys
+from tests.conftest import metric_value
 from tests.stack import Stack
 
 
@@ -263,4 +264,56 @@ async def test_a_client_that_falls_too_far_behind_is_dropped_and_its_job_stopped
     finally:
         sock.close()
     assert "fell 64 events behind" in edge.log.read_text()
+    await stack.settled()
+
+
+async def test_a_stopped_edge_drains_its_streams_and_exits(stack: Stack) -> None:
+    """SIGTERM on an edge under load: it refuses new connections and lets every stream in flight finish."""
+    edge = stack.edge(shutdown_grace_s=30)
+    stack.worker()
+    streams = [asyncio.create_task(stream_text(edge.url, stack.model, 150)) for _ in range(8)]
+    async with httpx.AsyncClient() as http:
+        for _ in range(100):  # until all eight are in flight
+            if metric_value((await http.get(edge.url + "/metrics")).text, "tokenbus_edge_requests_in_flight") >= 8:
+                break
+            await asyncio.sleep(0.1)
+    edge.process.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.3)
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get(edge.url + "/health")
+    results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+    assert all(result == (expected(150), 150) for result in results)
+    assert await asyncio.to_thread(edge.process.wait, 10) == 0
+    await stack.settled()
+
+
+async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothing(stack: Stack) -> None:
+    """Each edge and worker is replaced in turn (SIGTERM, as an orchestrator does) while clients stream; a
+    client whose edge is gone before it connects tries another, as behind a load balancer."""
+    for _ in range(2):
+        stack.edge(shutdown_grace_s=30)
+        stack.worker(worker_grace_s=0.5)
+    gate = asyncio.Semaphore(16)
+
+    async def one(i: int) -> tuple[str, int]:
+        async with gate:
+            for attempt in range(20):
+                live = [e for e in stack.edges if e.process.poll() is None]
+                try:
+                    return await stream_text(live[(i + attempt) % len(live)].url, stack.model, 60)
+                except openai.APIConnectionError:
+                    await asyncio.sleep(0.1)
+            raise AssertionError("no edge took the request")
+
+    requests = [asyncio.create_task(one(i)) for i in range(96)]
+    old = [*stack.edges, *stack.workers]
+    for process in old:
+        await asyncio.sleep(0.7)
+        replacement = stack.edge(shutdown_grace_s=30) if process in stack.edges else stack.worker(worker_grace_s=0.5)
+        assert replacement is not None
+        process.process.send_signal(signal.SIGTERM)
+    results = await asyncio.wait_for(asyncio.gather(*requests), 120)
+    assert sum(result == (expected(60), 60) for result in results) == 96
+    assert all(p.process.wait(timeout=30) == 0 for p in old)
     await stack.settled()

@@ -53,10 +53,10 @@ def test_a_job_continues_after_what_its_former_owner_sent(redis_client: redis.Re
     assert isinstance(final, bus.Final) and len(tokens) > 10
 
     job = _job(keys.events_stream(f"test-{uuid.uuid4().hex}"), handovers=1)
-    former = [bus.Started(job=job.id, worker="a-dead-worker", seq=0, epoch=1)]
+    former: list[bus.Event] = [bus.Started(job=job.id, worker="a-dead-worker", seq=0, epoch=1)]
     former += [bus.Tokens(job=job.id, text=t.text, token_ids=t.token_ids, seq=i + 1, epoch=1)
                for i, t in enumerate(tokens[: len(tokens) // 2])]
-    redis_client.xadd(keys.job_log(job.id), {bus.EVENTS_FIELD: bus.encode_events(list(former))})
+    redis_client.xadd(keys.job_log(job.id), {bus.EVENTS_FIELD: bus.encode_events(former)})
     rest = _run(redis_client, job)
 
     started = rest[0]

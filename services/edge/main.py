@@ -16,4 +16,4 @@ def run_edge(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("the edge needs --redis-url (or TOKENBUS_REDIS_URL)")
     log.info("edge listening on http://%s:%d", settings.host, settings.port)
-    asyncio.run(serve(create_app(settings), settings, shutdown_timeout=5.0))
+    asyncio.run(serve(create_app(settings), settings, shutdown_timeout=settings.shutdown_grace_s))

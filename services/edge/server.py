@@ -26,6 +26,7 @@ from aiohttp.web_server import Server
 
 from services.edge.formats.base import openai_error
 from services.edge.sse import ClientGone
+from services.edge.state import DRAINING
 from shared import metrics
 from shared.errors import InvalidRequest, TokenbusError
 from shared.settings import Settings
@@ -182,6 +183,10 @@ async def serve(app: web.Application, settings: Settings, *, shutdown_timeout: f
     try:
         await web.TCPSite(runner, settings.host, settings.port).start()
         await stop.wait()
+        # a drain: /ready turns 503, the listener closes, streams in flight get `shutdown_timeout` to end
+        # (those still running then are kept by their workers for a resume on another edge)
+        app[DRAINING].set()
+        log.info("draining: up to %g s for the requests in flight", shutdown_timeout)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
