@@ -46,3 +46,14 @@ async def test_an_unreachable_redis_fails_every_waiting_put() -> None:
     finally:
         await client.aclose()
     assert all(isinstance(r, RedisError) for r in results), results
+
+
+async def test_jobs_with_records_fail_fast_when_redis_is_gone() -> None:
+    client = redis_clients.pooled(f"redis://127.0.0.1:{free_port()}/0", "test-enqueue-gone", 2)
+    queue = JobQueue(client)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            queue.put("s", b"job", ("record", b"value", 1000)), queue.put("s", b"job"), return_exceptions=True), 5)
+    finally:
+        await client.aclose()
+    assert all(isinstance(result, RedisError) for result in results)

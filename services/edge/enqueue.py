@@ -40,11 +40,12 @@ class JobQueue:
                 if record is not None:
                     pipe.set(record[0], record[1], px=record[2])
                 pipe.xadd(stream, {bus.JOB_FIELD: job})
+            commands = len(pipe)  # a failed execute empties the pipeline
             try:
                 results = await pipe.execute(raise_on_error=False)
             except (RedisError, OSError) as exc:
                 failure = exc if isinstance(exc, RedisError) else RedisConnectionError(str(exc))
-                results = [failure] * len(pipe)
+                results = [failure] * commands
             outcomes = iter(results)
             for _stream, _job, record, written in batch:
                 result = next(outcomes) if record is None else _first_failure(next(outcomes), next(outcomes))
