@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -11,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.edge.enqueue import JobQueue
-from services.supervisor import free_port
+from services.supervisor import RedisServer, free_port
 from shared import bus, redis_clients
 
 
@@ -48,12 +49,16 @@ async def test_an_unreachable_redis_fails_every_waiting_put() -> None:
     assert all(isinstance(r, RedisError) for r in results), results
 
 
-async def test_jobs_with_records_fail_fast_when_redis_is_gone() -> None:
-    client = redis_clients.pooled(f"redis://127.0.0.1:{free_port()}/0", "test-enqueue-gone", 2)
+async def test_jobs_fail_fast_when_redis_dies_under_held_connections(tmp_path: Path) -> None:
+    server = RedisServer(str(tmp_path))
+    client = redis_clients.pooled(server.start(), "test-enqueue-gone", 2)
     queue = JobQueue(client)
     try:
+        await queue.put("s", b"job", ("record", b"value", 1000))  # the pool now holds a live connection
+        server.kill()
         results = await asyncio.wait_for(asyncio.gather(
             queue.put("s", b"job", ("record", b"value", 1000)), queue.put("s", b"job"), return_exceptions=True), 5)
     finally:
         await client.aclose()
-    assert all(isinstance(result, RedisError) for result in results)
+        server.stop()
+    assert all(isinstance(result, RedisError) for result in results), results
