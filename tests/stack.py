@@ -73,6 +73,10 @@ class Stack:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
 
+    def consumers(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = self.client.xinfo_consumers(keys.requests_stream(self.model), keys.WORKER_GROUP)
+        return found
+
     def pending(self) -> int:
         summary: Any = self.client.xpending(keys.requests_stream(self.model), keys.WORKER_GROUP)
         return int(summary["pending"])

@@ -59,10 +59,15 @@ async def test_a_worker_killed_mid_stream_ends_no_stream(stack: Stack) -> None:
     stack.worker()
     streams = [asyncio.create_task(stream_text(edges[i % 2].url, stack.model, 100)) for i in range(32)]
     await asyncio.sleep(0.8)
-    stack.kill(stack.busiest().process)
+    dead = stack.busiest().process
+    stack.kill(dead)
     results = await asyncio.wait_for(asyncio.gather(*streams), 60)
     assert all(result == (expected(100), 100) for result in results), [r for r in results if r[1] != 100][:3]
     await stack.settled()
+    deadline = time.monotonic() + 10  # the survivor removes the dead consumer from the group
+    while any(f"-{dead.pid}-" in c["name"].decode() for c in stack.consumers()):
+        assert time.monotonic() < deadline, "the dead worker is still a consumer of the group"
+        await asyncio.sleep(0.2)
 
 
 async def test_a_kill_soak_loses_nothing(stack: Stack) -> None:
