@@ -322,3 +322,18 @@ async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothi
     assert sum(result == (expected(60), 60) for result in results) == 96
     assert all(p.process.wait(timeout=30) == 0 for p in old)
     await stack.settled()
+
+
+async def test_a_stream_whose_only_worker_dies_ends_with_worker_lost_within_seconds(stack: Stack) -> None:
+    edge = stack.edge()
+    only = stack.worker()
+    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 2000))
+    await asyncio.sleep(0.5)
+    stack.kill(only.process)
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError, match="died") as caught:
+        await asyncio.wait_for(streaming, 15)
+    assert time.monotonic() - killed < 10
+    assert caught.value.code == "worker_lost"
+    stack.worker()  # the next worker claims the dead one's entry and, as its client gave up, drops it
+    await stack.settled()
