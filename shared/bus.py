@@ -81,11 +81,36 @@ class Job(Base):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     created_ms: int = 0
     tenant: str = ""
+    """Who asked (the API key's tenant; "" when the edge serves without keys)."""
+    weight: float = 1.0
+    """The tenant's share of the model's workers relative to other tenants (fair share)."""
+    priority: int = 0
+    """Strict priority band: backlogged jobs of a higher band always go first."""
+    prompt_estimate: int = 0
+    """Prompt tokens as the edge estimates them (it has no tokenizer): for admission and fair share."""
+    output_budget: int = 0
+    """Completion tokens the job may generate, all choices together: what admission reserves."""
+    charge: Charge | None = None
+    """The rate-limit reservation to settle with the real usage when the job ends (None: no limits)."""
     handovers: int = 0
     """How many times a draining worker handed this job on (0: as the edge enqueued it). A job with
     handovers, or one reclaimed from a dead worker, continues from its event log."""
     continuation: Continuation | None = None
     """Set by the worker that takes the job over: what the client already has, for the engine to continue."""
+
+
+class Charge(Base):
+    """Tokens reserved at admission for one API key, settled by the worker that ends the job: the unused
+    part goes back to the key's tokens-per-minute allowance and its quota, the real usage is accounted."""
+
+    key: str
+    """The key's id (a prefix of its hash; never the key)."""
+    tokens: int
+    """Reserved: the prompt estimate plus the output budget."""
+    tpm: int = 0
+    """The key's tokens-per-minute limit when the job was admitted (0: none)."""
+    quota_window: str = ""
+    """The quota period the tokens were charged to ("" for no quota), e.g. 2026-11 or 2026-11-23."""
 
 
 class Continuation(Base):

@@ -15,6 +15,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 TASKS = ("generate", "embed")
 ENGINES = ("vllm", "sim")
+AUTH_MODES = ("keys", "none")
+REDIS_DOWN_POLICIES = ("closed", "open", "local")
+SCHEDULERS = ("fair", "fifo")
 
 
 def cache_dir() -> Path:
@@ -98,6 +101,30 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dropped and its job stopped (an edge's memory must not grow with slow clients)."""
     read_timeout_s: float = 30.0
     """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
+    auth: str = "keys"
+    """keys: every API route needs an API key (`tokenbus keys create`); none: anyone may call (`tokenbus run`
+    serves without keys unless told otherwise)."""
+    key_cache_s: float = 5.0
+    """How long an edge trusts a key record it read; a revoke reaches every edge at once regardless."""
+    lease_ttl_s: float = 15.0
+    """A concurrency lease outlives its edge by at most this long (edges renew theirs every heartbeat)."""
+    admission_when_redis_down: str = "closed"
+    """What an edge does with a key's limits when Redis cannot answer the admission step: closed (refuse
+    with 503), open (admit without limits), local (each edge enforces an equal part of every limit itself)."""
+    metrics_max_tenants: int = 20
+    """Tenants that get their own label in the metrics; the rest are counted as `other`."""
+    scheduler: str = "fair"
+    """How a model's workers pick the next job: fair (per-tenant queues, virtual token counters) or fifo."""
+    fair_input_weight: float = 1.0
+    """Fair share: what one prompt token costs a tenant's counter."""
+    fair_output_weight: float = 2.0
+    """Fair share: what one generated token costs a tenant's counter."""
+    max_queued_jobs: int = 4096
+    """Jobs one model may hold queued (not yet running); past it new requests get 503 at once."""
+    max_queued_per_tenant: int = 1024
+    """Jobs one tenant may hold queued for one model; past it its new requests get 429 at once."""
+    queue_timeout_s: float = 120.0
+    """A job that waited longer than this for a worker is never started; its client gets an error."""
 
 
 def _flag(name: str) -> str:
@@ -151,6 +178,10 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     settings = Settings(**values)
     if settings.task not in TASKS:
         raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
+    for name, allowed in (("auth", AUTH_MODES), ("admission_when_redis_down", REDIS_DOWN_POLICIES),
+                          ("scheduler", SCHEDULERS)):
+        if getattr(settings, name) not in allowed:
+            raise SystemExit(f"invalid setting {name}={getattr(settings, name)!r}: choose one of {', '.join(allowed)}")
     if settings.engine not in ENGINES:
         raise SystemExit(f"invalid setting engine={settings.engine!r}: choose one of {', '.join(ENGINES)}")
     return settings
