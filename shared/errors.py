@@ -8,14 +8,19 @@
     ├── NotFound                   404 invalid_request_error / not_found
     │   └── ModelNotFound          404 invalid_request_error / model_not_found
     ├── Overloaded                 503 overloaded_error
-    │   └── Unavailable            503 overloaded_error / redis_unavailable (the queue cannot be reached)
+    │   ├── Unavailable            503 overloaded_error / redis_unavailable (the queue cannot be reached)
+    │   ├── QueueFull              503 overloaded_error / queue_full (the model holds max_queued_jobs)
+    │   ├── WaitExceedsDeadline    503 overloaded_error / wait_exceeds_deadline (the estimated wait is longer)
+    │   └── QueueTimeout           503 overloaded_error / queue_timeout (it waited over queue_timeout_s)
+    ├── TenantQueueFull            429 rate_limit_error / tenant_queue_full (the tenant's own queue bound)
     ├── WorkerLost                 503 server_error / worker_lost (its worker died, nobody could continue)
     ├── StreamAbandoned            410 invalid_request_error / stream_abandoned (not resumed in time)
     ├── RequestTimeout             504 timeout_error
     └── EngineError                500 server_error
 
-Errors cross the bus as `bus.Error` events (see `to_event` / `from_event`) and leave the edge in each
-API's own shape, rendered by the format modules.
+Errors cross the bus as `bus.Error` events (see `to_event` / `from_event`) and leave the edge in each API's own
+shape, rendered by the format modules. A refusal that a client may retry can say when (`retry_after_s`, the
+Retry-After header).
 """
 
 from __future__ import annotations
@@ -27,13 +32,18 @@ class TokenbusError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None
+    """When a client should try again (429 and 503); None: the edge's default."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class InvalidRequest(TokenbusError):
@@ -74,6 +84,24 @@ class Unavailable(Overloaded):
     code = "redis_unavailable"
 
 
+class QueueFull(Overloaded):
+    code = "queue_full"
+
+
+class WaitExceedsDeadline(Overloaded):
+    code = "wait_exceeds_deadline"
+
+
+class QueueTimeout(Overloaded):
+    code = "queue_timeout"
+
+
+class TenantQueueFull(TokenbusError):
+    status = 429
+    type = "rate_limit_error"
+    code = "tenant_queue_full"
+
+
 class WorkerLost(TokenbusError):
     status = 503
     type = "server_error"
@@ -99,7 +127,8 @@ class EngineError(TokenbusError):
 _BY_NAME: dict[str, type[TokenbusError]] = {
     cls.__name__: cls
     for cls in (TokenbusError, InvalidRequest, ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
-                ModelNotFound, NotFound, Overloaded, Unavailable, WorkerLost, StreamAbandoned, RequestTimeout,
+                ModelNotFound, NotFound, Overloaded, Unavailable, QueueFull, WaitExceedsDeadline, QueueTimeout,
+                TenantQueueFull, WorkerLost, StreamAbandoned, RequestTimeout,
                 EngineError)
 }
 

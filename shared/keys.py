@@ -73,3 +73,30 @@ def job_reply_to(job_id: str) -> str:
 def dead_letters(model: str) -> str:
     """Jobs of a model taken off its queue after too many owners died running them, with the reason."""
     return f"{PREFIX}:deadletter:{{{model}}}"
+
+
+
+FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots")
+"""The fair-share scheduler's keys of a model (see shared.fairshare), all under the model's hash tag like its
+request stream, so that each of its scripts touches one Redis Cluster slot:
+
+    ready     sorted set (by name): the backlogged tenants of each priority band, ordered by their counters
+    backlog   sorted set (by name): every queued job, per band and tenant in arrival order
+    jobs      hash: a queued job's encoded form, by its backlog member
+    costs     hash: what a queued job will charge its tenant's counter, and its token prices
+    counters  hash: each band and tenant's virtual token counter
+    queued    hash: jobs each tenant holds queued
+    state     hash: queued jobs (in all and per band), the last counter served in each band, the sequence of
+              backlog members, the moving average of a job's duration
+    slots     hash: the slots each live worker offers, with when its offer expires
+"""
+
+
+def fair_key(model: str, name: str) -> str:
+    """One of FAIR_KEY_NAMES for one model."""
+    return f"{PREFIX}:fair:{{{model}}}:{name}"
+
+
+def fair_keys(model: str) -> list[str]:
+    """Every key a fair-share script takes, in its order: FAIR_KEY_NAMES, then the model's request stream."""
+    return [fair_key(model, name) for name in FAIR_KEY_NAMES] + [requests_stream(model)]

@@ -36,3 +36,14 @@ HANDOVERS = Counter("tokenbus_worker_handovers", "Jobs a draining worker handed 
 RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Event-ID", ["route"])
 WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died")
 REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage")
+
+# fair share and admission
+QUEUED_JOBS = Gauge("tokenbus_queued_jobs", "Jobs of a model waiting for a worker (as one worker last read it)",
+                    ["model"])
+QUEUE_WAIT = Histogram("tokenbus_worker_queue_wait_seconds", "From a job's arrival to its start on a worker",
+                       ["model"], buckets=_LATENCY_BUCKETS)
+DISPATCHES = Counter("tokenbus_fair_dispatches", "Jobs this process moved from tenants' backlogs to workers",
+                     ["model"])
+ADMISSION_REFUSALS = Counter("tokenbus_edge_admission_refusals", "Requests refused before they were queued",
+                             ["model", "reason"])
+"""reason: queue_full | tenant_queue_full | wait_exceeds_deadline"""

@@ -1,0 +1,204 @@
+"""Fair share of a model's workers between tenants, and admission control, shared by every edge and worker
+through Redis: a virtual token counter scheduler (VTC, Sheng et al., OSDI 2024).
+
+Each band and tenant (an "entity") has a counter of the service it received, in weighted tokens divided by its
+weight. An edge's `enqueue` admits a job (or refuses it: the model's queue or the tenant's share of it is full,
+or the estimated wait is longer than the job may wait) into its tenant's backlog. `dispatch` moves the oldest
+job of the backlogged tenant with the least counter, in the highest priority band, onto the model's request
+stream while the live workers have room for it, and charges its estimated cost to that counter; edges dispatch
+after each enqueue, workers before each read and when jobs end. When a job ends its worker corrects the charge
+with the tokens really used. A tenant that comes back from idle starts at the least counter of those waiting, so
+idle time does not turn into a burst; a tenant alone gets every slot.
+
+Workers keep taking jobs from the request stream through their consumer group, so ownership, reclaims and
+hand-overs do not change. `Fifo` (the `fifo` scheduler) puts jobs straight onto the request stream, with the
+model's queue bound and the wait estimate but no per-tenant backlogs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+from shared import bus, keys
+from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
+from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO
+from shared.settings import Settings
+
+CHARS_PER_TOKEN = 4
+"""Prompt tokens are guessed from characters when the edge made no estimate (it has no tokenizer)."""
+OUTPUT_GUESS = 256
+"""Completion tokens charged for a job without max_tokens when the edge made no estimate; settled later."""
+Arg = bytes | str | int | float
+"""A script argument."""
+MAX_PRIORITY = 999
+MAX_RETRY_AFTER_S = 60
+
+ENTITY_FIELD, COST_FIELD = b"e", b"c"
+"""Request stream fields of a dispatched job besides the job itself: its band and tenant, and its cost."""
+
+
+def band_of(priority: int) -> str:
+    """The band a priority sorts in: 4 digits, the highest priority first."""
+    return f"{1000 - max(-MAX_PRIORITY, min(MAX_PRIORITY, priority)):04d}"
+
+
+def estimated_tokens(job: bus.Job) -> tuple[int, int]:
+    """Prompt and completion tokens the job may use, as the edge estimated them (guessed here when it did not)."""
+    if job.prompt_estimate or job.output_budget:
+        return job.prompt_estimate, job.output_budget
+    characters = sum(len(m.content) for m in job.messages) + sum(len(p) for p in job.prompts)
+    if job.kind == "embedding":
+        return characters // CHARS_PER_TOKEN + 1, 0
+    choices = max(1, len(job.prompts)) * job.params.n
+    return characters // CHARS_PER_TOKEN + 1, (job.params.max_tokens or OUTPUT_GUESS) * choices
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a dispatched job was charged, carried on its request stream entry to the worker that settles it."""
+
+    entity: str
+    charge: float
+    input_price: float
+    """Counter units per prompt token: the input weight over the tenant's weight."""
+    output_price: float
+
+    def fields(self) -> dict[bytes, bytes]:
+        return {ENTITY_FIELD: self.entity.encode(),
+                COST_FIELD: f"{self.charge:.3f} {self.input_price:.6g} {self.output_price:.6g}".encode()}
+
+    @staticmethod
+    def from_fields(fields: dict[bytes, bytes]) -> Ticket | None:
+        """The ticket of a request stream entry; None for a job that was not dispatched by the fair scheduler."""
+        try:
+            charge, input_price, output_price = map(float, fields[COST_FIELD].split())
+            return Ticket(fields[ENTITY_FIELD].decode(), charge, input_price, output_price)
+        except (KeyError, ValueError, UnicodeDecodeError):
+            return None
+
+    def settle(self, prompt_tokens: int, completion_tokens: int, duration_ms: float) -> Settlement:
+        used = self.input_price * prompt_tokens + self.output_price * completion_tokens
+        return Settlement(self.entity, used - self.charge, duration_ms)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """A finished job's correction of its tenant's counter, and how long it held its slot."""
+
+    entity: str
+    correction: float
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A worker's slots, good for `ttl_ms`: what `dispatch` fills."""
+
+    worker: str
+    slots: int
+    ttl_ms: int
+
+    def args(self) -> list[Arg]:
+        return [self.worker, self.slots, self.ttl_ms]
+
+
+NO_OFFER = Offer("", 0, 0)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    member: bytes
+    """Where the job waits in its tenant's backlog (empty for fifo)."""
+    dispatched: int
+    """Jobs (of any tenant) the enqueue moved onto the request stream."""
+
+
+def refusal(code: str, retry_ms: int) -> TokenbusError:
+    """The error a refused enqueue raises, telling the client when to try again."""
+    retry_after_s = max(1, min(MAX_RETRY_AFTER_S, math.ceil(retry_ms / 1000)))
+    if code == "tenant_queue_full":
+        return TenantQueueFull("You have too many requests queued for this model; try again later.",
+                               retry_after_s=retry_after_s)
+    if code == "wait_exceeds_deadline":
+        return WaitExceedsDeadline("The model is too busy to serve the request before its deadline; try again "
+                                   "later.", retry_after_s=retry_after_s)
+    return QueueFull("The model's queue is full; try again later.", retry_after_s=retry_after_s)
+
+
+def outcome(result: Any) -> Admitted | TokenbusError:
+    """What an enqueue script answered."""
+    if result[0] == b"ok":
+        return Admitted(bytes(result[1]), int(result[2]))
+    return refusal(result[0].decode(), int(result[1]))
+
+
+class Scheduler:
+    """The scheduler of every model, as one process calls it; the FIFO and fair variants differ in `enqueue`."""
+
+    fair = False
+
+    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self._enqueue = redis.register_script(ENQUEUE)
+        self._enqueue_fifo = redis.register_script(ENQUEUE_FIFO)
+        self._dispatch = redis.register_script(DISPATCH)
+
+    async def load(self) -> None:
+        """Loads the scripts (after Redis lost them): pipelines call them by their hash alone."""
+        for script in (self._enqueue, self._enqueue_fifo, self._dispatch):
+            await self.redis.script_load(script.script)
+
+    def affordable_ms(self, job: bus.Job) -> int:
+        """How long the job may wait for a worker: until its deadline, and no longer than the queue timeout."""
+        return max(0, min(job.deadline_ms - bus.now_ms(), int(self.settings.queue_timeout_s * 1000)))
+
+    def enqueue(self, pipe: Pipeline, job: bus.Job, encoded: bytes) -> None:
+        """Adds the job's admission and enqueue to a pipeline; its result goes through `outcome`."""
+        args: list[Arg] = [encoded, self.settings.max_queued_jobs, self.affordable_ms(job), keys.WORKER_GROUP]
+        pipe.evalsha(self._enqueue_fifo.sha, len(keys.fair_keys(job.model)), *keys.fair_keys(job.model), *args)
+
+    async def dispatch(self, model: str, offer: Offer = NO_OFFER) -> int:
+        """Offers a worker's slots (if any) and fills the room on the request stream; returns the jobs moved."""
+        return int(await self._dispatch(keys=keys.fair_keys(model), args=offer.args()))
+
+    def settle(self, pipe: Pipeline, model: str, settlements: list[Settlement]) -> None:
+        """Adds to a pipeline the correction of finished jobs' counters, then a dispatch into their slots."""
+        args: list[Arg] = [*NO_OFFER.args()]
+        for done in settlements:
+            args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}"]
+        pipe.evalsha(self._dispatch.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), *args)
+
+    async def queued(self, model: str) -> int:
+        """Jobs of the model waiting for a worker: in the backlogs, and on the request stream not yet read."""
+        stream = keys.requests_stream(model)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(keys.fair_key(model, "state"), "queued")
+        pipe.xlen(stream)
+        pipe.xpending(stream, keys.WORKER_GROUP)
+        backlog, length, pending = await pipe.execute(raise_on_error=False)
+        delivered = pending["pending"] if isinstance(pending, dict) else 0
+        return int(backlog or 0) + max(0, int(length) - delivered)
+
+
+class FairShare(Scheduler):
+    fair = True
+
+    def enqueue(self, pipe: Pipeline, job: bus.Job, encoded: bytes) -> None:
+        weight = max(job.weight, 1e-3)
+        input_price = self.settings.fair_input_weight / weight
+        output_price = self.settings.fair_output_weight / weight
+        prompt, output = estimated_tokens(job)
+        cost = Ticket("", input_price * prompt + output_price * output, input_price, output_price).fields()
+        args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
+                self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job)]
+        pipe.evalsha(self._enqueue.sha, len(keys.fair_keys(job.model)), *keys.fair_keys(job.model), *args)
+
+
+def for_settings(redis: aioredis.Redis, settings: Settings) -> Scheduler:
+    return FairShare(redis, settings) if settings.scheduler == "fair" else Scheduler(redis, settings)

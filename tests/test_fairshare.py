@@ -1,0 +1,239 @@
+"""The fair-share scheduler's scripts against a real Redis, with a stand-in worker that takes jobs through the
+consumer group and ends them as a worker does (acknowledge, delete, settle): order by counter, weights, strict
+priority bands, no burst for a tenant back from idle, work conservation, and admission bounds."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared import bus, fairshare, keys, redis_clients
+from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
+from shared.settings import Settings
+
+PROMPT, OUTPUT = 10, 100
+"""Every job's estimate; with the default weights (1 and 2) it charges 210 / weight."""
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = redis_clients.pooled(redis_url, "test-fairshare", 4)
+    yield client
+    await client.aclose()
+
+
+def make_job(model: str, tenant: str, weight: float = 1.0, priority: int = 0, deadline_s: float = 600,
+             output: int = OUTPUT) -> bus.Job:
+    return bus.Job(id=f"{tenant}-{uuid.uuid4().hex[:8]}", model=model, reply_to="events", tenant=tenant,
+                   deadline_ms=bus.now_ms() + int(deadline_s * 1000), created_ms=bus.now_ms(), weight=weight,
+                   priority=priority, prompt_estimate=PROMPT, output_budget=output)
+
+
+@dataclass
+class Pool:
+    """One model's scheduler and a stand-in worker with `slots` that ends jobs on demand."""
+
+    redis: aioredis.Redis
+    scheduler: fairshare.Scheduler
+    slots: int
+    model: str = field(default_factory=lambda: f"model-{uuid.uuid4().hex[:8]}")
+
+    async def start(self) -> None:
+        await self.scheduler.load()
+        await self.redis.xgroup_create(keys.requests_stream(self.model), keys.WORKER_GROUP, id="0", mkstream=True)
+
+    async def enqueue(self, job: bus.Job) -> fairshare.Admitted | TokenbusError:
+        pipe = self.redis.pipeline(transaction=False)
+        self.scheduler.enqueue(pipe, job, bus.encode_job(job))
+        return fairshare.outcome((await pipe.execute())[0])
+
+    async def offer(self, slots: int | None = None, ttl_ms: int = 60_000) -> int:
+        return await self.scheduler.dispatch(self.model, fairshare.Offer("w", self.slots if slots is None else slots,
+                                                                         ttl_ms))
+
+    async def take(self) -> list[tuple[bytes, bus.Job, fairshare.Ticket | None]]:
+        """What the worker reads: every job delivered to it so far."""
+        reply: Any = await self.redis.xreadgroup(keys.WORKER_GROUP, "w", {keys.requests_stream(self.model): ">"},
+                                            count=1000)
+        return [(entry_id, bus.decode_job(f[bus.JOB_FIELD]), fairshare.Ticket.from_fields(f))
+                for _stream, entries in reply or () for entry_id, f in entries]
+
+    async def finish(self, taken: list[tuple[bytes, bus.Job, fairshare.Ticket | None]],
+                     completion_tokens: int = OUTPUT) -> None:
+        """Ends jobs as a worker does: acknowledged and deleted, their charges settled, in one write."""
+        pipe = self.redis.pipeline(transaction=False)
+        settlements = []
+        for entry_id, _job, ticket in taken:
+            pipe.xack(keys.requests_stream(self.model), keys.WORKER_GROUP, entry_id)
+            pipe.xdel(keys.requests_stream(self.model), entry_id)
+            assert ticket is not None
+            settlements.append(ticket.settle(PROMPT, completion_tokens, 1000.0))
+        self.scheduler.settle(pipe, self.model, settlements)
+        await pipe.execute()
+
+    async def serve(self, jobs: int) -> list[str]:
+        """Serves `jobs` jobs, one at a time; the tenants in the order they were served."""
+        order: list[str] = []
+        while len(order) < jobs:
+            taken = await self.take()
+            assert len(taken) == 1, taken
+            order.append(taken[0][1].tenant)
+            await self.finish(taken)
+        return order
+
+    async def state(self, name: str) -> int:
+        return int(await self.redis.hget(keys.fair_key(self.model, "state"), name) or 0)
+
+
+async def pool(redis: aioredis.Redis, slots: int, **settings: object) -> Pool:
+    started = Pool(redis, fairshare.for_settings(redis, Settings(**settings)), slots)
+    await started.start()
+    return started
+
+
+async def test_the_tenant_with_the_least_counter_goes_next(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=1)
+    for _ in range(10):
+        await fair.enqueue(make_job(fair.model, "a"))
+        await fair.enqueue(make_job(fair.model, "b"))
+    await fair.offer()
+    assert await fair.serve(6) == ["a", "b"] * 3
+
+
+async def test_charges_are_settled_with_the_tokens_really_generated(redis: aioredis.Redis) -> None:
+    """a asks for ten times the tokens b asks for, but uses as many: settled, its jobs take turns with b's
+    (charged by their estimates alone, b would go ten times in a row)."""
+    fair = await pool(redis, slots=1)
+    for _ in range(10):
+        await fair.enqueue(make_job(fair.model, "a", output=10 * OUTPUT))
+        await fair.enqueue(make_job(fair.model, "b"))
+    await fair.offer()
+    assert await fair.serve(8) == ["a", "b"] * 4
+
+
+async def test_weights_1_to_2_give_service_1_to_2_within_10_percent(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=4)
+    for _ in range(200):
+        await fair.enqueue(make_job(fair.model, "light", weight=1))
+        await fair.enqueue(make_job(fair.model, "heavy", weight=2))
+    await fair.offer()
+    served: Counter[str] = Counter()
+    while sum(served.values()) < 240:  # both stay backlogged throughout
+        taken = await fair.take()
+        served.update(job.tenant for _entry, job, _ticket in taken)
+        await fair.finish(taken)
+    assert served["heavy"] / served["light"] == pytest.approx(2.0, rel=0.1), served
+
+
+async def test_a_higher_priority_band_always_goes_first(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=1)
+    for _ in range(5):  # the low band arrives first, and its tenant has never been served
+        await fair.enqueue(make_job(fair.model, "low", priority=0))
+    for _ in range(5):
+        await fair.enqueue(make_job(fair.model, "high", priority=1))
+        await fair.enqueue(make_job(fair.model, "top", priority=2))
+    await fair.offer()
+    assert await fair.serve(15) == ["top"] * 5 + ["high"] * 5 + ["low"] * 5
+
+
+async def test_a_tenant_back_from_idle_gets_no_burst(redis: aioredis.Redis) -> None:
+    """b is served a little, goes idle while a is served a lot, then comes back: they take turns at once, b's
+    idle time is not saved up (without the lift b would get its next 20 jobs in a row)."""
+    fair = await pool(redis, slots=1)
+    await fair.offer()
+    for _ in range(2):
+        await fair.enqueue(make_job(fair.model, "b"))
+    assert await fair.serve(2) == ["b", "b"]
+    for _ in range(60):
+        await fair.enqueue(make_job(fair.model, "a"))
+    assert await fair.serve(30) == ["a"] * 30
+    for _ in range(20):
+        await fair.enqueue(make_job(fair.model, "b"))
+    served = Counter(await fair.serve(20))
+    assert served["b"] <= 11, served
+
+
+async def test_a_tenant_alone_gets_every_slot(redis: aioredis.Redis) -> None:
+    """Work conservation: as many jobs as the workers have slots are on their way at once, and each job that
+    ends brings the next in the same write."""
+    fair = await pool(redis, slots=8)
+    for _ in range(20):
+        await fair.enqueue(make_job(fair.model, "alone"))
+    assert await fair.offer() == 8
+    taken = await fair.take()
+    assert len(taken) == 8
+    await fair.finish(taken[:3])
+    assert len(await fair.take()) == 3
+    assert await fair.state("queued") == 9
+
+
+async def test_an_expired_offer_takes_its_slots_away(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=4)
+    await fair.offer(ttl_ms=100)
+    deadline = time.monotonic() + 5
+    while await redis.hlen(keys.fair_key(fair.model, "slots")):  # dropped by the first call after it expired
+        assert time.monotonic() < deadline, "the expired offer stayed"
+        await fair.scheduler.dispatch(fair.model)
+    await fair.enqueue(make_job(fair.model, "a"))
+    assert await redis.xlen(keys.requests_stream(fair.model)) == 0
+    assert await fair.state("queued") == 1
+
+
+async def test_the_model_bound_refuses_with_503_and_queues_nothing(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=0, max_queued_jobs=5)
+    for i in range(5):
+        assert isinstance(await fair.enqueue(make_job(fair.model, f"t{i}")), fairshare.Admitted)
+    refused = await fair.enqueue(make_job(fair.model, "late"))
+    assert isinstance(refused, QueueFull) and refused.status == 503 and refused.code == "queue_full"
+    assert refused.retry_after_s and refused.retry_after_s >= 1
+    assert await fair.state("queued") == 5
+    assert await redis.zcard(keys.fair_key(fair.model, "backlog")) == 5
+    assert not await redis.hexists(keys.fair_key(fair.model, "queued"), "late")
+
+
+async def test_the_tenant_bound_refuses_with_429_and_spares_other_tenants(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=0, max_queued_per_tenant=3)
+    for _ in range(3):
+        await fair.enqueue(make_job(fair.model, "greedy"))
+    refused = await fair.enqueue(make_job(fair.model, "greedy"))
+    assert isinstance(refused, TenantQueueFull) and refused.status == 429 and refused.code == "tenant_queue_full"
+    assert isinstance(await fair.enqueue(make_job(fair.model, "modest")), fairshare.Admitted)
+    assert await redis.hget(keys.fair_key(fair.model, "queued"), "greedy") == b"3"
+    assert await fair.state("queued") == 4
+
+
+async def test_a_wait_longer_than_the_deadline_is_refused(redis: aioredis.Redis) -> None:
+    """One slot, jobs lasting 1 s on average (as the settled jobs said), 5 queued: a job with 2 s left cannot
+    start in time, one with a minute can; a tenant with nothing queued skips most of the queue."""
+    fair = await pool(redis, slots=1)
+    await fair.offer()
+    for _ in range(6):
+        await fair.enqueue(make_job(fair.model, "a"))
+    await fair.finish(await fair.take())  # took 1 s: the average
+    assert await fair.state("queued") == 4
+    refused = await fair.enqueue(make_job(fair.model, "a", deadline_s=2))
+    assert isinstance(refused, WaitExceedsDeadline) and refused.status == 503
+    assert refused.code == "wait_exceeds_deadline" and refused.retry_after_s in (3, 4)  # 5 s wait, 2 s left
+    assert await fair.state("queued") == 4
+    assert isinstance(await fair.enqueue(make_job(fair.model, "a", deadline_s=60)), fairshare.Admitted)
+    assert isinstance(await fair.enqueue(make_job(fair.model, "b", deadline_s=3)), fairshare.Admitted)
+
+
+async def test_fifo_keeps_one_queue_with_the_model_bound(redis: aioredis.Redis) -> None:
+    fifo = await pool(redis, slots=2, scheduler="fifo", max_queued_jobs=3)
+    await fifo.offer()
+    for _ in range(3):
+        assert isinstance(await fifo.enqueue(make_job(fifo.model, "a")), fairshare.Admitted)
+    assert len(await fifo.take()) == 3  # delivered jobs are no longer queued
+    for tenant in ("b", "c", "c"):
+        assert isinstance(await fifo.enqueue(make_job(fifo.model, tenant)), fairshare.Admitted)
+    refused = await fifo.enqueue(make_job(fifo.model, "d"))
+    assert isinstance(refused, QueueFull)
+    assert [job.tenant for _e, job, _t in await fifo.take()] == ["b", "c", "c"]
