@@ -1,4 +1,5 @@
-"""The edge's job queue against a real Redis: a burst of jobs goes out in one write, failures reach callers."""
+"""The edge's job queue against a real Redis: a burst of jobs goes out in one write, refusals and failures reach
+callers."""
 
 from __future__ import annotations
 
@@ -7,43 +8,95 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.edge.enqueue import JobQueue
 from services.supervisor import RedisServer, free_port
-from shared import bus, redis_clients
+from shared import bus, fairshare, keys, redis_clients
+from shared.errors import QueueFull
+from shared.settings import Settings
+
+
+def job(model: str, i: int = 0) -> bus.Job:
+    return bus.Job(id=f"job-{i}", model=model, reply_to="events", deadline_ms=bus.now_ms() + 60_000)
+
+
+def queue_of(client: aioredis.Redis, scheduler: str = "fair", **settings: Any) -> JobQueue:
+    return JobQueue(client, fairshare.for_settings(client, Settings(scheduler=scheduler, **settings)))
+
+
+def counting_writes(client: aioredis.Redis) -> list[int]:
+    """Counts the pipelines the client makes (one round trip each)."""
+    writes = [0]
+    pipeline = client.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        writes[0] += 1
+        return pipeline(*args, **kwargs)
+
+    client.pipeline = counted  # type: ignore[method-assign]
+    return writes
 
 
 async def test_a_burst_of_jobs_lands_in_order_in_one_round_trip(redis_url: str, redis_client: redis.Redis) -> None:
     client = redis_clients.pooled(redis_url, "test-enqueue", 2)
-    writes = 0
-    pipeline = client.pipeline
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal writes
-        writes += 1
-        return pipeline(*args, **kwargs)
-
-    client.pipeline = counted  # type: ignore[method-assign]
-    queue = JobQueue(client)
-    stream = f"test-jobs-{uuid.uuid4().hex}"
+    queue = queue_of(client, "fifo")
+    await queue.scheduler.load()
+    writes = counting_writes(client)
+    model = f"test-{uuid.uuid4().hex}"
     try:
-        await asyncio.gather(*(queue.put(stream, f"job-{i}".encode()) for i in range(50)))
+        await asyncio.gather(*(queue.put(job(model, i)) for i in range(50)))
     finally:
         await client.aclose()
-    entries = redis_client.xrange(stream)
-    assert [fields[bus.JOB_FIELD] for _id, fields in entries] == [f"job-{i}".encode() for i in range(50)]
-    assert writes == 1
+    entries = redis_client.xrange(keys.requests_stream(model))
+    assert [bus.decode_job(fields[bus.JOB_FIELD]).id for _id, fields in entries] == [f"job-{i}" for i in range(50)]
+    assert writes == [1]
+
+
+async def test_the_fair_queue_takes_a_burst_in_one_round_trip_after_redis_lost_its_scripts(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """The first write finds no scripts (NOSCRIPT): they are loaded and the burst is sent once more, in order."""
+    client = redis_clients.pooled(redis_url, "test-enqueue", 2)
+    redis_client.script_flush()
+    queue = queue_of(client)
+    model = f"test-{uuid.uuid4().hex}"
+    writes = counting_writes(client)
+    try:
+        admitted = await asyncio.gather(*(queue.put(job(model, i)) for i in range(50)))
+        await asyncio.gather(*(queue.put(job(model, i)) for i in range(50, 60)))
+    finally:
+        await client.aclose()
+    assert all(isinstance(a, fairshare.Admitted) for a in admitted)
+    members = redis_client.zrange(keys.fair_key(model, "backlog"), 0, -1)
+    queued = redis_client.hmget(keys.fair_key(model, "jobs"), members)
+    assert [bus.decode_job(data).id for data in queued] == [f"job-{i}" for i in range(60)]
+    assert writes == [3]  # the burst, sent again, then the next burst in one write
+
+
+async def test_a_refused_job_raises_and_leaves_neither_job_nor_resume_record(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    client = redis_clients.pooled(redis_url, "test-enqueue", 2)
+    queue = queue_of(client, max_queued_jobs=1)
+    model = f"test-{uuid.uuid4().hex}"
+    try:
+        await queue.put(job(model, 0))
+        with pytest.raises(QueueFull):
+            await queue.put(job(model, 1), (f"record-{model}", b"body", 60_000))
+    finally:
+        await client.aclose()
+    assert redis_client.zcard(keys.fair_key(model, "backlog")) == 1
+    assert not redis_client.exists(f"record-{model}")
 
 
 async def test_an_unreachable_redis_fails_every_waiting_put() -> None:
     client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
-    queue = JobQueue(client)
+    queue = queue_of(client)
     try:
         results = await asyncio.wait_for(
-            asyncio.gather(*(queue.put("jobs", b"x") for _ in range(3)), return_exceptions=True), 10)
+            asyncio.gather(*(queue.put(job("m")) for _ in range(3)), return_exceptions=True), 10)
     finally:
         await client.aclose()
     assert all(isinstance(r, RedisError) for r in results), results
@@ -52,12 +105,12 @@ async def test_an_unreachable_redis_fails_every_waiting_put() -> None:
 async def test_jobs_fail_fast_when_redis_dies_under_held_connections(tmp_path: Path) -> None:
     server = RedisServer(str(tmp_path))
     client = redis_clients.pooled(server.start(), "test-enqueue-gone", 2)
-    queue = JobQueue(client)
+    queue = queue_of(client)
     try:
-        await queue.put("s", b"job", ("record", b"value", 1000))  # the pool now holds a live connection
+        await queue.put(job("m"), ("record", b"value", 1000))  # the pool now holds a live connection
         server.kill()
         results = await asyncio.wait_for(asyncio.gather(
-            queue.put("s", b"job", ("record", b"value", 1000)), queue.put("s", b"job"), return_exceptions=True), 5)
+            queue.put(job("m"), ("record", b"value", 1000)), queue.put(job("m")), return_exceptions=True), 5)
     finally:
         await client.aclose()
         server.stop()

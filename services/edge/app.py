@@ -20,7 +20,7 @@ from services.edge.relay import EventRelay, Timing, running
 from services.edge.sse import ClientGone
 from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS, STORE
 from services.edge.store import ResponseStore
-from shared import keys, metrics, redis_clients
+from shared import fairshare, keys, metrics, redis_clients
 from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, TokenbusError, Unavailable
 from shared.settings import Settings
 
@@ -36,7 +36,7 @@ WITHOUT_REDIS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "un
 
 
 RETRY_AFTER_S = 1
-"""What a 503 or 429 tells a client to wait before trying again."""
+"""What a 503 or 429 tells a client to wait before trying again, unless its error knows better."""
 
 
 def _error_response(route: str, error: TokenbusError) -> web.Response:
@@ -45,7 +45,7 @@ def _error_response(route: str, error: TokenbusError) -> web.Response:
         body = tgi.tgi_error(error)
     else:
         status, body = error.status, openai_error(error)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    headers = {"Retry-After": str(error.retry_after_s or RETRY_AFTER_S)} if status in (429, 503) else None
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
@@ -151,7 +151,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
     relay = EventRelay(reader, commands, keys.events_stream(edge_id), timing, directory.alive)
     app[REDIS] = commands
-    app[GATEWAY] = Gateway(commands, relay, directory, settings.resume_window_s)
+    app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
+                           settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings.response_ttl_s)
     async with running(relay), directory.running():
         log.info("edge %s reads its events from %s", edge_id, relay.stream)

@@ -16,7 +16,7 @@ from services.edge.enqueue import JobQueue, Record
 from services.edge.jobevents import JobEvents
 from services.edge.relay import EventRelay
 from services.edge.sse import ClientGone
-from shared import bus, keys
+from shared import bus, fairshare, keys
 from shared.errors import InvalidRequest, ModelNotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -28,11 +28,11 @@ class Gateway:
     """Submits jobs and yields their events; every call has a deadline."""
 
     def __init__(self, redis: aioredis.Redis, relay: EventRelay, directory: ModelDirectory,
-                 resume_window_s: float = 0.0) -> None:
+                 scheduler: fairshare.Scheduler, resume_window_s: float = 0.0) -> None:
         self.redis = redis
         self.relay = relay
         self.directory = directory
-        self.queue = JobQueue(redis)
+        self.queue = JobQueue(redis, scheduler)
         self.resume_window_s = resume_window_s
 
     def check_redis(self) -> None:
@@ -42,13 +42,13 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def submit(self, job: bus.Job, deadline: float, record: Record | None = None) -> AsyncIterator[JobEvents]:
-        """Enqueues the job (with its resume record, if any); the block reads its events. Leaving early
-        cancels the job, or keeps it for a resume when its client went away after it started."""
+        """Enqueues the job (with its resume record, if any) or raises its refusal; the block reads its events.
+        Leaving early cancels the job, or keeps it for a resume when its client went away after it started."""
         self.check_redis()
         events = self.relay.register(job.id, deadline)
         try:
             try:
-                await self.queue.put(keys.requests_stream(job.model), bus.encode_job(job), record)
+                await self.queue.put(job, record)
             except RedisError as exc:
                 raise Unavailable("The request queue is unavailable; try again shortly.") from exc
             async with self._leaving(events):
