@@ -11,12 +11,13 @@ from shared import settings as settings_module
 EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "resume_window_s", "replay_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
-                 "heartbeat_ttl_s", "read_timeout_s"]
+                 "heartbeat_ttl_s", "read_timeout_s", "scheduler", "fair_input_weight", "fair_output_weight",
+                 "max_queued_jobs", "max_queued_per_tenant", "queue_timeout_s"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level", "resume_window_s", "replay_ttl_s", "replay_max_events",
-                   "max_reclaims", "worker_grace_s"]
+                   "max_reclaims", "worker_grace_s", "queue_timeout_s"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
 
 

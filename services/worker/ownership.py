@@ -124,11 +124,13 @@ class Ownership:
         pipe.xdel(self.stream, entry_id)
         await pipe.execute()
 
-    async def hand_over(self, entry_id: bytes, job: bus.Job) -> None:
-        """Puts the job back on the queue for another worker to continue, and lets go of its entry, at once."""
+    async def hand_over(self, entry_id: bytes, job: bus.Job, fields: dict[bytes, bytes] | None = None) -> None:
+        """Puts the job back on the queue for another worker to continue, and lets go of its entry, at once;
+        `fields` go on its new entry too (what the scheduler charged for it, settled by whoever ends it)."""
         moved = msgspec.structs.replace(job, handovers=job.handovers + 1, continuation=None)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.stream, {bus.JOB_FIELD: bus.encode_job(moved)})
+        entry: dict[Any, Any] = {**(fields or {}), bus.JOB_FIELD: bus.encode_job(moved)}
+        pipe.xadd(self.stream, entry)
         pipe.xack(self.stream, self.group, entry_id)
         pipe.xdel(self.stream, entry_id)
         await pipe.execute()

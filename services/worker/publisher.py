@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,12 +26,24 @@ RETRY_PAUSE_S = 0.2
 WRITE_TIMEOUT_S = 5.0
 
 
+class AckFollowup(Protocol):
+    """Commands that go in the same write as, and after, a batch's acknowledgements (the scheduler's settlement
+    of the jobs that ended, and a dispatch into the slots they freed)."""
+
+    def queue(self, pipe: aioredis.client.Pipeline, notes: list[Any]) -> None:
+        """Adds its commands; `notes` are those given to ack_after."""
+
+    def done(self, results: list[Any]) -> None:
+        """Their results, failures included: a failure here is reported, never retried with the events."""
+
+
 @dataclass
 class _Batch:
     live: dict[str, list[bus.Event]] = field(default_factory=dict)
     logs: dict[str, list[bus.Event]] = field(default_factory=dict)
     expiries: dict[str, int] = field(default_factory=dict)
     acks: list[tuple[str, str, bytes]] = field(default_factory=list)
+    notes: list[Any] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.live or self.acks)
@@ -39,9 +52,10 @@ class _Batch:
 class EventPublisher:
     """Batches events per edge stream and per job log; acknowledges jobs after their last event is written."""
 
-    def __init__(self, redis: aioredis.Redis, log_max_events: int) -> None:
+    def __init__(self, redis: aioredis.Redis, log_max_events: int, after_acks: AckFollowup | None = None) -> None:
         self.redis = redis
         self.log_max_events = log_max_events
+        self.after_acks = after_acks
         self.batch = _Batch()
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
@@ -55,9 +69,12 @@ class EventPublisher:
             self.batch.expiries[event.job] = log_ttl_ms
         self._wake()
 
-    def ack_after(self, stream: str, group: str, entry_id: bytes) -> None:
-        """Acknowledges a job entry in the same write as (and after) its events published so far."""
+    def ack_after(self, stream: str, group: str, entry_id: bytes, note: Any = None) -> None:
+        """Acknowledges a job entry in the same write as (and after) its events published so far; `note` (if
+        not None) goes to the write's AckFollowup."""
         self.batch.acks.append((stream, group, entry_id))
+        if note is not None:
+            self.batch.notes.append(note)
         self._wake()
 
     def _wake(self) -> None:
@@ -95,13 +112,21 @@ class EventPublisher:
 
     async def _write(self, batch: _Batch) -> None:
         while True:
+            pipe = self._pipeline(batch)
+            essential = len(pipe)
+            if batch.acks and self.after_acks is not None:
+                self.after_acks.queue(pipe, batch.notes)
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):  # its connection has no socket timeout of its own
-                    await self._pipeline(batch).execute()
+                    results = await pipe.execute(raise_on_error=False)
+                if failure := next((r for r in results[:essential] if isinstance(r, Exception)), None):
+                    raise failure
                 break
             except (RedisError, OSError, TimeoutError) as exc:  # keep the events: a short outage must not lose them
                 log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
+        if self.after_acks is not None and len(results) > essential:
+            self.after_acks.done(results[essential:])
         metrics.EVENT_FLUSHES.inc()
         metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 

@@ -18,9 +18,11 @@ from redis.exceptions import RedisError, ResponseError
 
 from services.worker.ownership import Ownership
 from services.worker.publisher import EventPublisher
-from shared import bus, keys, metrics, redis_clients
+from services.worker.scheduling import SchedulerLink
+from shared import bus, fairshare, keys, metrics, redis_clients
 from shared.errors import (
     EngineError,
+    QueueTimeout,
     RequestTimeout,
     StreamAbandoned,
     TokenbusError,
@@ -65,6 +67,8 @@ class Run:
 
     job: bus.Job
     entry_id: bytes
+    ticket: fairshare.Ticket | None = None
+    """What the fair-share scheduler charged for the job (None: it came without the scheduler)."""
     epoch: int = 1
     next_seq: int = 0
     keep_until_ms: int = 0
@@ -75,6 +79,22 @@ class Run:
     """Its queue entry was acknowledged or moved already (hand-over, dead letter) or belongs to another worker."""
     abandoned: bool = False
     """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
+    began: float = 0.0
+    """When it reached the engine here (monotonic seconds; 0: it never did)."""
+    prompt_tokens: int | None = None
+    """As its Final event counted them."""
+    generated: int = 0
+    """Completion tokens this worker generated for it."""
+
+    def settlement(self) -> fairshare.Settlement | None:
+        """What the job really cost, to correct its tenant's counter with (None: it has no charge to settle)."""
+        if self.ticket is None:
+            return None
+        if not self.began:
+            return self.ticket.settle(0, 0, 0.0)  # never started: nothing was used
+        prompt = fairshare.estimated_tokens(self.job)[0] if self.prompt_tokens is None else self.prompt_tokens
+        carried = self.job.continuation.carried() if self.job.continuation else 0
+        return self.ticket.settle(prompt, carried + self.generated, (time.monotonic() - self.began) * 1000)
 
 
 @dataclass(frozen=True)
@@ -107,8 +127,11 @@ class Worker:
         self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 1)
         self.channels = redis_clients.dedicated(settings.redis_url, name)
         """The cancel and route subscription: quiet for long stretches, so no socket timeout."""
+        self.scheduler = SchedulerLink(
+            fairshare.for_settings(self.redis, settings), self.model,
+            fairshare.Offer(self.id, settings.max_num_seqs, int(settings.heartbeat_ttl_s * 1000)))
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name),
-                                        settings.replay_max_events)
+                                        settings.replay_max_events, after_acks=self.scheduler)
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[Any]] = set()
@@ -144,6 +167,8 @@ class Worker:
         self.stopping = True
         self.puller.cancel()
         self.puller = None
+        with contextlib.suppress(RedisError, OSError):
+            await self.scheduler.withdraw()
         if self.tasks_by_job:
             grace = self.settings.worker_grace_s
             log.info("waiting up to %.0f s for %d running jobs", grace, len(self.tasks_by_job))
@@ -178,7 +203,7 @@ class Worker:
         await self.publisher.drain(timeout_s=5.0)  # the log holds everything its clients can have
         for run in runs:
             try:
-                await self.ownership.hand_over(run.entry_id, run.job)
+                await self.ownership.hand_over(run.entry_id, run.job, run.ticket.fields() if run.ticket else None)
                 metrics.HANDOVERS.labels(self.model).inc()
             except (RedisError, OSError) as exc:  # its entry stays pending: a live worker reclaims it
                 log.warning("could not hand job %s over (%s); it will be reclaimed", run.job.id, exc)
@@ -201,6 +226,7 @@ class Worker:
                 self.slot_freed.clear()
                 await self.slot_freed.wait()
                 continue
+            await self.scheduler.dispatch()
             try:
                 reply: Any = await self.redis.xreadgroup(
                     keys.WORKER_GROUP, self.id, {self.stream: ">"}, count=free, block=PULL_BLOCK_MS
@@ -218,11 +244,12 @@ class Worker:
                 self._accept(entries)
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
-    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[bytes, bus.Job]]:
-        jobs: list[tuple[bytes, bus.Job]] = []
+    def _decode(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Run]:
+        """A run for each well-formed entry; a malformed one is dropped."""
+        jobs: list[Run] = []
         for entry_id, fields in entries:
             try:
-                jobs.append((entry_id, bus.decode_job(fields[bus.JOB_FIELD])))
+                jobs.append(Run(bus.decode_job(fields[bus.JOB_FIELD]), entry_id, fairshare.Ticket.from_fields(fields)))
             except (KeyError, ValueError) as exc:
                 log.error("dropping malformed job entry %s: %s", entry_id, type(exc).__name__)
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, entry_id)
@@ -230,18 +257,16 @@ class Worker:
 
     def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Starts a batch of jobs; one round trip tells which were cancelled or resumed while they waited."""
-        jobs = self._decode(entries)
-        fresh = [(entry_id, job) for entry_id, job in jobs if not job.handovers]
-        for entry_id, job in jobs:
-            if job.handovers:
-                run = Run(job, entry_id)
+        runs = self._decode(entries)
+        fresh = [run for run in runs if not run.job.handovers]
+        for run in runs:
+            if run.job.handovers:
                 self._start(run, self._take_over(run, reclaimed=False))
         if not fresh:
             return
         # registered before the check, so that a cancel published meanwhile finds them
-        checks = self._in_background(self._check([job.id for _entry, job in fresh]))
-        for i, (entry_id, job) in enumerate(fresh):
-            run = Run(job, entry_id)
+        checks = self._in_background(self._check([run.job.id for run in fresh]))
+        for i, run in enumerate(fresh):
             self._start(run, self._run_fresh(run, checks, i))
 
     def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
@@ -281,14 +306,23 @@ class Worker:
             self.tasks_by_job.pop(run.job.id, None)
             self.aborted.discard(run.job.id)
             self.slot_freed.set()
-            if not run.released:
-                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id)
+            if not run.released:  # the run that ends the job settles its charge
+                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
 
     async def _run_fresh(self, run: Run, checks: asyncio.Task[list[_Check]], index: int) -> None:
         job = run.job
-        waited_long = bus.now_ms() - job.created_ms > CHECK_FIRST_AFTER_MS
-        if job.id in self.aborted or (waited_long and (await checks)[index].cancelled):
+        waited_ms = bus.now_ms() - job.created_ms
+        if job.id in self.aborted or (waited_ms > CHECK_FIRST_AFTER_MS and (await checks)[index].cancelled):
             metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
+            return
+        metrics.QUEUE_WAIT.labels(self.model).observe(max(0, waited_ms) / 1000)
+        if job.created_ms and waited_ms > self.settings.queue_timeout_s * 1000:
+            await asyncio.wait([checks])  # it may have been resumed on another edge meanwhile
+            self._apply_check(run, index, checks)
+            self._end_with(run, QueueTimeout(f"The request waited {waited_ms / 1000:.0f} s for a worker, longer than "
+                                             f"the queue timeout ({self.settings.queue_timeout_s:g} s); it was not "
+                                             "started."))
+            metrics.JOBS.labels(self.model, "queue_timeout").inc()
             return
         checks.add_done_callback(lambda done: self._apply_check(run, index, done))
         await self._run(run, resumed=False)
@@ -363,6 +397,7 @@ class Worker:
         carried = job.continuation.carried() if job.continuation else 0
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
+        run.began = time.monotonic()
         try:
             async with asyncio.timeout(remaining_s):
                 async for event in self.engine.run(job):
@@ -372,8 +407,10 @@ class Worker:
                         break
                     if isinstance(event, bus.Final):
                         event.completion_tokens += carried
+                        run.prompt_tokens = event.prompt_tokens
                     self.emit(run, event, replay_ms if isinstance(event, bus.Final) else 0)
                     if isinstance(event, bus.Tokens):
+                        run.generated += len(event.token_ids)
                         metrics.GENERATED_TOKENS.labels(self.model).inc(len(event.token_ids))
         except TimeoutError:
             await self.engine.abort(job.id)
@@ -436,6 +473,8 @@ class Worker:
                 await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
+            if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
+                await self.scheduler.dispatch()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _supervise(self) -> None:
@@ -446,6 +485,7 @@ class Worker:
             rounds += 1
             try:
                 await self._keep_claims()
+                metrics.QUEUED_JOBS.labels(self.model).set(await self.scheduler.scheduler.queued(self.model))
                 await self._watch_edges()
                 await self._expire_detached()
                 if not self.stopping:
@@ -491,8 +531,7 @@ class Worker:
             return
         min_idle_ms = int(self.settings.heartbeat_ttl_s * 1000)
         entries = await self.ownership.claim_abandoned(min_idle_ms, free)
-        for entry_id, job in self._decode(entries):
+        for run in self._decode(entries):
             metrics.RECLAIMS.labels(self.model).inc()
-            log.info("claimed job %s from a worker that stopped beating", job.id)
-            run = Run(job, entry_id)
+            log.info("claimed job %s from a worker that stopped beating", run.job.id)
             self._start(run, self._take_over(run, reclaimed=True))

@@ -1,0 +1,53 @@
+"""A worker's side of the fair-share scheduler (shared.fairshare): it offers its slots and dispatches before it
+reads jobs, and settles each finished job's charge in the same write that acknowledges the job, followed by a
+dispatch into the slot it freed, so the next job is on its way without another round trip."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
+
+from shared import fairshare, keys, metrics
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerLink:
+    """Offers `slots` of one worker to its model's scheduler; the publisher's AckFollowup."""
+
+    def __init__(self, scheduler: fairshare.Scheduler, model: str, offer: fairshare.Offer) -> None:
+        self.scheduler = scheduler
+        self.model = model
+        self.offer = offer
+        self.failing = False
+        """The last call failed: the next failure is not logged again."""
+
+    async def dispatch(self) -> None:
+        """Offers the worker's slots (renewing the offer) and fills the room on the request stream. A failure is
+        logged, never raised: the worker's loops go on, and the next call tries again."""
+        try:
+            moved = await self.scheduler.dispatch(self.model, self.offer)
+        except (RedisError, OSError) as exc:
+            if not self.failing:
+                log.warning("the scheduler's dispatch failed (%s); the worker keeps trying", exc)
+            self.failing = True
+            return
+        self.failing = False
+        metrics.DISPATCHES.labels(self.model).inc(moved)
+
+    async def withdraw(self) -> None:
+        """Takes the worker's offer back (it stops taking jobs)."""
+        await self.scheduler.redis.hdel(keys.fair_key(self.model, "slots"), self.offer.worker)
+
+    def queue(self, pipe: Pipeline, notes: list[Any]) -> None:
+        self.scheduler.settle(pipe, self.model, notes)
+
+    def done(self, results: list[Any]) -> None:
+        for result in results:
+            if isinstance(result, Exception):
+                log.warning("settling finished jobs with the scheduler failed (%s)", result)
+            else:
+                metrics.DISPATCHES.labels(self.model).inc(int(result))
