@@ -26,7 +26,7 @@ from redis.asyncio.client import Pipeline
 
 from shared import bus, keys
 from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
-from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO
+from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
 from shared.settings import Settings
 
 CHARS_PER_TOKEN = 4
@@ -148,10 +148,11 @@ class Scheduler:
         self._enqueue = redis.register_script(ENQUEUE)
         self._enqueue_fifo = redis.register_script(ENQUEUE_FIFO)
         self._dispatch = redis.register_script(DISPATCH)
+        self._withdraw = redis.register_script(WITHDRAW)
 
     async def load(self) -> None:
         """Loads the scripts (after Redis lost them): pipelines call them by their hash alone."""
-        for script in (self._enqueue, self._enqueue_fifo, self._dispatch):
+        for script in (self._enqueue, self._enqueue_fifo, self._dispatch, self._withdraw):
             await self.redis.script_load(script.script)
 
     def affordable_ms(self, job: bus.Job) -> int:
@@ -173,6 +174,11 @@ class Scheduler:
         for done in settlements:
             args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}"]
         pipe.evalsha(self._dispatch.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), *args)
+
+    def withdraw(self, pipe: Pipeline, model: str, member: bytes) -> None:
+        """Adds to a pipeline taking a job whose client left off its backlog, if it is still there."""
+        if member:
+            pipe.evalsha(self._withdraw.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), member)
 
     async def queued(self, model: str) -> int:
         """Jobs of the model waiting for a worker: in the backlogs, and on the request stream not yet read."""

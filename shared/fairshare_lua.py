@@ -212,3 +212,20 @@ end
 redis.call('XADD', REQUESTS, '*', 'j', job)
 return {'ok', '', 0}
 """
+
+WITHDRAW = _COMMON + r"""
+-- ARGV: a backlog member (what enqueue answered). Takes a job whose client went away off its tenant's backlog,
+-- if it is still there. Returns 1 if it was.
+local member = ARGV[1]
+if redis.call('ZREM', BACKLOG, member) == 0 then return 0 end
+local entity = member:sub(1, member:find('\0', 1, true) - 1)
+local band, tenant = entity:sub(1, BAND_WIDTH), entity:sub(BAND_WIDTH + 1)
+redis.call('HDEL', JOBS, member)
+redis.call('HDEL', COSTS, member)
+count_queued(tenant, band, -1)
+if not oldest(entity) then
+  local counter = redis.call('HGET', COUNTERS, entity)
+  if counter then redis.call('ZREM', READY, band .. counter .. tenant) end
+end
+return 1
+"""

@@ -174,6 +174,23 @@ async def test_a_tenant_alone_gets_every_slot(redis: aioredis.Redis) -> None:
     assert await fair.state("queued") == 9
 
 
+async def test_a_withdrawn_job_leaves_its_backlog_and_its_counts(redis: aioredis.Redis) -> None:
+    fair = await pool(redis, slots=1)
+    admitted = [await fair.enqueue(make_job(fair.model, "a")) for _ in range(3)]
+    await fair.enqueue(make_job(fair.model, "b"))
+    members = [a.member for a in admitted if isinstance(a, fairshare.Admitted)]
+    for member in members:
+        pipe = redis.pipeline(transaction=False)
+        fair.scheduler.withdraw(pipe, fair.model, member)
+        assert await pipe.execute() == [1]
+    assert await fair.state("queued") == 1
+    assert not await redis.hexists(keys.fair_key(fair.model, "queued"), "a")
+    assert await redis.hlen(keys.fair_key(fair.model, "jobs")) == 1
+    await fair.offer()
+    assert await fair.serve(1) == ["b"]
+    assert await fair.take() == []
+
+
 async def test_an_expired_offer_takes_its_slots_away(redis: aioredis.Redis) -> None:
     fair = await pool(redis, slots=4)
     await fair.offer(ttl_ms=100)

@@ -33,6 +33,9 @@ class Gateway:
         self.relay = relay
         self.directory = directory
         self.queue = JobQueue(redis, scheduler)
+        self.waiting: dict[str, tuple[str, bytes]] = {}
+        """Job id -> (model, backlog member) of the jobs this edge queued for the fair scheduler and still serves:
+        a job whose client leaves comes off its backlog at once."""
         self.resume_window_s = resume_window_s
 
     def check_redis(self) -> None:
@@ -48,13 +51,16 @@ class Gateway:
         events = self.relay.register(job.id, deadline)
         try:
             try:
-                await self.queue.put(job, record)
+                admitted = await self.queue.put(job, record)
             except RedisError as exc:
                 raise Unavailable("The request queue is unavailable; try again shortly.") from exc
+            if admitted.member:
+                self.waiting[job.id] = (job.model, admitted.member)
             async with self._leaving(events):
                 yield events
         finally:
             self.relay.unregister(job.id)
+            self.waiting.pop(job.id, None)
 
     @contextlib.asynccontextmanager
     async def follow(self, job_id: str, deadline: float) -> AsyncIterator[JobEvents]:
@@ -105,12 +111,17 @@ class Gateway:
         await self.cancel(events.job_id)
 
     async def cancel(self, job_id: str) -> None:
-        """Marks the job cancelled (for a worker yet to pick it up) and tells running workers."""
+        """Takes the job off its backlog if it still waits there, marks it cancelled (for a worker yet to pick it
+        up) and tells running workers."""
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(keys.cancelled(job_id), 1, ex=CANCEL_MARK_TTL_S)
             pipe.publish(keys.CANCEL_CHANNEL, job_id)
-            await pipe.execute()
+            if waiting := self.waiting.pop(job_id, None):
+                self.queue.scheduler.withdraw(pipe, *waiting)  # a failure leaves it to be dropped when dispatched
+            results = await pipe.execute(raise_on_error=False)
+            if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
+                raise failed
         except RedisError as exc:
             log.warning("could not cancel job %s: %s", job_id, exc)
 
