@@ -27,6 +27,7 @@ from shared.errors import (
     WorkerLost,
     kind_of,
 )
+from shared.limits import Settlements
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class Run:
     """Its queue entry was acknowledged or moved already (hand-over, dead letter) or belongs to another worker."""
     abandoned: bool = False
     """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
+    generated: int = 0
+    """Completion tokens this owner published."""
+    usage: tuple[int, int] | None = None
+    """(prompt, completion) tokens as its Final event reported them."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Worker:
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name),
                                         settings.replay_max_events)
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
+        self.settlements = Settlements(self.redis)
+        self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
         self.tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[Any]] = set()
         """Cancel checks and the aborts they lead to, kept referenced until they end."""
@@ -283,6 +290,8 @@ class Worker:
             self.slot_freed.set()
             if not run.released:
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id)
+            if not run.muted:  # this owner ended the job: settle what it cost its key
+                self._in_background(self._settle(run))
 
     async def _run_fresh(self, run: Run, checks: asyncio.Task[list[_Check]], index: int) -> None:
         job = run.job
@@ -313,6 +322,22 @@ class Worker:
         metrics.MIGRATIONS.labels(self.model, "reclaimed" if reclaimed else "handed_over").inc()
         log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)
         await self._run(run, resumed=True)
+
+    async def _settle(self, run: Run) -> None:
+        """Settles the job's reservation with what it used; a job that ended early counts its estimate."""
+        job = run.job
+        if run.usage is not None:
+            prompt, completion = run.usage
+        else:
+            carried = job.continuation.carried() if job.continuation else 0
+            started = run.next_seq > 0
+            prompt, completion = (job.prompt_estimate if started else 0), run.generated + carried
+        try:
+            if await self.settlements.settle(job, prompt, completion):
+                metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
+                metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(exc).__name__)
 
     async def _dead_letter(self, run: Run, reason: str) -> None:
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
@@ -347,6 +372,10 @@ class Worker:
             return
         event.seq, event.epoch = run.next_seq, run.epoch
         run.next_seq += 1
+        if isinstance(event, bus.Tokens):
+            run.generated += len(event.token_ids)
+        elif isinstance(event, bus.Final):
+            run.usage = (event.prompt_tokens, event.completion_tokens)
         self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
 
     def _end_with(self, run: Run, error: TokenbusError) -> None:
