@@ -1,9 +1,10 @@
-"""The `tokenbus` command: `run` (everything), `edge` and `worker`."""
+"""The `tokenbus` command: `run` (everything), `edge` and `worker`; `keys` and `usage` for operators."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from shared import settings as settings_module
@@ -11,13 +12,15 @@ from shared import settings as settings_module
 EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "resume_window_s", "replay_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
-                 "heartbeat_ttl_s", "read_timeout_s", "scheduler", "fair_input_weight", "fair_output_weight",
-                 "max_queued_jobs", "max_queued_per_tenant", "queue_timeout_s"]
+                 "heartbeat_ttl_s", "read_timeout_s", "auth", "key_cache_s", "lease_ttl_s",
+                 "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
+                 "max_queued_per_tenant", "queue_timeout_s", "fair_input_weight", "fair_output_weight"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level", "resume_window_s", "replay_ttl_s", "replay_max_events",
-                   "max_reclaims", "worker_grace_s", "queue_timeout_s"]
+                   "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",
+                   "fair_input_weight", "fair_output_weight"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
 
 
@@ -34,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     from services.bench.cli import add_arguments as bench_arguments
 
     bench_arguments(commands.add_parser("bench", help="benchmarks: load any server, compare with vllm serve"))
+    from services.admin import add_arguments as admin_arguments
+
+    admin_arguments(commands)
     return top
 
 
@@ -44,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level="WARNING")
         return run_bench(args)
+    if args.command in ("keys", "usage"):
+        from services.admin import run as run_admin
+
+        return run_admin(args)
+    if args.command == "run" and args.auth is None:  # the README's first curl works without a key
+        args.auth = os.environ.get(settings_module.ENV_PREFIX + "AUTH", "none")
     settings = settings_module.load(args)
     logging.basicConfig(
         level=settings.log_level.upper(),

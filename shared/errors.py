@@ -5,6 +5,9 @@
     │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
     │   ├── PayloadTooLarge        413 invalid_request_error / body_too_large
     │   └── MethodNotAllowed       405 invalid_request_error / method_not_allowed
+    ├── Unauthenticated            401 invalid_request_error / invalid_api_key
+    ├── RateLimited                429 requests|tokens|concurrency / rate_limit_exceeded (+ `retry_after_s`)
+    │   └── QuotaExceeded          429 insufficient_quota / insufficient_quota
     ├── NotFound                   404 invalid_request_error / not_found
     │   └── ModelNotFound          404 invalid_request_error / model_not_found
     ├── Overloaded                 503 overloaded_error
@@ -32,11 +35,11 @@ class TokenbusError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
-    retry_after_s: int | None = None
+    retry_after_s: float | None = None
     """When a client should try again (429 and 503); None: the edge's default."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -63,6 +66,33 @@ class PayloadTooLarge(InvalidRequest):
 class MethodNotAllowed(InvalidRequest):
     status = 405
     code = "method_not_allowed"
+
+
+class Unauthenticated(TokenbusError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RateLimited(TokenbusError):
+    """Refused by one of the key's limits; `type` names it as OpenAI does (requests, tokens), and
+    `retry_after_s` says when the same request would be admitted."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, limit: str = "requests", retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.type = limit
+        self.retry_after_s = retry_after_s
+        self.headers: dict[str, str] = {}
+        """The key's x-ratelimit-* headers at the refusal."""
+
+
+class QuotaExceeded(RateLimited):
+    type = "insufficient_quota"
+    code = "insufficient_quota"
 
 
 class NotFound(TokenbusError):
@@ -126,7 +156,8 @@ class EngineError(TokenbusError):
 
 _BY_NAME: dict[str, type[TokenbusError]] = {
     cls.__name__: cls
-    for cls in (TokenbusError, InvalidRequest, ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
+    for cls in (TokenbusError, InvalidRequest, Unauthenticated, RateLimited, QuotaExceeded,
+                ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
                 ModelNotFound, NotFound, Overloaded, Unavailable, QueueFull, WaitExceedsDeadline, QueueTimeout,
                 TenantQueueFull, WorkerLost, StreamAbandoned, RequestTimeout,
                 EngineError)

@@ -29,10 +29,6 @@ from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceeds
 from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
 from shared.settings import Settings
 
-CHARS_PER_TOKEN = 4
-"""Prompt tokens are guessed from characters when the edge made no estimate (it has no tokenizer)."""
-OUTPUT_GUESS = 256
-"""Completion tokens charged for a job without max_tokens when the edge made no estimate; settled later."""
 Arg = bytes | str | int | float
 """A script argument."""
 MAX_PRIORITY = 999
@@ -45,17 +41,6 @@ ENTITY_FIELD, COST_FIELD = b"e", b"c"
 def band_of(priority: int) -> str:
     """The band a priority sorts in: 4 digits, the highest priority first."""
     return f"{1000 - max(-MAX_PRIORITY, min(MAX_PRIORITY, priority)):04d}"
-
-
-def estimated_tokens(job: bus.Job) -> tuple[int, int]:
-    """Prompt and completion tokens the job may use, as the edge estimated them (guessed here when it did not)."""
-    if job.prompt_estimate or job.output_budget:
-        return job.prompt_estimate, job.output_budget
-    characters = sum(len(m.content) for m in job.messages) + sum(len(p) for p in job.prompts)
-    if job.kind == "embedding":
-        return characters // CHARS_PER_TOKEN + 1, 0
-    choices = max(1, len(job.prompts)) * job.params.n
-    return characters // CHARS_PER_TOKEN + 1, (job.params.max_tokens or OUTPUT_GUESS) * choices
 
 
 @dataclass(frozen=True)
@@ -199,8 +184,9 @@ class FairShare(Scheduler):
         weight = max(job.weight, 1e-3)
         input_price = self.settings.fair_input_weight / weight
         output_price = self.settings.fair_output_weight / weight
-        prompt, output = estimated_tokens(job)
-        cost = Ticket("", input_price * prompt + output_price * output, input_price, output_price).fields()
+        # the edge's estimates (services.edge.admission); every job costs something, estimated or not
+        charge = max(1.0, input_price * job.prompt_estimate + output_price * job.output_budget)
+        cost = Ticket("", charge, input_price, output_price).fields()
         args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
                 self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job)]
         pipe.evalsha(self._enqueue.sha, len(keys.fair_keys(job.model)), *keys.fair_keys(job.model), *args)

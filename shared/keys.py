@@ -43,6 +43,10 @@ ROUTE_CHANNEL = f"{PREFIX}:route"
 and an edge whose client left tells it how long to keep the job for a resume (see bus.Route)."""
 
 
+EDGES = f"{PREFIX}:edges"
+"""Sorted set of live edges' events streams, scored by when each edge's heartbeat expires (unix seconds)."""
+
+
 def edges_alive(reply_to: str) -> str:
     """An edge's heartbeat, named after its events stream: workers abort (or keep for a resume) the jobs of
     an edge whose heartbeat expired."""
@@ -74,6 +78,50 @@ def dead_letters(model: str) -> str:
     """Jobs of a model taken off its queue after too many owners died running them, with the reason."""
     return f"{PREFIX}:deadletter:{{{model}}}"
 
+
+# tenancy: every key of one API key's limits, usage and settlements shares the hash tag {key id}
+
+
+API_KEYS = f"{PREFIX}:apikeys"
+"""Hash of every API key: key id -> the key's record (its hash, tenant, limits); never the key itself."""
+
+KEY_CHANGES_CHANNEL = f"{PREFIX}:apikeys:changed"
+"""Pub/sub channel naming a key id whose record changed or was revoked: edges drop it from their cache."""
+
+
+def api_key_by_hash(key_hash: str) -> str:
+    """An API key's SHA-256 hash -> its id: what an edge looks a presented key up by."""
+    return f"{PREFIX}:apikey:{key_hash}"
+
+
+def rate_requests(key_id: str) -> str:
+    """GCRA state (theoretical arrival time, unix ms) of one key's requests per minute."""
+    return f"{PREFIX}:limit:{{{key_id}}}:rpm"
+
+
+def rate_tokens(key_id: str) -> str:
+    """GCRA state of one key's tokens per minute."""
+    return f"{PREFIX}:limit:{{{key_id}}}:tpm"
+
+
+def leases(key_id: str) -> str:
+    """Sorted set of one key's concurrency leases, scored by when each expires (unix ms)."""
+    return f"{PREFIX}:leases:{{{key_id}}}"
+
+
+def quota(key_id: str, window: str) -> str:
+    """Tokens one key spent in one quota period (e.g. 2026-11, or 2026-11-23)."""
+    return f"{PREFIX}:quota:{{{key_id}}}:{window}"
+
+
+def usage(key_id: str, day: str) -> str:
+    """Hash of one key's usage on one day (UTC): `tenant`, and `<model>|requests|prompt|completion` counts."""
+    return f"{PREFIX}:usage:{{{key_id}}}:{day}"
+
+
+def settled(key_id: str, job_id: str) -> str:
+    """Marks a job's charge settled, so that a job two workers end (a migration race) is counted once."""
+    return f"{PREFIX}:settled:{{{key_id}}}:{job_id}"
 
 
 FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots")

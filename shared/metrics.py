@@ -1,6 +1,26 @@
-"""Every Prometheus metric tokenbus exports. Labels are bounded: routes, status codes, served models."""
+"""Every Prometheus metric tokenbus exports. Labels are bounded: routes, status codes, served models, and
+tenants (the first `metrics_max_tenants` seen by a process; the rest are counted as `other`)."""
 
 from prometheus_client import Counter, Gauge, Histogram
+
+OTHER_TENANTS = "other"
+
+
+class TenantLabels:
+    """The tenant label of a process's metrics: the first `limit` tenants it sees keep their own name (a
+    long-lived service's big tenants come early and stay), every later one is `other`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def label(self, tenant: str) -> str:
+        if tenant in self.named:
+            return tenant
+        if len(self.named) < self.limit:
+            self.named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -36,6 +56,18 @@ HANDOVERS = Counter("tokenbus_worker_handovers", "Jobs a draining worker handed 
 RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Event-ID", ["route"])
 WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died")
 REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage")
+
+# tenants
+TENANT_REQUESTS = Counter("tokenbus_edge_tenant_requests", "Generation and embedding requests by tenant and outcome",
+                          ["tenant", "model", "outcome"])
+"""outcome: admitted, or the limit that refused it: requests | tokens | concurrency | insufficient_quota"""
+TENANT_TIME_TO_FIRST_TOKEN = Histogram(
+    "tokenbus_edge_tenant_time_to_first_token_seconds", "From request arrival to the first token, by tenant",
+    ["tenant", "model"], buckets=_LATENCY_BUCKETS,
+)
+TENANT_TOKENS = Counter("tokenbus_worker_tenant_tokens", "Tokens settled per tenant and model",
+                        ["model", "tenant", "kind"])
+"""kind: prompt | completion"""
 
 # fair share and admission
 QUEUED_JOBS = Gauge("tokenbus_queued_jobs", "Jobs of a model waiting for a worker (as one worker last read it)",

@@ -79,7 +79,8 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: object) -> Edge:
     port = free_port()
     log = log_dir / f"{name}.log"
-    process = _spawn("edge", _env(redis_url, **{"port": port, "keepalive_interval_s": 1, **settings}), log)
+    process = _spawn("edge", _env(redis_url, **{"port": port, "keepalive_interval_s": 1, "auth": "none",
+                                                **settings}), log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

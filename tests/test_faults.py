@@ -125,12 +125,13 @@ async def test_a_stopped_worker_hands_its_running_jobs_over(stack: Stack) -> Non
     """SIGTERM on a worker with long streams: past its grace it hands them over; their clients see no seam."""
     edge = stack.edge()
     stopping = stack.worker(worker_grace_s=0.5)
-    streams = [asyncio.create_task(stream_text(edge.url, stack.model, 150)) for _ in range(8)]
+    # 500 tokens: 10 s, long enough to still run once the second worker is up on a busy machine
+    streams = [asyncio.create_task(stream_text(edge.url, stack.model, 500)) for _ in range(8)]
     await asyncio.sleep(0.5)
     stack.worker()
     stopping.process.send_signal(signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*streams), 60)
-    assert all(result == (expected(150), 150) for result in results)
+    assert all(result == (expected(500), 500) for result in results)
     assert stopping.process.wait(timeout=20) == 0
     assert "handed 8 running jobs over" in stopping.log.read_text()
     await stack.settled()

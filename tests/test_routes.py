@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from services.edge.openapi import document
+from services.edge.routes import api_document as document
 from tests.conftest import MODEL, Edge
 from tests.openapi import sse_events, validate
 

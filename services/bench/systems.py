@@ -92,7 +92,7 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
         worker = _spawn([sys.executable, "-m", "services.cli", "worker"], _env(**worker_settings), log)
         stack.callback(_stop, worker)
         edge = _spawn([sys.executable, "-m", "services.cli", "edge"],
-                      _env(redis_url=redis_url, model=engine.model, port=port, log_level="WARNING",
+                      _env(redis_url=redis_url, model=engine.model, port=port, log_level="WARNING", auth="none",
                            **(edge_settings or {})), log)
         stack.callback(_stop, edge)
         base_url = f"http://127.0.0.1:{port}"

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from services.edge import handlers, openapi
+from services.edge import routes
+from services.edge.admission import Admitter, renewing
+from services.edge.auth import CALLER, KeyCache, listening
 from services.edge.directory import ModelDirectory
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
 from services.edge.relay import EventRelay, Timing, running
+from services.edge.routes import Route, route_of
 from services.edge.sse import ClientGone
-from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS, STORE
+from services.edge.state import ADMITTER, DRAINING, GATEWAY, KEYS, RATE_HEADERS, REDIS, SETTINGS, STORE
 from services.edge.store import ResponseStore
 from shared import fairshare, keys, metrics, redis_clients
-from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, TokenbusError, Unavailable
+from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError, Unavailable
+from shared.limits import Limits, Settlements
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,23 +33,22 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-TGI_ROUTES = frozenset({"/", "/generate", "/generate_stream", "/info"})
-WITHOUT_REDIS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "unmatched"})
-"""Routes that answer during a Redis outage; every other one is refused at once with a 503."""
-"""Routes that answer errors in TGI's shape and with TGI's status codes."""
-
-
 RETRY_AFTER_S = 1
-"""What a 503 or 429 tells a client to wait before trying again, unless its error knows better."""
+"""What a 503 or 429 tells a client to wait before trying again, unless its error knows better (a rate limit
+says how long it needs, a full queue how long it takes to drain)."""
 
 
-def _error_response(route: str, error: TokenbusError) -> web.Response:
-    if route in TGI_ROUTES:
+def _error_response(route: Route, error: TokenbusError) -> web.Response:
+    if route.family == "tgi":
         status, _type = tgi.error_status(error)
         body = tgi.tgi_error(error)
     else:
         status, body = error.status, openai_error(error)
-    headers = {"Retry-After": str(error.retry_after_s or RETRY_AFTER_S)} if status in (429, 503) else None
+    headers = None
+    if error.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    elif status in (429, 503):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
@@ -59,19 +62,32 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> TokenbusError:
     return TokenbusError(exc.reason)
 
 
+async def _admit(request: web.Request, route: Route) -> None:
+    """Who is calling (when the edge needs keys), and the key's limits for routes that run no model."""
+    if route.needs_redis:
+        request.app[GATEWAY].check_redis()
+    if not route.needs_key or request.app[SETTINGS].auth != "keys":
+        return
+    caller = await request.app[KEYS].authenticate(request)
+    request[CALLER] = caller
+    if not route.runs_model:
+        request[RATE_HEADERS] = await request.app[ADMITTER].peek(caller)
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turns every failure into the API's error shape; nothing leaves as an HTML page or a bare 500."""
-    resource = request.match_info.route.resource
-    route = resource.canonical if resource else "unmatched"
+    """Turns every failure into the route's error shape; nothing leaves as an HTML page or a bare 500."""
+    route = route_of(request)
     response: web.StreamResponse
     try:
-        if route not in WITHOUT_REDIS:
-            request.app[GATEWAY].check_redis()
+        await _admit(request, route)
         response = await handler(request)
     except (RedisError, OSError) as exc:  # the one place Redis failures become an API error
-        log.warning("redis failed on %s: %s", route, type(exc).__name__)
+        log.warning("redis failed on %s: %s", route.path, type(exc).__name__)
         response = _error_response(route, Unavailable("The service cannot reach its queue; try again shortly."))
+    except RateLimited as exc:
+        request[RATE_HEADERS] = exc.headers
+        response = _error_response(route, exc)
     except TokenbusError as exc:
         response = _error_response(route, exc)
     except web.HTTPException as exc:
@@ -81,36 +97,16 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         metrics.CLIENT_DISCONNECTS.inc()
         response = web.Response(status=499)
     except Exception:
-        log.exception("unexpected failure on %s", route)
+        log.exception("unexpected failure on %s", route.path)
         response = _error_response(route, TokenbusError("The server failed to handle the request."))
-    metrics.REQUESTS.labels(route, str(response.status)).inc()
+    metrics.REQUESTS.labels(route.path, str(response.status)).inc()
     return response
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers, at least one worker is alive, and the edge is not draining."""
-    if request.app[DRAINING].is_set():
-        return web.json_response({"status": "draining"}, status=503)
-    if request.app[GATEWAY].relay.redis_down():
-        return web.json_response({"status": "unavailable", "reason": "redis unreachable"}, status=503)
-    try:
-        await request.app[REDIS].ping()
-        models = await request.app[GATEWAY].directory.refresh()
-    except (RedisError, OSError) as exc:
-        return web.json_response({"status": "unavailable", "reason": f"redis: {type(exc).__name__}"}, status=503)
-    if not models:
-        return web.json_response({"status": "unavailable", "reason": "no live worker"}, status=503)
-    return web.json_response({"status": "ready", "models": sorted(models)})
-
-
-async def prometheus(request: web.Request) -> web.Response:
-    response = web.Response(body=generate_latest())
-    response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
-    return response
+async def _rate_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The key's x-ratelimit-* headers go on every answer, before its first byte (streams included)."""
+    if found := request.get(RATE_HEADERS):
+        response.headers.update(found)
 
 
 def create_app(settings: Settings) -> web.Application:
@@ -118,24 +114,8 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_bus)
-    for prefix in ("/v1", "/v3"):  # /v3: OpenVINO Model Server's paths for the same API
-        app.router.add_post(f"{prefix}/chat/completions", handlers.chat_completions)
-        app.router.add_post(f"{prefix}/completions", handlers.text_completions)
-        app.router.add_post(f"{prefix}/responses", handlers.create_response)
-        app.router.add_get(f"{prefix}/responses/{{response_id}}", handlers.get_response)
-        app.router.add_delete(f"{prefix}/responses/{{response_id}}", handlers.delete_response)
-        app.router.add_post(f"{prefix}/embeddings", handlers.create_embeddings)
-        app.router.add_get(f"{prefix}/models", handlers.list_models)
-        app.router.add_get(f"{prefix}/streams/{{stream_id}}", handlers.resume_stream)
-    app.router.add_post("/serving-endpoints/{name}/invocations", handlers.invocations)
-    app.router.add_post("/generate", handlers.generate)
-    app.router.add_post("/generate_stream", handlers.generate_stream)
-    app.router.add_post("/", handlers.compat_generate)
-    app.router.add_get("/info", handlers.tgi_info)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", prometheus)
-    app.router.add_get("/openapi.json", openapi.serve)
+    app.on_response_prepare.append(_rate_headers)
+    routes.add_to(app)
     return app
 
 
@@ -154,8 +134,16 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings.response_ttl_s)
-    async with running(relay), directory.running():
+    app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name), settings.key_cache_s)
+    app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
+                             settings.admission_when_redis_down, lambda: relay.live_edges,
+                             settings.metrics_max_tenants)
+    if settings.auth == "none":
+        log.warning("serving without API keys (--auth none): anyone who reaches this port may use every model")
+    async with running(relay), directory.running(), listening(app[KEYS]), \
+            renewing(app[ADMITTER], settings.lease_ttl_s / 3):
         log.info("edge %s reads its events from %s", edge_id, relay.stream)
         yield
     await reader.aclose()
+    await app[KEYS].channels.aclose()
     await commands.aclose()

@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import bus, keys
+from shared.background import looping
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,6 @@ class ModelDirectory:
                 log.warning("reading the worker registry failed (%s); keeping the last answer", exc)
             await asyncio.sleep(REFRESH_S)
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
+    def running(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Keeps the directory fresh for the lifetime of the block."""
-        task = asyncio.create_task(self._refresh_forever(), name="model-directory")
-        try:
-            yield
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        return looping(model_directory=self._refresh_forever())

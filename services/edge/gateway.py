@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -17,7 +17,7 @@ from services.edge.jobevents import JobEvents
 from services.edge.relay import EventRelay
 from services.edge.sse import ClientGone
 from shared import bus, fairshare, keys
-from shared.errors import InvalidRequest, ModelNotFound, Unavailable
+from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,22 @@ class Gateway:
             raise Unavailable("The service cannot reach its queue; try again shortly.")
 
     @contextlib.asynccontextmanager
-    async def submit(self, job: bus.Job, deadline: float, record: Record | None = None) -> AsyncIterator[JobEvents]:
+    async def submit(self, job: bus.Job, deadline: float, record: Record | None = None,
+                     on_refused: Callable[[bus.Job], Awaitable[None]] | None = None) -> AsyncIterator[JobEvents]:
         """Enqueues the job (with its resume record, if any) or raises its refusal; the block reads its events.
-        Leaving early cancels the job, or keeps it for a resume when its client went away after it started."""
-        self.check_redis()
+        Leaving early cancels the job, or keeps it for a resume when its client went away after it started. A
+        job that cannot be queued (Redis failed, or admission refused it) is handed to `on_refused` (its rate
+        limits' admission is given back) before the error leaves."""
         events = self.relay.register(job.id, deadline)
         try:
             try:
+                self.check_redis()
                 admitted = await self.queue.put(job, record)
-            except RedisError as exc:
+            except (RedisError, TokenbusError) as exc:
+                if on_refused is not None:
+                    await on_refused(job)
+                if isinstance(exc, TokenbusError):
+                    raise
                 raise Unavailable("The request queue is unavailable; try again shortly.") from exc
             if admitted.member:
                 self.waiting[job.id] = (job.model, admitted.member)

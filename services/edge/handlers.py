@@ -10,31 +10,44 @@ import orjson
 from aiohttp import web
 
 from services.edge import pump
+from services.edge.auth import caller_of
 from services.edge.formats import responses, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
 from services.edge.server import read_body
-from services.edge.state import GATEWAY, REDIS, SETTINGS, STORE
+from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, SETTINGS, STORE
+from services.edge.store import StoredResponse
 from shared import bus, keys, metrics
-from shared.errors import InvalidRequest, NotFound, StreamAbandoned
+from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
 
 
 async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.StreamResponse:
-    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
-    arrival = plan.arrival
+    settings, gateway, admitter = request.app[SETTINGS], request.app[GATEWAY], request.app[ADMITTER]
+    arrival, caller = plan.arrival, caller_of(request)
     deadline = arrival.started + settings.request_timeout_s
+    info = gateway.directory.models.get(plan.job.model)
+    tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
+    try:
+        admission = await admitter.admit(caller, plan.job, info.max_model_len if info else 0)
+    except RateLimited as exc:
+        metrics.TENANT_REQUESTS.labels(*tenant, exc.type).inc()
+        raise
+    metrics.TENANT_REQUESTS.labels(*tenant, "admitted").inc()
+    request[RATE_HEADERS] = admission.headers
     record = None
     if plan.stream:  # kept so that any edge can resume the stream
         ttl_ms = int((settings.request_timeout_s + settings.replay_ttl_s) * 1000)
-        record = (keys.job_record(arrival.job_id), _records.encode(plan.record(body)), ttl_ms)
+        record = (keys.job_record(arrival.job_id), _records.encode(plan.record(body, caller.tenant)), ttl_ms)
     metrics.IN_FLIGHT.inc()
     try:
-        async with gateway.submit(plan.job, deadline, record) as events:
+        async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, route=plan.route,
-                                      keepalive_s=settings.keepalive_interval_s, started=arrival.started)
+                                      keepalive_s=settings.keepalive_interval_s, started=arrival.started,
+                                      tenant=tenant)
     finally:
         metrics.IN_FLIGHT.dec()
         metrics.REQUEST_DURATION.labels(plan.route).observe(time.monotonic() - arrival.started)
+        await admitter.release(caller, admission)
 
 
 async def _planned(request: web.Request, planner: str, body: bytes | None = None) -> web.StreamResponse:
@@ -88,6 +101,9 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
         raise NotFound(f"No stream with id '{job_id}' can be resumed (unknown, or it ended too long ago).",
                        param="stream_id", code="stream_not_found")
     record = _record_decoder.decode(raw)
+    if not caller_of(request).owns(record.tenant):  # another tenant's stream does not exist for this caller
+        raise NotFound(f"No stream with id '{job_id}' can be resumed (unknown, or it ended too long ago).",
+                       param="stream_id", code="stream_not_found")
     arrival = Arrival(job_id=job_id, started=time.monotonic(), deadline_ms=record.deadline_ms,
                       reply_to=gateway.relay.stream, created=record.created, seed=record.seed)
     plan = await PLANNERS[record.plan](request, record.body, arrival)
@@ -130,25 +146,32 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"No response with id '{response_id}' is stored.", param="response_id")
 
 
-async def get_response(request: web.Request) -> web.Response:
-    response_id = request.match_info["response_id"]
+async def _stored(request: web.Request, response_id: str) -> StoredResponse:
+    """A stored response of the caller's tenant; another tenant's is as absent as a missing one."""
     stored = await request.app[STORE].load(response_id)
-    if stored is None:
+    if stored is None or not caller_of(request).owns(stored.tenant):
         raise _not_found(response_id)
+    return stored
+
+
+async def get_response(request: web.Request) -> web.Response:
+    stored = await _stored(request, request.match_info["response_id"])
     return web.Response(body=bytes(stored.response), content_type="application/json")
 
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
+    await _stored(request, response_id)
     if not await request.app[STORE].delete(response_id):
         raise _not_found(response_id)
     return web.Response(body=encode(responses.Deleted(id=response_id)), content_type="application/json")
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models = request.app[GATEWAY].directory.models
+    models, caller = request.app[GATEWAY].directory.models, caller_of(request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenbus", "task": info.task,
-             "max_model_len": info.max_model_len} for name, info in sorted(models.items())]
+             "max_model_len": info.max_model_len} for name, info in sorted(models.items())
+            if caller.key is None or caller.key.may_use(name)]
     return web.Response(body=encode({"object": "list", "data": data}), content_type="application/json")
 
 
@@ -160,6 +183,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     body = await read_body(request)
     fields = decode(body, dict[str, msgspec.Raw])
+    caller_of(request).check_model(name)
     info = await request.app[GATEWAY].find_model(name)
     body = orjson.dumps({**{k: orjson.Fragment(bytes(v)) for k, v in fields.items()}, "model": name})
     if "messages" in fields:
@@ -190,6 +214,7 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
 
 async def tgi_info(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
+    caller_of(request).check_model(settings.model)
     info = await request.app[GATEWAY].require_model(settings.model)
     body = tgi.Info(model_id=settings.model, max_concurrent_requests=info.slots,
                     max_input_tokens=info.max_model_len - 1, max_total_tokens=info.max_model_len, version=_version())

@@ -16,6 +16,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
+from services.edge.auth import caller_of
 from services.edge.formats import chat, completions, embeddings, responses, tgi
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.state import GATEWAY, SETTINGS, STORE
@@ -47,6 +48,8 @@ class StreamRecord(msgspec.Struct, omit_defaults=True):
     created: int
     deadline_ms: int
     seed: int | None = None
+    tenant: str = ""
+    """Whose stream it is: only that tenant may resume it."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,9 @@ class Plan:
     route: str
     """The metrics label of the route."""
 
-    def record(self, body: bytes) -> StreamRecord:
+    def record(self, body: bytes, tenant: str) -> StreamRecord:
         return StreamRecord(plan=self.name, body=body, created=self.arrival.created,
-                            deadline_ms=self.arrival.deadline_ms, seed=self.arrival.seed)
+                            deadline_ms=self.arrival.deadline_ms, seed=self.arrival.seed, tenant=tenant)
 
 
 Planner = Callable[[web.Request, bytes, Arrival | None], Awaitable[Plan]]
@@ -77,6 +80,12 @@ def _decode(body: bytes, kind: type[T], route: str) -> T:
     return parsed
 
 
+async def _model(request: web.Request, model: str, task: str = "generate") -> bus.WorkerInfo:
+    """A model the caller's key may use, with a live worker for the task; else a 404 (or 400 for a task)."""
+    caller_of(request).check_model(model)
+    return await request.app[GATEWAY].require_model(model, task=task)
+
+
 def arrive(request: web.Request, prefix: str, seed: int | None = None) -> Arrival:
     timeout_s = request.app[SETTINGS].request_timeout_s
     return Arrival(job_id=f"{prefix}{uuid.uuid4().hex}", started=time.monotonic(),
@@ -86,7 +95,7 @@ def arrive(request: web.Request, prefix: str, seed: int | None = None) -> Arriva
 
 async def plan_chat(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
     req = _decode(body, chat.ChatCompletionRequest, "chat")
-    info = await request.app[GATEWAY].require_model(req.model)
+    info = await _model(request, req.model)
     chat.check_context(req, info.max_model_len)
     arrival = given or arrive(request, "chatcmpl-")
     job = chat.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
@@ -99,7 +108,7 @@ async def plan_completions(request: web.Request, body: bytes, given: Arrival | N
     req = _decode(body, completions.CompletionRequest, "completions")
     if req.use_raw_prompt is None and not raw_prompt_default:
         req.use_raw_prompt = False
-    info = await request.app[GATEWAY].require_model(req.model)
+    info = await _model(request, req.model)
     completions.check_context(req, info.max_model_len)
     arrival = given or arrive(request, "cmpl-")
     job = completions.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to,
@@ -112,13 +121,13 @@ async def plan_completions(request: web.Request, body: bytes, given: Arrival | N
 async def plan_responses(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
     req = _decode(body, responses.ResponsesRequest, "responses")
     responses.refuse_unsupported(req)
-    info = await request.app[GATEWAY].require_model(req.model)
+    info = await _model(request, req.model)
     responses.check_context(req, info.max_model_len)
     store = request.app[STORE]
     history: list[bus.Message] = []
     if req.previous_response_id:
         previous = await store.load(req.previous_response_id)
-        if previous is None:
+        if previous is None or not caller_of(request).owns(previous.tenant):
             raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id")
         history = previous.history
@@ -127,13 +136,14 @@ async def plan_responses(request: web.Request, body: bytes, given: Arrival | Non
     job = responses.to_job(req, history, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
-                                           history=history, store=store)
+                                           history=history, store=store,
+                                           tenant=caller_of(request).tenant)
     return Plan("responses", arrival, job, renderer, req.stream, "responses")
 
 
 async def plan_embeddings(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
     req = _decode(body, embeddings.EmbeddingRequest, "embeddings")
-    info = await request.app[GATEWAY].require_model(req.model, task="embed")
+    info = await _model(request, req.model, task="embed")
     embeddings.check_dimensions(req, info.dimensions)
     arrival = given or arrive(request, "embd-")
     job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
@@ -143,11 +153,11 @@ async def plan_embeddings(request: web.Request, body: bytes, given: Arrival | No
 async def plan_tgi(request: web.Request, body: bytes, given: Arrival | None, *, stream: bool | None,
                    array_body: bool = False, name: str = "tgi") -> Plan:
     """TGI / MindIE; `stream` None: the body's `stream` decides (the `/` route)."""
-    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
+    settings = request.app[SETTINGS]
     req = _decode(body, tgi.GenerateRequest, "tgi")
     streaming = req.stream if stream is None else stream
     model = req.model or settings.model
-    info = await gateway.require_model(model)
+    info = await _model(request, model)
     tgi.check_context(req, info.max_model_len)
     arrival = given or arrive(request, "gen-", seed=tgi.draw_seed(req))
     seed = arrival.seed if arrival.seed is not None else tgi.draw_seed(req)

@@ -60,18 +60,21 @@ class _Delivery:
 
 async def respond(
     request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, route: str,
-    keepalive_s: float, started: float, after: int = -1,
+    keepalive_s: float, started: float, after: int = -1, tenant: tuple[str, str] | None = None,
 ) -> web.StreamResponse:
     """Waits for the first event before committing to a status: errors before it are plain 4xx/5xx.
 
     A client that goes away raises ClientGone, which the caller turns into a cancel of the job (or keeps it
-    for a resume). A resumed stream sends only the frames numbered after `after`.
+    for a resume). A resumed stream sends only the frames numbered after `after`. `tenant` (its metrics
+    label, the model) also counts the time to first token per tenant.
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
     first = await _next(request, events)
     if first is None:
         raise EngineError("The worker ended the job without a result.")
     metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - started)
+    if tenant is not None:
+        metrics.TENANT_TIME_TO_FIRST_TOKEN.labels(*tenant).observe(time.monotonic() - started)
     delivery = _Delivery(renderer, events.job_id, after)
     try:
         if not stream:

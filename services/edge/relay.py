@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from services.edge.jobevents import JobEvents
 from shared import bus, joblog, keys, metrics
+from shared.background import looping
 from shared.errors import Unavailable, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class EventRelay:
         self.stream = stream
         self.timing = timing or Timing()
         self.worker_alive = worker_alive
+        self.live_edges = 1
+        """Edges whose heartbeat was current at this edge's last beat (itself included)."""
         self.connection: Any = None
         self.jobs: dict[str, JobEvents] = {}
         self.last_id = "0-0"
@@ -184,33 +187,35 @@ class EventRelay:
                 await pipe.execute()
 
     async def heartbeat(self) -> None:
-        """Tells workers this edge still reads its stream."""
+        """Tells workers this edge still reads its stream, and learns how many edges are alive."""
         ttl_ms = int(self.timing.heartbeat_ttl_s * 1000)
         while True:
+            now = time.time()
             with contextlib.suppress(RedisError, OSError):
-                await self.commands.set(keys.edges_alive(self.stream), 1, px=ttl_ms)
+                pipe = self.commands.pipeline(transaction=False)
+                pipe.set(keys.edges_alive(self.stream), 1, px=ttl_ms)
+                pipe.zadd(keys.EDGES, {self.stream: now + self.timing.heartbeat_ttl_s})
+                pipe.zremrangebyscore(keys.EDGES, "-inf", now)
+                pipe.zcard(keys.EDGES)
+                self.live_edges = max(1, int((await pipe.execute())[-1]))
             await asyncio.sleep(self.timing.heartbeat_interval_s)
 
     async def say_goodbye(self) -> None:
         """Workers keep this edge's remaining jobs for a resume elsewhere from now on."""
         with contextlib.suppress(RedisError, OSError):
-            await self.commands.delete(keys.edges_alive(self.stream))
+            pipe = self.commands.pipeline(transaction=False)
+            pipe.delete(keys.edges_alive(self.stream))
+            pipe.zrem(keys.EDGES, self.stream)
+            await pipe.execute()
 
 
 @contextlib.asynccontextmanager
 async def running(relay: EventRelay) -> AsyncIterator[None]:
     """Runs the relay's reader, ticker, heartbeat and housekeeping for the lifetime of the block."""
     metrics.REDIS_UP.set(1)
-    tasks = [
-        asyncio.create_task(relay.run(), name="event-relay"),
-        asyncio.create_task(relay.housekeep(), name="event-housekeeping"),
-        asyncio.create_task(relay.tick(), name="event-ticker"),
-        asyncio.create_task(relay.heartbeat(), name="edge-heartbeat"),
-    ]
     try:
-        yield
+        async with looping(event_relay=relay.run(), event_housekeeping=relay.housekeep(),
+                           event_ticker=relay.tick(), edge_heartbeat=relay.heartbeat()):
+            yield
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await relay.say_goodbye()

@@ -7,6 +7,8 @@ import asyncio
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from services.edge.admission import Admitter
+from services.edge.auth import KeyCache
 from services.edge.gateway import Gateway
 from services.edge.store import ResponseStore
 from shared.settings import Settings
@@ -17,3 +19,7 @@ REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", ResponseStore)
 DRAINING = web.AppKey("draining", asyncio.Event)
 """Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""
+KEYS = web.AppKey("keys", KeyCache)
+ADMITTER = web.AppKey("admitter", Admitter)
+RATE_HEADERS = web.RequestKey("rate_headers", dict[str, str])
+"""The caller's x-ratelimit-* headers, set before its answer starts."""

@@ -15,6 +15,8 @@ class StoredResponse(msgspec.Struct, forbid_unknown_fields=False):
     """The response object exactly as it was sent."""
     history: list[bus.Message]
     """The conversation without instructions, the response's own output last."""
+    tenant: str = ""
+    """Whose response it is: no other tenant may read, continue or delete it."""
 
 
 _encoder = msgspec.json.Encoder()
@@ -26,8 +28,8 @@ class ResponseStore:
         self.redis = redis
         self.ttl_ms = int(ttl_s * 1000)
 
-    async def save(self, response_id: str, response: bytes, history: list[bus.Message]) -> None:
-        data = _encoder.encode(StoredResponse(response=msgspec.Raw(response), history=history))
+    async def save(self, response_id: str, response: bytes, history: list[bus.Message], tenant: str = "") -> None:
+        data = _encoder.encode(StoredResponse(response=msgspec.Raw(response), history=history, tenant=tenant))
         try:
             await self.redis.set(keys.stored_response(response_id), data, px=self.ttl_ms)
         except RedisError as exc:

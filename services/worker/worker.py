@@ -29,6 +29,7 @@ from shared.errors import (
     WorkerLost,
     kind_of,
 )
+from shared.limits import Settlements
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -81,20 +82,28 @@ class Run:
     """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
     began: float = 0.0
     """When it reached the engine here (monotonic seconds; 0: it never did)."""
-    prompt_tokens: int | None = None
-    """As its Final event counted them."""
     generated: int = 0
-    """Completion tokens this worker generated for it."""
+    """Completion tokens this owner published."""
+    usage: tuple[int, int] | None = None
+    """(prompt, completion) tokens as its Final event reported them."""
+
+    def used(self) -> tuple[int, int]:
+        """(prompt, completion) tokens the job used: as its Final event reported them, or, for a job that ended
+        early, its prompt estimate (once it started) and the tokens published."""
+        if self.usage is not None:
+            return self.usage
+        carried = self.job.continuation.carried() if self.job.continuation else 0
+        started = self.next_seq > 0
+        return (self.job.prompt_estimate if started else 0), self.generated + carried
 
     def settlement(self) -> fairshare.Settlement | None:
         """What the job really cost, to correct its tenant's counter with (None: it has no charge to settle)."""
         if self.ticket is None:
             return None
         if not self.began:
-            return self.ticket.settle(0, 0, 0.0)  # never started: nothing was used
-        prompt = fairshare.estimated_tokens(self.job)[0] if self.prompt_tokens is None else self.prompt_tokens
-        carried = self.job.continuation.carried() if self.job.continuation else 0
-        return self.ticket.settle(prompt, carried + self.generated, (time.monotonic() - self.began) * 1000)
+            return self.ticket.settle(0, 0, 0.0)  # never reached the engine here: it used nothing
+        prompt, completion = self.used()
+        return self.ticket.settle(prompt, completion, (time.monotonic() - self.began) * 1000)
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,8 @@ class Worker:
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name),
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
+        self.settlements = Settlements(self.redis)
+        self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
         self.tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[Any]] = set()
         """Cancel checks and the aborts they lead to, kept referenced until they end."""
@@ -306,8 +317,10 @@ class Worker:
             self.tasks_by_job.pop(run.job.id, None)
             self.aborted.discard(run.job.id)
             self.slot_freed.set()
-            if not run.released:  # the run that ends the job settles its charge
+            if not run.released:  # the run that ends the job settles its fair-share charge with the ack
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
+            if not run.muted:  # this owner ended the job: settle what it cost its key
+                self._in_background(self._settle(run))
 
     async def _run_fresh(self, run: Run, checks: asyncio.Task[list[_Check]], index: int) -> None:
         job = run.job
@@ -348,6 +361,17 @@ class Worker:
         log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)
         await self._run(run, resumed=True)
 
+    async def _settle(self, run: Run) -> None:
+        """Settles the job's reservation with what it used; a job that ended early counts its estimate."""
+        job = run.job
+        prompt, completion = run.used()
+        try:
+            if await self.settlements.settle(job, prompt, completion):
+                metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
+                metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(exc).__name__)
+
     async def _dead_letter(self, run: Run, reason: str) -> None:
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
         run.released = True
@@ -381,6 +405,10 @@ class Worker:
             return
         event.seq, event.epoch = run.next_seq, run.epoch
         run.next_seq += 1
+        if isinstance(event, bus.Tokens):
+            run.generated += len(event.token_ids)
+        elif isinstance(event, bus.Final):
+            run.usage = (event.prompt_tokens, event.completion_tokens)
         self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
 
     def _end_with(self, run: Run, error: TokenbusError) -> None:
@@ -407,10 +435,8 @@ class Worker:
                         break
                     if isinstance(event, bus.Final):
                         event.completion_tokens += carried
-                        run.prompt_tokens = event.prompt_tokens
                     self.emit(run, event, replay_ms if isinstance(event, bus.Final) else 0)
                     if isinstance(event, bus.Tokens):
-                        run.generated += len(event.token_ids)
                         metrics.GENERATED_TOKENS.labels(self.model).inc(len(event.token_ids))
         except TimeoutError:
             await self.engine.abort(job.id)

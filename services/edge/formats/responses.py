@@ -257,7 +257,7 @@ class ResponsesRenderer:
 
     def __init__(
         self, req: ResponsesRequest, *, response_id: str, created_at: int, history: list[bus.Message],
-        store: ResponseStore | None,
+        store: ResponseStore | None, tenant: str = "",
     ) -> None:
         self.req = req
         self.id = response_id
@@ -265,6 +265,7 @@ class ResponsesRenderer:
         self.created_at = created_at
         self.history = history
         self.store = store
+        self.tenant = tenant
         self.sequence = 0
         self.choices = Choices(1)
         self.status = "in_progress"
@@ -352,7 +353,7 @@ class ResponsesRenderer:
         if self.store is None or not self.req.store:
             return
         answer = bus.Message(role="assistant", content=self.choices.text(0))
-        await self.store.save(self.id, encode(self.response()), [*self.history, answer])
+        await self.store.save(self.id, encode(self.response()), [*self.history, answer], self.tenant)
 
     def done(self) -> list[bytes]:
         return []

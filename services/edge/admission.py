@@ -1,0 +1,181 @@
+"""Admission of a request for its key: the estimate of what it may cost, the atomic step in Redis that
+admits it against every limit of the key or refuses it, the concurrency lease it holds while the edge
+serves it, and what happens when Redis cannot answer that step (the `admission_when_redis_down` policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from services.edge.auth import Caller
+from shared import bus, metrics
+from shared.apikeys import KeyRecord
+from shared.background import looping
+from shared.errors import QuotaExceeded, RateLimited, Unavailable
+from shared.limits import WINDOW_MS, Admission, Limits, Settlements, Verdict, headers, period_end
+
+log = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4
+"""The edge has no tokenizer: a prompt is estimated at one token per four characters (English text with
+a BPE tokenizer), settled with the real count when the job ends."""
+TOKENS_PER_MESSAGE = 4
+"""What a chat template adds around each message, roughly."""
+ADMISSION_TIMEOUT_S = 2.0
+
+
+def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
+    """(prompt tokens, output budget) of a job, before anything is tokenized."""
+    prompts = job.prompts or [""]
+    text = sum(len(m.content) for m in job.messages) + sum(len(p) for p in job.prompts)
+    prompt = -(-text // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE * len(job.messages)
+    if job.kind == "embedding":
+        return prompt, 0
+    per_choice = job.params.max_tokens
+    if per_choice is None:
+        longest = max(len(p) for p in prompts) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE * len(job.messages)
+        per_choice = max(1, max_model_len - longest) if max_model_len else 0
+    return prompt, per_choice * job.params.n * len(prompts)
+
+
+@dataclass
+class LocalLimits:
+    """Each edge's own part of every key's rpm and tpm (the limit divided by the live edges), for while
+    Redis cannot answer the admission step and the policy is `local`."""
+
+    edges: Callable[[], int]
+    tats: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def admit(self, record: KeyRecord, tokens: int) -> Verdict:
+        now = time.time() * 1000
+        share = max(1, self.edges())
+        found: dict[str, tuple[float, float]] = {}
+        for kind, limit, cost in (("requests", record.rpm, 1), ("tokens", record.tpm, tokens)):
+            if limit:
+                tat = max(self.tats.get((record.id, kind), now), now)
+                found[kind] = (tat, tat + cost * WINDOW_MS * share / limit)
+        over = {kind: after - now - WINDOW_MS for kind, (_tat, after) in found.items()}
+        refused = max((kind for kind in over if over[kind] > 0), key=lambda kind: over[kind], default="")
+        if not refused:
+            for kind, (_tat, after) in found.items():
+                self.tats[(record.id, kind)] = after
+        state = {kind: (tat if refused else after) - now for kind, (tat, after) in found.items()}
+        left = {kind: max(0, int((WINDOW_MS - state[kind]) * limit / (WINDOW_MS * share) + 1e-6))
+                for kind, limit in (("requests", record.rpm), ("tokens", record.tpm)) if kind in state}
+        return Verdict(refused, int(over.get(refused, 0)), int(state.get("requests", 0)),
+                       int(state.get("tokens", 0)), left.get("requests", 0), left.get("tokens", 0))
+
+
+class Admitter:
+    """Admits requests for their callers' keys and keeps the leases of those it serves alive."""
+
+    def __init__(self, limits: Limits, settlements: Settlements, policy: str, edges: Callable[[], int],
+                 max_tenant_labels: int = 20) -> None:
+        self.limits = limits
+        self.settlements = settlements
+        self.policy = policy
+        self.local = LocalLimits(edges)
+        self.tenants = metrics.TenantLabels(max_tenant_labels)
+        self.held: dict[tuple[str, str], None] = {}
+        """(key id, lease) of the requests this edge serves now: renewed every round."""
+
+    async def admit(self, caller: Caller, job: bus.Job, max_model_len: int) -> Admission:
+        """Marks the job with its caller and cost and admits it against the caller's limits, or raises
+        RateLimited / QuotaExceeded (with their headers on the caller's answer) without spending anything."""
+        prompt, output = estimate(job, max_model_len)
+        job.tenant, job.prompt_estimate, job.output_budget = caller.tenant, prompt, output
+        record = caller.key
+        if record is None:
+            job.charge = bus.Charge(key="-", tokens=prompt + output)
+            return Admission()
+        job.weight, job.priority = record.weight, record.priority
+        tokens = prompt + output
+        lease = uuid.uuid4().hex if record.max_concurrency else ""
+        try:
+            async with asyncio.timeout(ADMISSION_TIMEOUT_S):
+                verdict = await self.limits.check(record, tokens, lease)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("admission step failed (%s); policy %s", type(exc).__name__, self.policy)
+            return self._without_redis(record, job, tokens)
+        found = headers(record, verdict)
+        if verdict.refused:
+            raise _refusal(record, verdict, tokens, found)
+        job.charge = bus.Charge(key=record.id, tokens=tokens, tpm=record.tpm, rpm=record.rpm,
+                                quota_window=record.quota_window() if record.quota_tokens else "")
+        if lease:
+            self.held[(record.id, lease)] = None
+        return Admission(found, lease)
+
+    def _without_redis(self, record: KeyRecord, job: bus.Job, tokens: int) -> Admission:
+        if self.policy == "closed":
+            raise Unavailable("Limits cannot be checked right now; try again shortly.")
+        if self.policy == "local":
+            verdict = self.local.admit(record, tokens)
+            if verdict.refused:
+                raise _refusal(record, verdict, tokens, headers(record, verdict))
+        job.charge = None  # nothing was reserved in Redis, so nothing is settled there
+        return Admission()
+
+    async def peek(self, caller: Caller) -> dict[str, str]:
+        """The headers of a key's current state, spending nothing (routes that run no model)."""
+        if caller.key is None or not (caller.key.rpm or caller.key.tpm):
+            return {}
+        try:
+            async with asyncio.timeout(ADMISSION_TIMEOUT_S):
+                return headers(caller.key, await self.limits.check(caller.key, 0, "", consume=False))
+        except (RedisError, OSError, TimeoutError):
+            return {}
+
+    async def release(self, caller: Caller, admission: Admission) -> None:
+        if caller.key is None or not admission.lease:
+            return
+        self.held.pop((caller.key.id, admission.lease), None)
+        with contextlib.suppress(RedisError, OSError):  # unreleased, it expires within the lease TTL
+            await self.limits.release(caller.key.id, admission.lease)
+
+    async def refund(self, job: bus.Job) -> None:
+        """Gives a job's charge back: it was admitted but could not be queued."""
+        with contextlib.suppress(RedisError, OSError):
+            await self.settlements.refund(job)
+
+    async def renew(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.limits.renew(list(self.held))
+            except (RedisError, OSError) as exc:
+                log.warning("renewing concurrency leases failed (%s)", type(exc).__name__)
+
+
+def _refusal(record: KeyRecord, verdict: Verdict, tokens: int, found: dict[str, str]) -> RateLimited:
+    if verdict.refused == "quota":
+        wait_s = period_end(record, time.time()) - time.time()
+        error: RateLimited = QuotaExceeded(
+            f"You exceeded your quota of {record.quota_tokens} tokens per {record.quota_period}.",
+            limit="insufficient_quota", retry_after_s=wait_s)
+    elif verdict.refused == "too_large":
+        error = RateLimited(f"The request needs up to {tokens} tokens, more than the key's limit of "
+                            f"{record.tpm} tokens per minute; lower max_tokens.", limit="tokens",
+                            retry_after_s=60)
+    elif verdict.refused == "concurrency":
+        error = RateLimited(f"The key already has {record.max_concurrency} requests in flight; wait for one "
+                            "to finish.", limit="concurrency", retry_after_s=verdict.wait_ms / 1000)
+    else:
+        limit = record.rpm if verdict.refused == "requests" else record.tpm
+        error = RateLimited(f"Rate limit reached: {limit} {verdict.refused} per minute for this key. "
+                            f"Try again in {verdict.wait_ms / 1000:.1f}s.", limit=verdict.refused,
+                            retry_after_s=verdict.wait_ms / 1000)
+    error.headers = found
+    return error
+
+
+def renewing(admitter: Admitter, interval_s: float) -> contextlib.AbstractAsyncContextManager[None]:
+    return looping(lease_renewal=admitter.renew(interval_s))

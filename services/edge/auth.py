@@ -1,0 +1,122 @@
+"""Who is calling: the API key a request presents, checked against Redis through a short-lived cache that
+every key change (update, revoke) clears on every edge at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from shared import apikeys, keys
+from shared.apikeys import KeyRecord
+from shared.background import looping
+from shared.errors import ModelNotFound, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+KEY_HEADERS = ("api-key", "x-api-key")
+"""Besides `Authorization: Bearer`: the headers Azure-style and Databricks/OVMS clients send a key in."""
+RESUBSCRIBE_PAUSE_S = 0.5
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The tenant behind a request, and its key (None when the edge serves without keys)."""
+
+    tenant: str
+    key: KeyRecord | None = None
+
+    @property
+    def key_id(self) -> str:
+        return self.key.id if self.key else "-"
+
+    def check_model(self, model: str) -> None:
+        """A model the key may not use is a 404, as if it did not exist: nothing about it is revealed."""
+        if self.key is not None and not self.key.may_use(model):
+            raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
+
+    def owns(self, tenant: str) -> bool:
+        """Whether stored work of `tenant` (a response, a stream) is this caller's to see."""
+        return self.key is None or tenant == self.tenant
+
+
+ANONYMOUS = Caller(tenant="")
+CALLER = web.RequestKey("caller", Caller)
+
+
+def caller_of(request: web.Request) -> Caller:
+    return request.get(CALLER, ANONYMOUS)
+
+
+def presented_key(request: web.Request) -> str | None:
+    authorization = request.headers.get("Authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return next((value.strip() for name in KEY_HEADERS if (value := request.headers.get(name, "")).strip()), None)
+
+
+class KeyCache:
+    """Key records by presented key, kept `ttl_s` at most, and dropped as soon as a change is announced.
+
+    While the change channel is down the cache is bypassed: a revoke must never wait for a TTL."""
+
+    def __init__(self, redis: aioredis.Redis, channels: aioredis.Redis, ttl_s: float) -> None:
+        self.redis = redis
+        self.channels = channels
+        self.ttl_s = ttl_s
+        self.entries: dict[str, tuple[KeyRecord, float]] = {}
+        self.listening = False
+
+    async def authenticate(self, request: web.Request) -> Caller:
+        key = presented_key(request)
+        if key is None:
+            raise Unauthenticated("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+        record = await self.find(key)
+        if record is None or record.expired():
+            raise Unauthenticated("Incorrect API key provided, or the key was revoked or has expired.")
+        return Caller(tenant=record.tenant, key=record)
+
+    async def find(self, key: str) -> KeyRecord | None:
+        cached = self.entries.get(key)
+        if cached is not None and self.listening and time.monotonic() - cached[1] < self.ttl_s:
+            return cached[0]
+        record = await apikeys.lookup(self.redis, key)
+        if record is None:
+            self.entries.pop(key, None)
+        elif self.listening:
+            self.entries[key] = (record, time.monotonic())
+        return record
+
+    def forget(self, key_id: str) -> None:
+        for key in [k for k, (record, _at) in self.entries.items() if record.id == key_id]:
+            del self.entries[key]
+
+    async def listen(self) -> None:
+        """Follows the key change channel for good; each (re)subscription starts from an empty cache."""
+        while True:
+            pubsub = self.channels.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(keys.KEY_CHANGES_CHANNEL)
+                self.entries.clear()
+                self.listening = True
+                async for message in pubsub.listen():
+                    self.forget(message["data"].decode())
+            except (RedisError, OSError) as exc:
+                log.warning("key change channel lost (%s); resubscribing", type(exc).__name__)
+            finally:
+                self.listening = False
+                self.entries.clear()
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+            await asyncio.sleep(RESUBSCRIBE_PAUSE_S)
+
+
+def listening(cache: KeyCache) -> contextlib.AbstractAsyncContextManager[None]:
+    return looping(key_changes=cache.listen())

@@ -1,0 +1,36 @@
+"""The operational routes: liveness, readiness and metrics. They need no key and answer during a Redis
+outage (readiness then says why it is not ready)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from services.edge.state import DRAINING, GATEWAY, REDIS
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Ready when Redis answers, at least one worker is alive, and the edge is not draining."""
+    if request.app[DRAINING].is_set():
+        return web.json_response({"status": "draining"}, status=503)
+    if request.app[GATEWAY].relay.redis_down():
+        return web.json_response({"status": "unavailable", "reason": "redis unreachable"}, status=503)
+    try:
+        await request.app[REDIS].ping()
+        models = await request.app[GATEWAY].directory.refresh()
+    except (RedisError, OSError) as exc:
+        return web.json_response({"status": "unavailable", "reason": f"redis: {type(exc).__name__}"}, status=503)
+    if not models:
+        return web.json_response({"status": "unavailable", "reason": "no live worker"}, status=503)
+    return web.json_response({"status": "ready", "models": sorted(models)})
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    response = web.Response(body=generate_latest())
+    response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return response

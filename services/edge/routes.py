@@ -1,0 +1,117 @@
+"""Every route of the edge in one table: the router, the OpenAPI document, authentication, rate limits and
+the error shape all read it.
+
+A route's family decides the rest: `openai` routes (OpenAI, Databricks, OVMS) answer errors in OpenAI's
+shape, `tgi` routes in TGI's, and both need an API key and Redis; `ops` routes (health, readiness,
+metrics, the API document) need neither, so they answer during a Redis outage and to anyone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from services.edge import handlers, openapi, ops
+from services.edge.formats import chat, completions, embeddings, responses, tgi
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OVMS_PREFIX = "/v3"
+"""OpenVINO Model Server's paths for the same OpenAI API: every /v1 route is served under /v3 too."""
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    family: str
+    """openai | tgi | ops"""
+    summary: str = ""
+    request: Any = None
+    """The body's msgspec struct, or a tuple of them (one of), for the OpenAPI document."""
+    response: Any = None
+    streams: bool = False
+    runs_model: bool = False
+    """It spends the key's limits (generation, embeddings); other key routes only report them."""
+
+    @property
+    def needs_key(self) -> bool:
+        return self.family != "ops"
+
+    @property
+    def needs_redis(self) -> bool:
+        return self.family != "ops"
+
+
+def _openai(method: str, path: str, handler: Handler, summary: str, request: Any = None, response: Any = None,
+            streams: bool = False, runs_model: bool = False) -> list[Route]:
+    route = Route(method, path, handler, "openai", summary, request, response, streams, runs_model)
+    if not path.startswith("/v1/"):
+        return [route]
+    return [route, Route(method, OVMS_PREFIX + path[3:], handler, "openai", summary, request, response, streams,
+                         runs_model)]
+
+
+def api_document() -> bytes:
+    """The OpenAPI document of every route a client calls (not the operational ones)."""
+    return openapi.document(tuple(r for r in ROUTES if r.family != "ops"))
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.Response(body=api_document(), content_type="application/json")
+
+
+ROUTES: list[Route] = [
+    *_openai("post", "/v1/chat/completions", handlers.chat_completions, "OpenAI Chat Completions",
+             chat.ChatCompletionRequest, chat.ChatCompletion, streams=True, runs_model=True),
+    *_openai("post", "/v1/completions", handlers.text_completions, "OpenAI Completions",
+             completions.CompletionRequest, completions.Completion, streams=True, runs_model=True),
+    *_openai("post", "/v1/responses", handlers.create_response, "OpenAI Responses", responses.ResponsesRequest,
+             responses.Response, streams=True, runs_model=True),
+    *_openai("get", "/v1/responses/{response_id}", handlers.get_response, "A stored response",
+             response=responses.Response),
+    *_openai("delete", "/v1/responses/{response_id}", handlers.delete_response, "Delete a stored response",
+             response=responses.Deleted),
+    *_openai("post", "/v1/embeddings", handlers.create_embeddings, "OpenAI Embeddings", embeddings.EmbeddingRequest,
+             embeddings.EmbeddingList, runs_model=True),
+    *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),
+    *_openai("get", "/v1/streams/{stream_id}", handlers.resume_stream,
+             "Resume a stream after Last-Event-ID (header or `last_event_id` query)"),
+    *_openai("post", "/serving-endpoints/{name}/invocations", handlers.invocations,
+             "Databricks serving endpoint: `messages` is chat, `prompt` completions, `input` embeddings or responses",
+             (chat.ChatCompletionRequest, completions.CompletionRequest, embeddings.EmbeddingRequest),
+             (chat.ChatCompletion, completions.Completion, embeddings.EmbeddingList), streams=True, runs_model=True),
+    Route("post", "/generate", handlers.generate, "tgi", "TGI / MindIE text generation", tgi.GenerateRequest,
+          tgi.GenerateResponse, runs_model=True),
+    Route("post", "/generate_stream", handlers.generate_stream, "tgi", "TGI / MindIE streamed text generation",
+          tgi.GenerateRequest, tgi.StreamResponse, streams=True, runs_model=True),
+    Route("post", "/", handlers.compat_generate, "tgi", "TGI / MindIE: the body's `stream` decides",
+          tgi.GenerateRequest, list[tgi.GenerateResponse], streams=True, runs_model=True),
+    Route("get", "/info", handlers.tgi_info, "tgi", "TGI model information", response=tgi.Info),
+    Route("get", "/health", ops.health, "ops"),
+    Route("get", "/ready", ops.ready, "ops"),
+    Route("get", "/metrics", ops.prometheus, "ops"),
+    Route("get", "/openapi.json", openapi_document, "ops"),
+]
+
+UNMATCHED = Route("", "unmatched", ops.health, "ops")
+"""What a request no route matched is treated as: refused with a 404 or 405 in OpenAI's shape."""
+BY_METHOD_AND_PATH = {(r.method.upper(), r.path): r for r in ROUTES}
+BY_PATH = {r.path: r for r in ROUTES}
+"""A path's routes share a family: a method a path does not serve is refused in that family's shape."""
+
+
+def route_of(request: web.Request) -> Route:
+    resource = request.match_info.route.resource
+    if resource is None:
+        return UNMATCHED
+    path = resource.canonical
+    return BY_METHOD_AND_PATH.get((request.method, path)) or BY_PATH.get(path, UNMATCHED)
+
+
+def add_to(app: web.Application) -> None:
+    for route in ROUTES:
+        app.router.add_route(route.method.upper(), route.path, route.handler)
