@@ -15,6 +15,7 @@ _COMMON = r"""
 local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, REQUESTS =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local BAND_WIDTH, COUNTER_WIDTH = 4, 24
+local TIE = 0.001  -- the counters' resolution
 local MOST_PER_CALL = 512  -- bounds how long one call holds Redis
 local AVERAGE_WEIGHT = 0.1  -- of the newest job in the moving average of a job's duration
 
@@ -163,11 +164,15 @@ redis.call('HSET', COSTS, member, cost)
 count_queued(tenant, band, 1)
 if not backlogged then
   -- back from idle: its counter rises to the least of its band's backlogged tenants (or the last one served),
-  -- so idle time is not saved up into a burst
+  -- so idle time is not saved up into a burst; a tie goes to it, the tenant served least recently
   local floor = first(READY, band_range(band))
-  floor = floor and floor:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH) or redis.call('HGET', STATE, 'last:' .. band)
+  if floor then
+    floor = tonumber(floor:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH)) - TIE
+  else
+    floor = tonumber(redis.call('HGET', STATE, 'last:' .. band) or '0')
+  end
   local own = redis.call('HGET', COUNTERS, entity) or '0'
-  local lifted = counter_text(math.max(tonumber(own), tonumber(floor or '0')))
+  local lifted = counter_text(math.max(tonumber(own), floor))
   redis.call('HSET', COUNTERS, entity, lifted)
   redis.call('ZADD', READY, 0, band .. lifted .. tenant)
 end

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.bench import compare, edge_bench, load, report, systems
+from services.bench import compare, edge_bench, fairness, fairness_report, load, report, systems
 from services.bench.workload import Distribution, requests
 from shared.settings import DEFAULT_MODEL_NAME
 
@@ -33,7 +33,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     one.add_argument("--seed", type=int, default=0)
     one.add_argument("--json", action="store_true", help="print the result as JSON")
     for name, text in (("edge", "measure the edge and bus alone over the simulated engine"),
-                       ("all", "compare with vllm serve, measure the edge, run vllm bench serve, write the report")):
+                       ("fairness", "FIFO against fair share between tenants on the simulated engine; writes its "
+                                    "section of the report"),
+                       ("all", "compare with vllm serve, measure the edge, run vllm bench serve, measure fairness, "
+                               "write the report")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
         sub.add_argument("--quick", action="store_true", help="a short run, for smoke tests")
@@ -80,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
                                                       args.seed), seed=args.seed))
         print(json.dumps(result.as_dict(), indent=2)) if args.json else _print(result)
         return 0 if result.failed == 0 else 1
+    if args.bench_command == "fairness":
+        return _fairness(args)
     engine = _engine(args.model_dir) if args.bench_command == "all" else systems.Engine(
         model=DEFAULT_MODEL_NAME, model_dir=Path("."))
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
@@ -102,4 +107,19 @@ def run(args: argparse.Namespace) -> int:
                              vllm_bench=vllm_bench, **parts)  # type: ignore[arg-type]
     report.write(document, args.out)
     print(f"wrote {args.out}")
-    return 0
+    return _fairness(args) if args.bench_command == "all" else 0
+
+
+def _fairness(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
+    print(f"fairness: logs in {log_dir}", file=sys.stderr)
+    result = fairness.measure(log_dir / "fairness.log", fairness.Plan.quick() if args.quick else fairness.Plan())
+    for run in result.runs:
+        print(f"{run.scenario}, {run.scheduler} ({run.window_s:.1f} s):")
+        for figures in run.tenants.values():
+            print(f"  {figures.tenant:<16} TTFT p50 {figures.ttft_ms.p50:7.0f} ms  p99 {figures.ttft_ms.p99:7.0f} ms  "
+                  f"{figures.requests:4d} requests ({figures.failed} failed)  {figures.tokens:6d} tokens "
+                  f"({figures.share:.1%})")
+    fairness_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    print(f"wrote the fairness section of {args.out}")
+    return 0 if all(f.failed == 0 for run in result.runs for f in run.tenants.values()) else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -189,6 +190,32 @@ def _edge_section(report: Report) -> list[str]:
 
 
 def write(report: Report, path: Path) -> None:
+    """Writes the document anew; sections it does not make (another benchmark's, like fairness) stay."""
     path.parent.mkdir(parents=True, exist_ok=True)
     images = plots(report, path.parent) if report.comparison else []
+    old = path.read_text() if path.exists() else ""
     path.write_text(markdown(report, images) + "\n")
+    new = path.read_text().splitlines()
+    for heading, section in _sections(old.splitlines()):
+        if heading not in new:
+            splice(path, heading, section)
+
+
+def _sections(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """Each `## ` section of a document: its heading and its lines."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("## ")] + [len(lines)]
+    return [(lines[a], lines[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+def splice(path: Path, heading: str, section: list[str]) -> None:
+    """Puts a section into a markdown document in place of the one under the same heading (up to the next
+    heading of its level), or at its end; the other sections stay as they are."""
+    lines = path.read_text().splitlines() if path.exists() else ["# Benchmarks", ""]
+    start = next((i for i, line in enumerate(lines) if line == heading), None)
+    if start is None:
+        lines = [*lines, *([""] if lines and lines[-1] else []), *section]
+    else:
+        level = heading.split(" ", 1)[0] + " "
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(level)), len(lines))
+        lines = [*lines[:start], *section, *lines[end:]]
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")

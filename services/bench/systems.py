@@ -55,14 +55,17 @@ def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     process.wait()
 
 
-def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path) -> None:
+def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path,
+               ready_path: str = "/v1/models") -> None:
+    """Until the server lists the model: on /v1/models (OpenAI's shape), or tokenbus's /ready (needs no key)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):
             raise RuntimeError(f"a process exited while starting; see {log}")
         try:
-            reply = httpx.get(base_url + "/v1/models", timeout=2)
-            if reply.status_code == 200 and any(m["id"] == model for m in reply.json()["data"]):
+            reply = httpx.get(base_url + ready_path, timeout=2)
+            found = reply.json() if reply.status_code == 200 else {}
+            if model in found.get("models", ()) or any(m["id"] == model for m in found.get("data", ())):
                 return
         except httpx.HTTPError:
             pass
@@ -78,25 +81,28 @@ def _env(**settings: object) -> dict[str, str]:
 
 @contextmanager
 def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = None,
-             edge_settings: dict[str, object] | None = None) -> Iterator[Running]:
-    """Redis, one worker (vLLM, or the simulator with (ttft_ms, itl_ms)) and one edge."""
+             edge_settings: dict[str, object] | None = None,
+             worker_settings: dict[str, object] | None = None) -> Iterator[Running]:
+    """Redis, one worker (vLLM, or the simulator with (ttft_ms, itl_ms)) and one edge; `worker_settings` go
+    over the defaults (the simulator's slots, say)."""
     with ExitStack() as stack:
         redis_url = stack.enter_context(private_redis())
         port = free_port()
-        worker_settings: dict[str, object] = dict(
+        settings: dict[str, object] = dict(
             redis_url=redis_url, model=engine.model, model_dir=engine.model_dir,
             max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_cache_gib=engine.kv_cache_gib,
             dtype=engine.dtype, log_level="WARNING")
         if sim is not None:
-            worker_settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
-        worker = _spawn([sys.executable, "-m", "services.cli", "worker"], _env(**worker_settings), log)
+            settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
+        settings.update(worker_settings or {})
+        worker = _spawn([sys.executable, "-m", "services.cli", "worker"], _env(**settings), log)
         stack.callback(_stop, worker)
-        edge = _spawn([sys.executable, "-m", "services.cli", "edge"],
-                      _env(redis_url=redis_url, model=engine.model, port=port, log_level="WARNING", auth="none",
-                           **(edge_settings or {})), log)
+        edge_env = {"redis_url": redis_url, "model": engine.model, "port": port, "log_level": "WARNING",
+                    "auth": "none", **(edge_settings or {})}
+        edge = _spawn([sys.executable, "-m", "services.cli", "edge"], _env(**edge_env), log)
         stack.callback(_stop, edge)
         base_url = f"http://127.0.0.1:{port}"
-        wait_ready(base_url, engine.model, [worker, edge], log)
+        wait_ready(base_url, engine.model, [worker, edge], log, ready_path="/ready")
         yield Running(base_url, {"edge": edge.pid, "worker": worker.pid}, redis_url)
 
 

@@ -1,0 +1,223 @@
+"""Fair share between tenants, FIFO against the fair-share scheduler, on the simulated engine: one edge with API
+keys, one worker with 64 slots.
+
+flood: tenant A keeps hundreds of streams in flight (each one that ends is replaced at once) while tenant B sends
+one request at a time; B's time to first token is compared with B alone on the same processes.
+weights: two tenants with weights 1 and 2 keep the worker saturated; their shares of the tokens served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from services.bench import systems
+from services.bench.client import Timing, send
+from services.bench.stats import Summary
+from services.bench.workload import Request, prompt_of
+from shared import apikeys, redis_clients
+
+SLOTS = 64
+LOAD_TIMEOUT_S = 120.0
+FLOODER, SIPPER, LIGHT, HEAVY = "tenant-a", "tenant-b", "light", "heavy"
+WEIGHTS = {FLOODER: 1.0, SIPPER: 1.0, LIGHT: 1.0, HEAVY: 2.0}
+
+Measured = tuple[list[Timing], float, float]
+"""A tenant's timings, and the window (perf_counter seconds) its figures are taken over."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    flood_streams: int = 300
+    weighted_streams: int = 150
+    """Per tenant of the weights scenario."""
+    tokens: int = 32
+    """Output tokens of B's requests; the others' vary around it (every prompt is 16 words)."""
+    alone_requests: int = 20
+    warmup_s: float = 3.0
+    """Load before the measured window, so that the backlog is there when it opens."""
+    window_s: float = 15.0
+    sim_ttft_ms: float = 50.0
+    sim_itl_ms: float = 20.0
+    schedulers: tuple[str, ...] = ("fifo", "fair")
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(flood_streams=200, weighted_streams=100, alone_requests=8, warmup_s=2.0, window_s=5.0)
+
+
+@dataclass(frozen=True)
+class TenantFigures:
+    tenant: str
+    weight: float
+    requests: int
+    """Requests sent in the measured window."""
+    failed: int
+    ttft_ms: Summary
+    tokens: int
+    """Tokens it received in the window."""
+    share: float
+    """Its part of all tokens received in the window."""
+
+
+@dataclass(frozen=True)
+class Run:
+    scenario: str
+    scheduler: str
+    window_s: float
+    """As measured: the flood's window ends when B's last request does."""
+    tenants: dict[str, TenantFigures]
+
+
+@dataclass(frozen=True)
+class Result:
+    plan: Plan
+    runs: list[Run]
+
+    def run(self, scenario: str, scheduler: str) -> Run:
+        return next(r for r in self.runs if (r.scenario, r.scheduler) == (scenario, scheduler))
+
+
+def measure(log: Path, plan: Plan) -> Result:
+    """Both scenarios under each scheduler, on fresh processes per scheduler."""
+    engine = systems.Engine(model="sim-model", model_dir=Path("."))
+    runs: list[Run] = []
+    for scheduler in plan.schedulers:
+        with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms),
+                              edge_settings={"auth": "keys", "scheduler": scheduler},
+                              worker_settings={"max_num_seqs": SLOTS, "scheduler": scheduler}) as running:
+            runs += asyncio.run(_scenarios(running, engine.model, scheduler, plan))
+    return Result(plan, runs)
+
+
+async def _scenarios(running: systems.Running, model: str, scheduler: str, plan: Plan) -> list[Run]:
+    keys = await _keys(running.redis_url)
+    request = Request(prompt_of(16, random.Random(0)), 16, plan.tokens)
+    url = running.base_url + "/v1/chat/completions"
+    async with _session(keys[SIPPER]) as sipper:
+        alone = (await _sequential(sipper, url, model, request, plan.alone_requests), 0.0, float("inf"))
+        with Loads(url, model, request, {FLOODER: (keys[FLOODER], plan.flood_streams)}) as loads:
+            await loads.ready()
+            await asyncio.sleep(plan.warmup_s)
+            opened = time.perf_counter()
+            sipped = await _sequential(sipper, url, model, request, 1 << 30, until=opened + plan.window_s)
+            closed = time.perf_counter()
+            flood = {SIPPER: (sipped, opened, closed), FLOODER: ((await loads.stop())[FLOODER], opened, closed)}
+    with Loads(url, model, request, {tenant: (keys[tenant], plan.weighted_streams) for tenant in (LIGHT, HEAVY)}
+               ) as loads:
+        await loads.ready()
+        await asyncio.sleep(plan.warmup_s)
+        opened = time.perf_counter()
+        await asyncio.sleep(plan.window_s)
+        closed = time.perf_counter()
+        weights = {tenant: (timings, opened, closed) for tenant, timings in (await loads.stop()).items()}
+    flood_figures = {**_figures({f"{SIPPER} alone": alone}), **_figures(flood)}
+    return [Run("flood", scheduler, flood[SIPPER][2] - flood[SIPPER][1], flood_figures),
+            Run("weights", scheduler, closed - opened, _figures(weights))]
+
+
+async def _keys(redis_url: str) -> dict[str, str]:
+    redis = redis_clients.pooled(redis_url, "tokenbus-bench", 1)
+    try:
+        return {tenant: (await apikeys.create(redis, apikeys.KeyChanges(tenant=tenant, weight=weight)))[0]
+                for tenant, weight in WEIGHTS.items()}
+    finally:
+        await redis.aclose()
+
+
+def _session(key: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers={"Authorization": f"Bearer {key}"},
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+async def _sequential(session: aiohttp.ClientSession, url: str, model: str, request: Request, count: int,
+                      until: float = float("inf")) -> list[Timing]:
+    """One request at a time: `count` of them, or as many as start before `until` (perf_counter)."""
+    timings: list[Timing] = []
+    while len(timings) < count and time.perf_counter() < until:
+        timings.append(await send(session, url, "chat", model, request))
+    return timings
+
+
+class Loads:
+    """Tenants that keep `streams` requests in flight each, every one in a process of its own as separate
+    clients would be (so that reading their streams does not delay the measured tenant's client)."""
+
+    def __init__(self, url: str, model: str, request: Request, tenants: dict[str, tuple[str, int]]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.started = context.Event()
+        self.stopping = context.Event()
+        self.results: multiprocessing.Queue[tuple[str, list[Timing]]] = context.Queue()
+        self.processes = [context.Process(target=_load, name=f"load-{tenant}", args=(
+            tenant, key, streams, url, model, request, self.started, self.stopping, self.results))
+            for tenant, (key, streams) in tenants.items()]
+
+    def __enter__(self) -> Loads:
+        for process in self.processes:
+            process.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stopping.set()
+        for process in self.processes:
+            process.join(LOAD_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+
+    async def ready(self) -> None:
+        """Until every load has its first requests out."""
+        if not await asyncio.to_thread(self.started.wait, LOAD_TIMEOUT_S):
+            raise RuntimeError("the loads did not start")
+
+    async def stop(self) -> dict[str, list[Timing]]:
+        """Stops sending; each load's timings once its requests in flight have ended."""
+        self.stopping.set()
+        found = [await asyncio.to_thread(self.results.get, True, LOAD_TIMEOUT_S) for _ in self.processes]
+        return dict(found)
+
+
+def _load(tenant: str, key: str, streams: int, url: str, model: str, request: Request, started: Any, stopping: Any,
+          results: Any) -> None:
+    """One load's process: `streams` requests in flight until `stopping`, each replaced as soon as it ends.
+    Their lengths vary around the request's (half to one and a half times): requests of one length that start
+    together would end together, and the worker's slots would free in waves rather than one by one."""
+
+    async def run() -> list[Timing]:
+        timings: list[Timing] = []
+        lengths = random.Random(tenant)
+        async with _session(key) as session:
+
+            async def stream() -> None:
+                while not stopping.is_set():
+                    tokens = lengths.randint(request.max_tokens // 2, request.max_tokens * 3 // 2)
+                    timings.append(await send(session, url, "chat", model,
+                                              Request(request.prompt, request.prompt_words, tokens)))
+
+            running = [asyncio.create_task(stream()) for _ in range(streams)]
+            started.set()
+            await asyncio.gather(*running)
+        return timings
+
+    results.put((tenant, asyncio.run(run())))
+
+
+def _figures(measured: dict[str, Measured]) -> dict[str, TenantFigures]:
+    """Requests that began in the window, and tokens that arrived in it."""
+    tokens = {tenant: sum(opened <= at <= closed for t in timings for at in t.content)
+              for tenant, (timings, opened, closed) in measured.items()}
+    total = sum(tokens.values()) or 1
+    figures = {}
+    for tenant, (timings, opened, closed) in measured.items():
+        began = [t for t in timings if opened <= t.start <= closed]
+        done = [t for t in began if t.ok]
+        figures[tenant] = TenantFigures(
+            tenant, WEIGHTS.get(tenant.split()[0], 1.0), len(began), len(began) - len(done),
+            Summary.of([t.ttft for t in done]).scaled(1000), tokens[tenant], tokens[tenant] / total)
+    return figures
