@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
+from services.bench import fairness, fairness_report, report
 from services.bench.client import Timing, read_frame
 from services.bench.load import Load, summarize
 from services.bench.stats import Summary, percentile
@@ -96,3 +98,33 @@ def test_the_vllm_bench_summary_is_cut_out_of_its_noise() -> None:
 
     table = "============ Serving Benchmark Result ============\nSuccessful requests: 16\n" + "=" * 50
     assert result_block("warming up\n" + table + "\n 6%|| 1/16 progress\nleaked type") == table
+
+
+def _fairness_result() -> fairness.Result:
+    def figures(tenant: str, ttft_ms: float, tokens: int, share: float) -> fairness.TenantFigures:
+        return fairness.TenantFigures(tenant, 1.0, 10, 0, Summary(ttft_ms, ttft_ms, ttft_ms, ttft_ms), tokens, share)
+
+    plan = fairness.Plan()
+    runs = []
+    for scheduler, flooded_ms, heavy_share in (("fifo", 2600.0, 0.5), ("fair", 80.0, 0.667)):
+        runs.append(fairness.Run("flood", scheduler, 15.0, {
+            "tenant-b alone": figures("tenant-b alone", 57.0, 640, 1.0),
+            "tenant-b": figures("tenant-b", flooded_ms, 700, 0.015), "tenant-a": figures("tenant-a", 2600.0, 46000,
+                                                                                           0.985)}))
+        runs.append(fairness.Run("weights", scheduler, 15.0, {
+            "light": figures("light", 2000.0, round(30000 * (1 - heavy_share)), 1 - heavy_share),
+            "heavy": figures("heavy", 2000.0, round(30000 * heavy_share), heavy_share)}))
+    return fairness.Result(plan, runs)
+
+
+def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## Fair share between tenants (simulated engine)\n\nold\n")
+    fairness_report.write(_fairness_result(), out, "tokenbus bench fairness")
+    text = out.read_text()
+    assert "kept" in text and "old" not in text and text.count("## Fair share") == 1
+    assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text and "| fair | 9990 | 20010 | 2.00 | 66.7% |" in text
+    assert (tmp_path / "bench-fairness.png").stat().st_size > 0
+    report.write(report.Report(command="test", comparison={}, hop=None, throughput=None, many=None,
+                               vllm_bench=None), out)  # `bench all` writes its sections anew
+    assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in out.read_text()

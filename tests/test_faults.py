@@ -127,7 +127,11 @@ async def test_a_stopped_worker_hands_its_running_jobs_over(stack: Stack) -> Non
     stopping = stack.worker(worker_grace_s=0.5)
     # 500 tokens: 10 s, long enough to still run once the second worker is up on a busy machine
     streams = [asyncio.create_task(stream_text(edge.url, stack.model, 500)) for _ in range(8)]
-    await asyncio.sleep(0.5)
+    async with httpx.AsyncClient() as http:  # all eight run on the worker to stop (a sleep lost them on a busy machine)
+        deadline = time.monotonic() + 10
+        while metric_value((await http.get(stopping.metrics_url)).text, "tokenbus_worker_running_jobs") < 8:
+            assert time.monotonic() < deadline, "the streams did not reach the worker"
+            await asyncio.sleep(0.05)
     stack.worker()
     stopping.process.send_signal(signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*streams), 60)

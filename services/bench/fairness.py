@@ -22,7 +22,8 @@ from services.bench import systems
 from services.bench.client import Timing, send
 from services.bench.stats import Summary
 from services.bench.workload import Request, prompt_of
-from shared import apikeys, redis_clients
+from shared import apikeys, fairshare, redis_clients
+from shared.settings import Settings
 
 SLOTS = 64
 LOAD_TIMEOUT_S = 120.0
@@ -106,6 +107,7 @@ async def _scenarios(running: systems.Running, model: str, scheduler: str, plan:
         with Loads(url, model, request, {FLOODER: (keys[FLOODER], plan.flood_streams)}) as loads:
             await loads.ready()
             await asyncio.sleep(plan.warmup_s)
+            await _backlogged(running.redis_url, model, plan.flood_streams - SLOTS)
             opened = time.perf_counter()
             sipped = await _sequential(sipper, url, model, request, 1 << 30, until=opened + plan.window_s)
             closed = time.perf_counter()
@@ -114,6 +116,7 @@ async def _scenarios(running: systems.Running, model: str, scheduler: str, plan:
                ) as loads:
         await loads.ready()
         await asyncio.sleep(plan.warmup_s)
+        await _backlogged(running.redis_url, model, 2 * plan.weighted_streams - SLOTS)
         opened = time.perf_counter()
         await asyncio.sleep(plan.window_s)
         closed = time.perf_counter()
@@ -128,6 +131,21 @@ async def _keys(redis_url: str) -> dict[str, str]:
     try:
         return {tenant: (await apikeys.create(redis, apikeys.KeyChanges(tenant=tenant, weight=weight)))[0]
                 for tenant, weight in WEIGHTS.items()}
+    finally:
+        await redis.aclose()
+
+
+async def _backlogged(redis_url: str, model: str, jobs: int) -> None:
+    """Until nearly `jobs` jobs wait for a worker (a client process slowed down by the machine may take longer
+    than the warm-up to get its requests out): the measured window must see the backlog."""
+    redis = redis_clients.pooled(redis_url, "tokenbus-bench", 1)
+    scheduler = fairshare.Scheduler(redis, Settings())
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    try:
+        while await scheduler.queued(model) < 0.9 * jobs:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {jobs} jobs queued after {LOAD_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.1)
     finally:
         await redis.aclose()
 

@@ -38,6 +38,10 @@ class SchedulerLink:
         self.failing = False
         metrics.DISPATCHES.labels(self.model).inc(moved)
 
+    async def count_queued(self) -> None:
+        """Updates the gauge of the model's queued jobs."""
+        metrics.QUEUED_JOBS.labels(self.model).set(await self.scheduler.queued(self.model))
+
     async def withdraw(self) -> None:
         """Takes the worker's offer back (it stops taking jobs)."""
         await self.scheduler.redis.hdel(keys.fair_key(self.model, "slots"), self.offer.worker)

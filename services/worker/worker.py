@@ -511,7 +511,7 @@ class Worker:
             rounds += 1
             try:
                 await self._keep_claims()
-                metrics.QUEUED_JOBS.labels(self.model).set(await self.scheduler.scheduler.queued(self.model))
+                await self.scheduler.count_queued()
                 await self._watch_edges()
                 await self._expire_detached()
                 if not self.stopping:
