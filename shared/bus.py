@@ -54,6 +54,16 @@ class SamplingParams(Base):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
+    """Structured output the engine must guarantee (a JSON schema, any JSON object, a regex)."""
+
+
+class Constraint(Base):
+    """What every token of the answer must keep possible: `kind` json (a JSON schema, `spec` its JSON
+    text), json_object (any JSON object), regex (`spec` the expression)."""
+
+    kind: str
+    spec: str = ""
 
 
 class Job(Base):

@@ -318,6 +318,12 @@ class Worker:
             self._end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
             metrics.JOBS.labels(self.model, "lost").inc()
             return
+        if job.params.constraint is not None and taken.continuation and taken.continuation.carried():
+            # the engine would start the grammar over in the middle of the answer: never unconstrained output
+            self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
+                                           "on another worker; send the request again."))
+            metrics.JOBS.labels(self.model, "lost").inc()
+            return
         job.continuation = taken.continuation
         metrics.MIGRATIONS.labels(self.model, "reclaimed" if reclaimed else "handed_over").inc()
         log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)

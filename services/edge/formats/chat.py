@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import (
     TEXT_MARK,
     Choices,
@@ -45,10 +46,6 @@ class ChatMessage(Request):
     name: str | None = None
 
 
-class ResponseFormat(Request):
-    type: str
-
-
 class ChatCompletionRequest(Sampling, kw_only=True):
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -58,7 +55,7 @@ class ChatCompletionRequest(Sampling, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """Accepted for every model; a model that does not reason has nothing to spend it on."""
-    response_format: ResponseFormat | None = None
+    response_format: structured.ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -96,8 +93,6 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
             raise refuse(name, "it is not served by this text model")
     if req.modalities and set(req.modalities) != {"text"}:
         raise refuse("modalities", "only text output is served")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise refuse("response_format", "only the 'text' format is served yet")
 
 
 def check_context(req: ChatCompletionRequest, max_model_len: int) -> None:
@@ -115,6 +110,7 @@ def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_m
     ]
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    params.constraint = structured.of_response_format(req.response_format)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=messages, params=params, created_ms=bus.now_ms(),

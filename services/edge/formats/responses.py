@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import Choices, Out, Request, encode, refuse, refuse_beyond_context
 from services.edge.formats.common import PositiveInt, Temperature, TopP
 from services.edge.sse import event_frame
@@ -29,7 +30,11 @@ class InputItem(Request):
 
 
 class TextFormat(Request):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: structured.SchemaName | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class TextParam(Request):
@@ -86,8 +91,8 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         if kind == "function":
             raise refuse(f"tools[{i}]", "function tools are not served yet")
         raise refuse(f"tools[{i}]", f"the built-in tool {kind!r} is not served")
-    if req.text and req.text.format and req.text.format.type != "text":
-        raise refuse("text.format", "only the 'text' format is served yet")
+    if req.text and req.text.format and req.text.format.type == "json_schema" and not req.text.format.name:
+        raise InvalidRequest("`text.format.name` is required with type json_schema.", param="text.format.name")
 
 
 def check_context(req: ResponsesRequest, max_model_len: int) -> None:
@@ -130,6 +135,8 @@ def to_job(
         top_p=1.0 if req.top_p is None else req.top_p,
         logprobs=req.top_logprobs,
     )
+    if req.text and req.text.format:
+        params.constraint = structured.of_text_format(req.text.format.type, req.text.format.schema)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=instructions + history, params=params, truncate=req.truncation == "auto",
@@ -200,6 +207,18 @@ class Reasoning(Out):
 
 class TextFormatOut(Out):
     type: str = "text"
+    name: str | UnsetType = UNSET
+    schema: dict[str, Any] | UnsetType = UNSET
+    description: str | UnsetType | None = UNSET
+    strict: bool | UnsetType | None = UNSET
+
+
+def echo_format(fmt: TextFormat | None) -> TextFormatOut:
+    """The response's `text.format`: the request's, as OpenAI echoes it."""
+    if fmt is None or fmt.type != "json_schema":
+        return TextFormatOut(type=fmt.type if fmt else "text")
+    return TextFormatOut(type=fmt.type, name=fmt.name or "", schema=fmt.schema or {}, description=fmt.description,
+                         strict=fmt.strict)
 
 
 class TextOut(Out):
@@ -301,7 +320,7 @@ class ResponsesRenderer:
             previous_response_id=req.previous_response_id,
             reasoning=Reasoning(effort=req.reasoning.effort if req.reasoning else None),
             store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
-            text=TextOut(format=TextFormatOut()), top_logprobs=req.top_logprobs,
+            text=TextOut(format=echo_format(req.text.format if req.text else None)), top_logprobs=req.top_logprobs,
             top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
             usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
         )

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import (
     Out,
     Request,
@@ -64,7 +65,7 @@ class Parameters(Request):
     adapter_id: Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9._/-]+$")] | None = None
     top_n_tokens: Annotated[int, Meta(ge=0, le=5)] | None = None
     best_of: Annotated[int, Meta(ge=1)] | None = None
-    grammar: Any = None
+    grammar: structured.Grammar | None = None
 
 
 class GenerateRequest(Request):
@@ -92,8 +93,6 @@ def _refuse_unsupported(req: GenerateRequest, stream: bool, adapters: list[str])
         raise refuse("parameters.typical_p", "the engine has no typical sampling (1.0 disables it)")
     if p.best_of not in (None, 1):
         raise refuse("parameters.best_of", "only best_of=1 is served")
-    if p.grammar is not None:
-        raise refuse("parameters.grammar", "guided decoding is not served yet")
 
 
 def check_context(req: GenerateRequest, max_model_len: int) -> None:
@@ -126,6 +125,7 @@ def to_job(
         frequency_penalty=p.frequency_penalty or 0.0,
         logprobs=(p.top_n_tokens or 0) if per_token else None,
         prompt_logprobs=(p.top_n_tokens or 0) if p.decoder_input_details else None,
+        constraint=structured.of_grammar(p.grammar),
     )
     return bus.Job(id=job_id, model=model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
                    prompts=[str(req.inputs)], keep_last_tokens=p.truncate or 0, params=params,
