@@ -13,6 +13,7 @@ position once and drops what a former owner writes late (see shared.sequence).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 
@@ -84,6 +85,8 @@ class Job(Base):
     chat_template: bool = False
     """Completion jobs: wrap each prompt in the chat template as one user message."""
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra variables for the model's chat template (e.g. enable_thinking, reasoning_effort)."""
     truncate: bool = False
     """Drop the oldest prompt tokens that do not fit the context instead of failing."""
     keep_last_tokens: int = 0

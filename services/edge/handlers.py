@@ -20,6 +20,10 @@ from services.edge.store import StoredResponse
 from shared import bus, keys, metrics
 from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
 
+OVMS_PREFIX = "/v3"
+"""OpenVINO Model Server's paths for the OpenAI API: every /v1 route is served under /v3 too, and its
+Responses stream differs from OpenAI's in the small ways its page documents."""
+
 
 async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.StreamResponse:
     settings, gateway, admitter = request.app[SETTINGS], request.app[GATEWAY], request.app[ADMITTER]
@@ -135,7 +139,7 @@ async def text_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    return await _planned(request, "responses")
+    return await _planned(request, "responses_ovms" if request.path.startswith(OVMS_PREFIX + "/") else "responses")
 
 
 async def create_embeddings(request: web.Request) -> web.StreamResponse:

@@ -116,7 +116,8 @@ class VllmEngine:
     def _chat_ids(self, job: bus.Job, messages: list[dict[str, str]]) -> list[int]:
         while True:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=job.add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=job.add_generation_prompt,
+                **job.chat_template_kwargs,
             )
             ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
             if not job.truncate or self._fits(job, len(ids)):

@@ -24,8 +24,10 @@ from services.edge.formats.base import (
 from services.edge.formats.common import (
     PositiveInt,
     Sampling,
+    TemplateKwargs,
     TokenLogprobOut,
     sampling_params,
+    template_kwargs,
     token_logprobs_out,
 )
 from services.edge.sse import data_frame
@@ -56,6 +58,8 @@ class ChatCompletionRequest(Sampling, kw_only=True):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """Accepted for every model; a model that does not reason has nothing to spend it on."""
     response_format: structured.ResponseFormat | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    """vLLM's extension: variables for the model's chat template (reasoning_effort reaches it too)."""
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -114,6 +118,7 @@ def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_m
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=messages, params=params, created_ms=bus.now_ms(),
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs, reasoning_effort=req.reasoning_effort),
     )
 
 
