@@ -12,7 +12,7 @@ from shared import settings as settings_module
 EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "resume_window_s", "replay_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
-                 "heartbeat_ttl_s", "read_timeout_s", "auth", "key_cache_s", "lease_ttl_s",
+                 "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "queue_timeout_s", "fair_input_weight", "fair_output_weight"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",

@@ -101,6 +101,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dropped and its job stopped (an edge's memory must not grow with slow clients)."""
     read_timeout_s: float = 30.0
     """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
+    ready_models: str = ""
+    """Models this deployment serves, comma-separated: the edge's /ready is 503 until each has a live worker
+    (empty: the edge's --model)."""
     auth: str = "keys"
     """keys: every API route needs an API key (`tokenbus keys create`); none: anyone may call (`tokenbus run`
     serves without keys unless told otherwise)."""
