@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.conftest import ROOT
@@ -80,3 +81,61 @@ def test_every_dashboard_expression_is_valid_promql(tmp_path: Path) -> None:
     checked = promtool("check", "rules", "dashboard.yml", cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert len(panels) >= 8
+
+
+# Kubernetes
+
+
+K8S = ROOT / "deploy" / "k8s"
+CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml",
+                ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com.yaml",
+                ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml"}
+
+
+def rendered(overlay: str) -> list[dict[str, Any]]:
+    """The overlay as `kubectl apply -k` would send it (kustomize works offline)."""
+    assert shutil.which("kubectl"), "kubectl renders the kustomizations"
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_the_kubernetes_manifests_validate(overlay: str, tmp_path: Path) -> None:
+    from jsonschema import Draft202012Validator
+
+    docs = rendered(overlay)
+    core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CUSTOM_KINDS]
+    (tmp_path / "core.yaml").write_text(yaml.safe_dump_all(core))
+    checked = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", "1.32.0",
+                              str(tmp_path / "core.yaml")], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    custom = [d for d in docs if (d["apiVersion"], d["kind"]) in CUSTOM_KINDS]
+    assert {d["kind"] for d in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
+    for doc in custom:
+        schema = yaml.safe_load((K8S / "schemas" / CUSTOM_KINDS[(doc["apiVersion"], doc["kind"])]).read_text())
+        errors = [e.message for e in Draft202012Validator(schema).iter_errors(doc)]
+        assert not errors, (doc["kind"], errors)
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered(overlay)}
+    edge = docs[("Deployment", "tokenbus-edge")]["spec"]["template"]["spec"]
+    container = edge["containers"][0]
+    grace = int(next(e["value"] for e in container["env"] if e["name"] == "TOKENBUS_SHUTDOWN_GRACE_S"))
+    assert edge["terminationGracePeriodSeconds"] > grace + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert {"PodDisruptionBudget"} <= {kind for kind, _name in docs}
+    assert ("HorizontalPodAutoscaler", "tokenbus-edge") in docs and ("ScaledObject", "tokenbus-worker") in docs
+    worker = docs[("Deployment", "tokenbus-worker")]["spec"]["template"]["spec"]["containers"][0]
+    assert ("nvidia.com/gpu" in worker["resources"]["limits"]) == (overlay == "gpu")
+    redis_args = " ".join(docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--appendonly yes" in redis_args and "--appendfsync everysec" in redis_args
+
+
+def test_the_operator_rules_are_the_prometheus_rules() -> None:
+    operator = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
+    assert operator["spec"]["groups"] == yaml.safe_load((PROMETHEUS / "rules.yml").read_text())["groups"]
