@@ -93,6 +93,8 @@ class Job(Base):
     """TGI's `truncate`: keep only the last n prompt tokens (0: all)."""
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     created_ms: int = 0
+    request_id: str = ""
+    """The edge's request id (x-request-id), for the worker's logs."""
     tenant: str = ""
     """Who asked (the API key's tenant; "" when the edge serves without keys)."""
     weight: float = 1.0

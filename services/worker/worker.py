@@ -18,7 +18,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from services.worker.ownership import Ownership
 from services.worker.publisher import EventPublisher
-from shared import bus, keys, metrics, redis_clients
+from shared import bus, keys, logs, metrics, redis_clients
 from shared.errors import (
     EngineError,
     RequestTimeout,
@@ -281,6 +281,7 @@ class Worker:
 
     async def _finishing(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
+        logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
         try:
             await work
         finally:
@@ -426,7 +427,8 @@ class Worker:
         self.aborted.add(job_id)
         await self.engine.abort(job_id)
         metrics.ENGINE_ABORTS.labels(self.model).inc()
-        log.info("aborted job %s in the engine: its client went away", job_id)
+        with logs.about(run.job.request_id or job_id):
+            log.info("aborted job %s in the engine: its client went away", job_id)
 
     def _reroute(self, route: bus.Route) -> None:
         """An edge resumed the job (send its events there now), or its client left (keep it a while)."""
