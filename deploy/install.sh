@@ -31,6 +31,22 @@ install_redis() {
   fi
 }
 
+install_tools() {
+  # promtool (Debian's prometheus package) checks and unit-tests the alerting rules in `make test`
+  command -v promtool >/dev/null && return
+  log "promtool is missing: installing the Debian/Ubuntu prometheus package"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  if command -v apt-get >/dev/null; then
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq prometheus >/dev/null
+    # the package may start a system-wide Prometheus; tokenbus needs only its promtool
+    $sudo systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+  else
+    log "no apt-get here: install promtool (the prometheus package) with your package manager"
+    exit 1
+  fi
+}
+
 install_venv() {
   [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
   local sum; sum=$(sha1sum pyproject.toml | cut -c1-12)
@@ -72,6 +88,7 @@ install_models() {
 }
 
 install_redis
+install_tools
 install_venv
 if [ "$WHAT" = all ]; then
   install_engine

@@ -7,18 +7,21 @@ import logging
 import os
 import sys
 
+from shared import logs
 from shared import settings as settings_module
 
 EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
-                 "max_body_bytes", "keepalive_interval_s", "log_level", "resume_window_s", "replay_ttl_s",
+                 "max_body_bytes", "keepalive_interval_s", "log_level", "log_format", "resume_window_s",
+                 "replay_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
-                 "heartbeat_ttl_s", "read_timeout_s", "auth", "key_cache_s", "lease_ttl_s",
+                 "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "queue_timeout_s", "fair_input_weight", "fair_output_weight"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "max_model_len", "max_num_seqs", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
-                   "metrics_port", "host", "log_level", "resume_window_s", "replay_ttl_s", "replay_max_events",
+                   "metrics_port", "host", "log_level", "log_format", "resume_window_s", "replay_ttl_s",
+                   "replay_max_events",
                    "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",
                    "fair_input_weight", "fair_output_weight"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
@@ -57,10 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run" and args.auth is None:  # the README's first curl works without a key
         args.auth = os.environ.get(settings_module.ENV_PREFIX + "AUTH", "none")
     settings = settings_module.load(args)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s {args.command} %(name)s: %(message)s",
-    )
+    logs.configure(args.command, settings.log_level, settings.log_format)
     if args.command == "edge":
         from services.edge.main import run_edge
 

@@ -12,13 +12,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import msgspec
 import redis
 
-from shared import keys
 from shared.settings import ENV_PREFIX, Settings, cache_dir
 
 log = logging.getLogger(__name__)
@@ -108,20 +109,21 @@ def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=child_env(settings))
 
 
-def wait_for_worker(url: str, model: str, children: list[subprocess.Popen[bytes]], timeout_s: float) -> bool:
-    """True once a worker of the model beats; False if a child died or the time ran out."""
-    client = redis.Redis.from_url(url)
+def wait_until_ready(base_url: str, children: list[subprocess.Popen[bytes]], timeout_s: float) -> bool:
+    """True once the edge's /ready answers 200 (every served model has a live worker); False if a child
+    died or the time ran out."""
     deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if any(child.poll() is not None for child in children):
-                return False
-            if any(True for _ in client.scan_iter(match=keys.worker_heartbeat(model, "*"))):
-                return True
-            time.sleep(0.5)
-        return False
-    finally:
-        client.close()
+    while time.monotonic() < deadline:
+        if any(child.poll() is not None for child in children):
+            return False
+        try:
+            with urllib.request.urlopen(base_url + "/ready", timeout=2) as answer:
+                if answer.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    return False
 
 
 def stop_all(children: list[subprocess.Popen[bytes]]) -> None:
@@ -142,7 +144,8 @@ def run(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with _redis_for(settings) as url:
-        settings = _with_redis(settings, url)
+        models = [m for m in (settings.model, settings.embedding_model) if m]
+        settings = msgspec.structs.replace(_with_redis(settings, url), ready_models=",".join(models))
         worker = spawn("worker", settings)
         edge = spawn("edge", settings)
         children = [edge, worker]
@@ -153,8 +156,8 @@ def run(settings: Settings) -> int:
             )
             children.append(spawn("worker", embedder))
         try:
-            models = [m for m in (settings.model, settings.embedding_model) if m]
-            if all(wait_for_worker(url, m, children, WORKER_READY_TIMEOUT_S) for m in models):
+            host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+            if wait_until_ready(f"http://{host}:{settings.port}", children, WORKER_READY_TIMEOUT_S):
                 log.info("ready: http://%s:%d serves %s", settings.host, settings.port, " and ".join(models))
             else:
                 stop.set()

@@ -13,6 +13,7 @@ position once and drops what a former owner writes late (see shared.sequence).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 
@@ -54,6 +55,16 @@ class SamplingParams(Base):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
+    """Structured output the engine must guarantee (a JSON schema, any JSON object, a regex)."""
+
+
+class Constraint(Base):
+    """What every token of the answer must keep possible: `kind` json (a JSON schema, `spec` its JSON
+    text), json_object (any JSON object), regex (`spec` the expression)."""
+
+    kind: str
+    spec: str = ""
 
 
 class Job(Base):
@@ -74,12 +85,16 @@ class Job(Base):
     chat_template: bool = False
     """Completion jobs: wrap each prompt in the chat template as one user message."""
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra variables for the model's chat template (e.g. enable_thinking, reasoning_effort)."""
     truncate: bool = False
     """Drop the oldest prompt tokens that do not fit the context instead of failing."""
     keep_last_tokens: int = 0
     """TGI's `truncate`: keep only the last n prompt tokens (0: all)."""
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     created_ms: int = 0
+    request_id: str = ""
+    """The edge's request id (x-request-id), for the worker's logs."""
     tenant: str = ""
     """Who asked (the API key's tenant; "" when the edge serves without keys)."""
     weight: float = 1.0

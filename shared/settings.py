@@ -18,6 +18,7 @@ ENGINES = ("vllm", "sim")
 AUTH_MODES = ("keys", "none")
 REDIS_DOWN_POLICIES = ("closed", "open", "local")
 SCHEDULERS = ("fair", "fifo")
+LOG_FORMATS = ("text", "json")
 
 
 def cache_dir() -> Path:
@@ -81,6 +82,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Port of the worker's Prometheus endpoint; 0 means none."""
     log_level: str = "INFO"
     """Logging level of every process."""
+    log_format: str = "text"
+    """text, or json: one JSON object per line with the request id (x-request-id) of what it is about."""
     resume_window_s: float = 10.0
     """How long a job keeps running after its client (or its edge) went away, so that the client can resume
     it on any edge with Last-Event-ID; 0 aborts it within a second of the disconnect."""
@@ -101,6 +104,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dropped and its job stopped (an edge's memory must not grow with slow clients)."""
     read_timeout_s: float = 30.0
     """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
+    ready_models: str = ""
+    """Models this deployment serves, comma-separated: the edge's /ready is 503 until each has a live worker
+    (empty: the edge's --model)."""
     auth: str = "keys"
     """keys: every API route needs an API key (`tokenbus keys create`); none: anyone may call (`tokenbus run`
     serves without keys unless told otherwise)."""
@@ -178,8 +184,8 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     settings = Settings(**values)
     if settings.task not in TASKS:
         raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
-    for name, allowed in (("auth", AUTH_MODES), ("admission_when_redis_down", REDIS_DOWN_POLICIES),
-                          ("scheduler", SCHEDULERS)):
+    for name, allowed in (("auth", AUTH_MODES), ("log_format", LOG_FORMATS),
+                          ("admission_when_redis_down", REDIS_DOWN_POLICIES), ("scheduler", SCHEDULERS)):
         if getattr(settings, name) not in allowed:
             raise SystemExit(f"invalid setting {name}={getattr(settings, name)!r}: choose one of {', '.join(allowed)}")
     if settings.engine not in ENGINES:

@@ -91,7 +91,7 @@ async def test_the_body_matches_the_schema(client: openai.AsyncOpenAI) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-     ({"response_format": {"type": "json_object"}}, "response_format"),
+     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
      ({"logit_bias": {"x": 1}}, "logit_bias")],
 )
 async def test_what_cannot_be_honoured_is_refused_by_name(

@@ -342,3 +342,18 @@ async def test_a_stream_whose_only_worker_dies_ends_with_worker_lost_within_seco
     assert caught.value.code == "worker_lost"
     stack.worker()  # the next worker claims the dead one's entry and, as its client gave up, drops it
     await stack.settled()
+
+
+async def test_a_structured_stream_whose_worker_dies_ends_with_worker_lost_never_unconstrained(stack: Stack) -> None:
+    """A job under a JSON constraint cannot continue mid-answer elsewhere (the grammar would start over): its
+    stream ends with worker_lost instead; one that had sent nothing yet simply runs on the next worker."""
+    edge = stack.edge()
+    doomed = stack.worker()
+    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 400, response_format={"type": "json_object"}))
+    await asyncio.sleep(0.8)
+    stack.kill(doomed.process)
+    stack.worker()
+    with pytest.raises(openai.APIError, match="structured output") as caught:
+        await asyncio.wait_for(streaming, 30)
+    assert caught.value.code == "worker_lost"
+    await stack.settled()

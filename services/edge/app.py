@@ -21,9 +21,19 @@ from services.edge.gateway import Gateway
 from services.edge.relay import EventRelay, Timing, running
 from services.edge.routes import Route, route_of
 from services.edge.sse import ClientGone
-from services.edge.state import ADMITTER, DRAINING, GATEWAY, KEYS, RATE_HEADERS, REDIS, SETTINGS, STORE
+from services.edge.state import (
+    ADMITTER,
+    DRAINING,
+    GATEWAY,
+    KEYS,
+    RATE_HEADERS,
+    REDIS,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+)
 from services.edge.store import ResponseStore
-from shared import fairshare, keys, metrics, redis_clients
+from shared import fairshare, keys, logs, metrics, redis_clients
 from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError, Unavailable
 from shared.limits import Limits, Settlements
 from shared.settings import Settings
@@ -78,6 +88,9 @@ async def _admit(request: web.Request, route: Route) -> None:
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns every failure into the route's error shape; nothing leaves as an HTML page or a bare 500."""
     route = route_of(request)
+    given = request.headers.get("x-request-id", "")
+    request[REQUEST_ID] = given if logs.VALID_REQUEST_ID.match(given) else uuid.uuid4().hex
+    logs.REQUEST_ID.set(request[REQUEST_ID])
     response: web.StreamResponse
     try:
         await _admit(request, route)
@@ -103,8 +116,11 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
-async def _rate_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """The key's x-ratelimit-* headers go on every answer, before its first byte (streams included)."""
+async def _answer_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The request id and the key's x-ratelimit-* headers go on every answer, before its first byte (streams
+    included)."""
+    if request_id := request.get(REQUEST_ID):
+        response.headers["x-request-id"] = request_id
     if found := request.get(RATE_HEADERS):
         response.headers.update(found)
 
@@ -114,7 +130,7 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_bus)
-    app.on_response_prepare.append(_rate_headers)
+    app.on_response_prepare.append(_answer_headers)
     routes.add_to(app)
     return app
 

@@ -15,10 +15,14 @@ from services.edge.formats import responses, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
 from services.edge.server import read_body
-from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, SETTINGS, STORE
+from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
 from shared import bus, keys, metrics
 from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
+
+OVMS_PREFIX = "/v3"
+"""OpenVINO Model Server's paths for the OpenAI API: every /v1 route is served under /v3 too, and its
+Responses stream differs from OpenAI's in the small ways its page documents."""
 
 
 async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.StreamResponse:
@@ -26,6 +30,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     arrival, caller = plan.arrival, caller_of(request)
     deadline = arrival.started + settings.request_timeout_s
     info = gateway.directory.models.get(plan.job.model)
+    plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
     try:
         admission = await admitter.admit(caller, plan.job, info.max_model_len if info else 0)
@@ -135,7 +140,7 @@ async def text_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    return await _planned(request, "responses")
+    return await _planned(request, "responses_ovms" if request.path.startswith(OVMS_PREFIX + "/") else "responses")
 
 
 async def create_embeddings(request: web.Request) -> web.StreamResponse:

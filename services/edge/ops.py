@@ -7,7 +7,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from services.edge.state import DRAINING, GATEWAY, REDIS
+from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS
+from shared.settings import Settings
 
 
 async def health(request: web.Request) -> web.Response:
@@ -15,7 +16,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers, at least one worker is alive, and the edge is not draining."""
+    """Ready when Redis answers, every model the deployment serves (or the one `?model=` names) has a live
+    worker, and the edge is not draining."""
     if request.app[DRAINING].is_set():
         return web.json_response({"status": "draining"}, status=503)
     if request.app[GATEWAY].relay.redis_down():
@@ -25,9 +27,16 @@ async def ready(request: web.Request) -> web.Response:
         models = await request.app[GATEWAY].directory.refresh()
     except (RedisError, OSError) as exc:
         return web.json_response({"status": "unavailable", "reason": f"redis: {type(exc).__name__}"}, status=503)
-    if not models:
-        return web.json_response({"status": "unavailable", "reason": "no live worker"}, status=503)
+    settings = request.app[SETTINGS]
+    wanted = [request.query["model"]] if "model" in request.query else expected_models(settings)
+    if missing := [m for m in wanted if m not in models]:
+        return web.json_response({"status": "unavailable", "reason": "no live worker",
+                                  "missing": missing, "models": sorted(models)}, status=503)
     return web.json_response({"status": "ready", "models": sorted(models)})
+
+
+def expected_models(settings: Settings) -> list[str]:
+    return [m for m in (part.strip() for part in settings.ready_models.split(",")) if m] or [settings.model]
 
 
 async def prometheus(request: web.Request) -> web.Response:

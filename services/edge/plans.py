@@ -106,8 +106,11 @@ async def plan_chat(request: web.Request, body: bytes, given: Arrival | None) ->
 async def plan_completions(request: web.Request, body: bytes, given: Arrival | None,
                            raw_prompt_default: bool = True) -> Plan:
     req = _decode(body, completions.CompletionRequest, "completions")
-    if req.use_raw_prompt is None and not raw_prompt_default:
-        req.use_raw_prompt = False
+    if not raw_prompt_default:  # Databricks' completions: the chat template, and no token limit by default
+        if req.use_raw_prompt is None:
+            req.use_raw_prompt = False
+        if "max_tokens" not in msgspec.json.decode(body, type=dict[str, msgspec.Raw]):
+            req.max_tokens = None
     info = await _model(request, req.model)
     completions.check_context(req, info.max_model_len)
     arrival = given or arrive(request, "cmpl-")
@@ -118,7 +121,8 @@ async def plan_completions(request: web.Request, body: bytes, given: Arrival | N
     return Plan(name, arrival, job, renderer, req.stream, "completions")
 
 
-async def plan_responses(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+async def plan_responses(request: web.Request, body: bytes, given: Arrival | None, ovms: bool = False) -> Plan:
+    """OpenAI Responses; `ovms`: as OVMS serves it on /v3 (see ResponsesRenderer.ovms)."""
     req = _decode(body, responses.ResponsesRequest, "responses")
     responses.refuse_unsupported(req)
     info = await _model(request, req.model)
@@ -137,8 +141,8 @@ async def plan_responses(request: web.Request, body: bytes, given: Arrival | Non
                            deadline_ms=arrival.deadline_ms)
     renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
                                            history=history, store=store,
-                                           tenant=caller_of(request).tenant)
-    return Plan("responses", arrival, job, renderer, req.stream, "responses")
+                                           tenant=caller_of(request).tenant, ovms=ovms)
+    return Plan("responses_ovms" if ovms else "responses", arrival, job, renderer, req.stream, "responses")
 
 
 async def plan_embeddings(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
@@ -147,7 +151,7 @@ async def plan_embeddings(request: web.Request, body: bytes, given: Arrival | No
     embeddings.check_dimensions(req, info.dimensions)
     arrival = given or arrive(request, "embd-")
     job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    return Plan("embeddings", arrival, job, embeddings.EmbeddingRenderer(req), False, "embeddings")
+    return Plan("embeddings", arrival, job, embeddings.EmbeddingRenderer(req, arrival.job_id), False, "embeddings")
 
 
 async def plan_tgi(request: web.Request, body: bytes, given: Arrival | None, *, stream: bool | None,
@@ -172,6 +176,7 @@ PLANNERS: dict[str, Planner] = {
     "completions": plan_completions,
     "completions_templated": functools.partial(plan_completions, raw_prompt_default=False),
     "responses": plan_responses,
+    "responses_ovms": functools.partial(plan_responses, ovms=True),
     "embeddings": plan_embeddings,
     "tgi": functools.partial(plan_tgi, stream=False),
     "tgi_stream": functools.partial(plan_tgi, stream=True, name="tgi_stream"),

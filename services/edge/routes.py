@@ -18,8 +18,6 @@ from services.edge import handlers, openapi, ops
 from services.edge.formats import chat, completions, embeddings, responses, tgi
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OVMS_PREFIX = "/v3"
-"""OpenVINO Model Server's paths for the same OpenAI API: every /v1 route is served under /v3 too."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +49,8 @@ def _openai(method: str, path: str, handler: Handler, summary: str, request: Any
     route = Route(method, path, handler, "openai", summary, request, response, streams, runs_model)
     if not path.startswith("/v1/"):
         return [route]
-    return [route, Route(method, OVMS_PREFIX + path[3:], handler, "openai", summary, request, response, streams,
-                         runs_model)]
+    alias = handlers.OVMS_PREFIX + path.removeprefix("/v1")
+    return [route, Route(method, alias, handler, "openai", summary, request, response, streams, runs_model)]
 
 
 def api_document() -> bytes:

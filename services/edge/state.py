@@ -23,3 +23,5 @@ KEYS = web.AppKey("keys", KeyCache)
 ADMITTER = web.AppKey("admitter", Admitter)
 RATE_HEADERS = web.RequestKey("rate_headers", dict[str, str])
 """The caller's x-ratelimit-* headers, set before its answer starts."""
+REQUEST_ID = web.RequestKey("request_id", str)
+"""The client's x-request-id (when it is a sane one) or one of ours: returned, logged, carried by the job."""

@@ -116,7 +116,8 @@ class VllmEngine:
     def _chat_ids(self, job: bus.Job, messages: list[dict[str, str]]) -> list[int]:
         while True:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=job.add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=job.add_generation_prompt,
+                **job.chat_template_kwargs,
             )
             ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
             if not job.truncate or self._fits(job, len(ids)):
@@ -191,6 +192,7 @@ class VllmEngine:
                 skip_special_tokens=p.skip_special_tokens,
                 include_stop_str_in_output=p.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA,
+                structured_outputs=structured_outputs(p.constraint),
             )
         except ValueError as exc:  # vLLM's own parameter checks
             raise InvalidRequest(str(exc)) from None
@@ -242,7 +244,18 @@ class VllmEngine:
         if run.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
             yield bus.Tokens(job=job.id, text="", token_ids=[], choice=run.choice, finish_reason="length")
             return
-        async for out in self.llm.generate({"prompt_token_ids": run.ids}, run.params, request_id):
+        outputs = self.llm.generate({"prompt_token_ids": run.ids}, run.params, request_id).__aiter__()
+        while True:
+            try:
+                out = await outputs.__anext__()
+            except StopAsyncIteration:
+                break
+            except ValueError as exc:  # what vLLM refuses on arrival (a grammar it cannot compile): the caller's
+                if not first:
+                    raise
+                raise InvalidRequest(f"The engine cannot serve this request: {exc}",
+                                     code="invalid_structured_output" if run.params.structured_outputs else None,
+                                     ) from None
             if first and run.params.prompt_logprobs is not None:
                 yield self._prompt_event(job, run.index, run.echo_ids or run.ids, out.prompt_logprobs)
             first = False
@@ -333,3 +346,18 @@ async def _merge(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def structured_outputs(constraint: bus.Constraint | None) -> Any:
+    """vLLM's structured-output parameters for a constraint (None: free text)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.kind == "json":
+        return StructuredOutputsParams(json=constraint.spec)
+    if constraint.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if constraint.kind == "regex":
+        return StructuredOutputsParams(regex=constraint.spec)
+    raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")

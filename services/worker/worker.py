@@ -19,7 +19,7 @@ from redis.exceptions import RedisError, ResponseError
 from services.worker.ownership import Ownership
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from shared import bus, fairshare, keys, metrics, redis_clients
+from shared import bus, fairshare, keys, logs, metrics, redis_clients
 from shared.errors import (
     EngineError,
     QueueTimeout,
@@ -310,6 +310,7 @@ class Worker:
 
     async def _finishing(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
+        logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
         try:
             await work
         finally:
@@ -354,6 +355,12 @@ class Worker:
             return
         if taken.conflict:
             self._end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
+            metrics.JOBS.labels(self.model, "lost").inc()
+            return
+        if job.params.constraint is not None and taken.continuation and taken.continuation.carried():
+            # the engine would start the grammar over in the middle of the answer: never unconstrained output
+            self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
+                                           "on another worker; send the request again."))
             metrics.JOBS.labels(self.model, "lost").inc()
             return
         job.continuation = taken.continuation
@@ -454,7 +461,8 @@ class Worker:
         self.aborted.add(job_id)
         await self.engine.abort(job_id)
         metrics.ENGINE_ABORTS.labels(self.model).inc()
-        log.info("aborted job %s in the engine: its client went away", job_id)
+        with logs.about(run.job.request_id or job_id):
+            log.info("aborted job %s in the engine: its client went away", job_id)
 
     def _reroute(self, route: bus.Route) -> None:
         """An edge resumed the job (send its events there now), or its client left (keep it a while)."""

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import (
     TEXT_MARK,
     Choices,
@@ -23,8 +24,10 @@ from services.edge.formats.base import (
 from services.edge.formats.common import (
     PositiveInt,
     Sampling,
+    TemplateKwargs,
     TokenLogprobOut,
     sampling_params,
+    template_kwargs,
     token_logprobs_out,
 )
 from services.edge.sse import data_frame
@@ -45,10 +48,6 @@ class ChatMessage(Request):
     name: str | None = None
 
 
-class ResponseFormat(Request):
-    type: str
-
-
 class ChatCompletionRequest(Sampling, kw_only=True):
     model: str
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -58,7 +57,9 @@ class ChatCompletionRequest(Sampling, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """Accepted for every model; a model that does not reason has nothing to spend it on."""
-    response_format: ResponseFormat | None = None
+    response_format: structured.ResponseFormat | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    """vLLM's extension: variables for the model's chat template (reasoning_effort reaches it too)."""
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -96,8 +97,6 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
             raise refuse(name, "it is not served by this text model")
     if req.modalities and set(req.modalities) != {"text"}:
         raise refuse("modalities", "only text output is served")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise refuse("response_format", "only the 'text' format is served yet")
 
 
 def check_context(req: ChatCompletionRequest, max_model_len: int) -> None:
@@ -115,9 +114,11 @@ def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_m
     ]
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    params.constraint = structured.of_response_format(req.response_format)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=messages, params=params, created_ms=bus.now_ms(),
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs, reasoning_effort=req.reasoning_effort),
     )
 
 

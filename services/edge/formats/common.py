@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from msgspec import Meta
 
@@ -24,6 +24,21 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
 """A signed 64-bit integer, as in OpenAI's schema and vLLM's (torch's) generators."""
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=2)]
 N = Annotated[int, Meta(ge=1, le=16)]
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "chat_template", "tools", "documents"})
+"""What the worker sets itself when it applies the chat template: a client may not override these."""
+TemplateKwargs = Annotated[dict[Annotated[str, Meta(max_length=64)], Any], Meta(max_length=32)]
+
+
+def template_kwargs(given: dict[str, Any] | None, **implied: Any) -> dict[str, Any]:
+    """`chat_template_kwargs` for the worker's chat template (with what other fields imply, such as a
+    reasoning effort); the keys the worker sets itself are refused by name."""
+    if given and (reserved := sorted(RESERVED_TEMPLATE_KWARGS & given.keys())):
+        raise InvalidRequest(f"`chat_template_kwargs` may not set {', '.join(reserved)}: the server sets them.",
+                             param=f"chat_template_kwargs.{reserved[0]}")
+    return {**{k: v for k, v in implied.items() if v is not None}, **(given or {})}
 
 
 class StreamOptions(Request):

@@ -7,7 +7,7 @@ import sys
 from array import array
 from typing import Annotated, Literal
 
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats.base import Out, Request, encode, openai_error
 from shared import bus
@@ -56,6 +56,8 @@ class EmbeddingUsage(Out):
 
 
 class EmbeddingList(Out, kw_only=True):
+    id: str | UnsetType = UNSET
+    """Databricks' response has one; OpenAI's schema allows it."""
     object: str = "list"
     data: list[EmbeddingData]
     model: str
@@ -73,7 +75,8 @@ def as_base64(vector: list[float]) -> str:
 class EmbeddingRenderer:
     """Gathers one vector per input; embeddings never stream."""
 
-    def __init__(self, req: EmbeddingRequest) -> None:
+    def __init__(self, req: EmbeddingRequest, response_id: str = "") -> None:
+        self.id = response_id
         self.model = req.model
         self.base64 = req.encoding_format == "base64"
         self.vectors: dict[int, list[float]] = {}
@@ -99,4 +102,4 @@ class EmbeddingRenderer:
         data = [EmbeddingData(index=i, embedding=as_base64(v) if self.base64 else v)
                 for i, v in sorted(self.vectors.items())]
         usage = EmbeddingUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens)
-        return encode(EmbeddingList(data=data, model=self.model, usage=usage))
+        return encode(EmbeddingList(id=self.id or UNSET, data=data, model=self.model, usage=usage))

@@ -7,9 +7,10 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import Choices, Out, Request, encode, refuse, refuse_beyond_context
-from services.edge.formats.common import PositiveInt, Temperature, TopP
-from services.edge.sse import event_frame
+from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, sampling_params, template_kwargs
+from services.edge.sse import DONE, event_frame
 from services.edge.store import ResponseStore
 from shared import bus
 from shared.errors import InvalidRequest, TokenbusError
@@ -29,7 +30,11 @@ class InputItem(Request):
 
 
 class TextFormat(Request):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: structured.SchemaName | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class TextParam(Request):
@@ -45,19 +50,27 @@ MetadataValue = Annotated[str, Meta(max_length=512)]
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], MetadataValue], Meta(max_length=16)]
 
 
-class ResponsesRequest(Request):
+class ResponsesRequest(Sampling, kw_only=True):
+    """OpenAI's fields, and the sampling extras OVMS documents for /v3/responses (top_k, seed, stop, the
+    penalties, ignore_eos, logprobs, response_format, chat_template_kwargs): each served or refused."""
+
     model: str
     input: Annotated[str, Meta(min_length=1)] | Annotated[list[InputItem], Meta(min_length=1)]
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    response_format: structured.ResponseFormat | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    best_of: int | None = None
+    length_penalty: float | None = None
+    num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
+    max_ngram_size: int | None = None
     text: TextParam | None = None
     metadata: Metadata | None = None
-    user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
     reasoning: ReasoningParam | None = None
@@ -71,6 +84,17 @@ class ResponsesRequest(Request):
     prompt: Any = None
 
 
+def _refuse_decoding_extras(req: ResponsesRequest) -> None:
+    """OVMS's beam-search and speculative-decoding fields: named, never ignored."""
+    if req.n != 1:
+        raise refuse("n", "a response has one output")
+    if req.best_of not in (None, 1) or req.length_penalty not in (None, 1.0):
+        raise refuse("best_of" if req.best_of not in (None, 1) else "length_penalty", "beam search is not served")
+    for name in ("num_assistant_tokens", "assistant_confidence_threshold", "max_ngram_size"):
+        if getattr(req, name) is not None:
+            raise refuse(name, "speculative and prompt-lookup decoding are not served")
+
+
 def refuse_unsupported(req: ResponsesRequest) -> None:
     """The 400s for what we do not serve, each naming its parameter."""
     if req.background:
@@ -81,13 +105,17 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise refuse("service_tier", "there is one service tier")
     if req.prompt is not None:
         raise refuse("prompt", "prompt templates are not served")
+    _refuse_decoding_extras(req)
+    if req.response_format is not None and req.text and req.text.format and req.text.format.type != "text":
+        raise InvalidRequest("Give the format once: `text.format` or `response_format`, not both.",
+                             param="response_format")
     for i, tool in enumerate(req.tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
             raise refuse(f"tools[{i}]", "function tools are not served yet")
         raise refuse(f"tools[{i}]", f"the built-in tool {kind!r} is not served")
-    if req.text and req.text.format and req.text.format.type != "text":
-        raise refuse("text.format", "only the 'text' format is served yet")
+    if req.text and req.text.format and req.text.format.type == "json_schema" and not req.text.format.name:
+        raise InvalidRequest("`text.format.name` is required with type json_schema.", param="text.format.name")
 
 
 def check_context(req: ResponsesRequest, max_model_len: int) -> None:
@@ -124,16 +152,21 @@ def to_job(
 ) -> bus.Job:
     """The job for this turn: instructions first, then the earlier turns, then the new input."""
     instructions = [bus.Message(role="system", content=req.instructions)] if req.instructions else []
-    params = bus.SamplingParams(
-        max_tokens=req.max_output_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        logprobs=req.top_logprobs,
-    )
+    logprobs = req.top_logprobs if req.top_logprobs is not None else (0 if req.logprobs else None)
+    params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=logprobs)
+    params.include_stop_str_in_output = bool(req.include_stop_str_in_output)
+    if req.text and req.text.format and req.text.format.type != "text":
+        params.constraint = structured.of_text_format(req.text.format.type, req.text.format.schema)
+    else:
+        params.constraint = structured.of_response_format(req.response_format)
+    effort = req.reasoning.effort if req.reasoning else None
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=instructions + history, params=params, truncate=req.truncation == "auto",
         created_ms=bus.now_ms(),
+        # as OVMS does: any reasoning effort turns the template's thinking on
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs, enable_thinking=True if effort else None,
+                                             reasoning_effort=effort),
     )
 
 
@@ -200,6 +233,18 @@ class Reasoning(Out):
 
 class TextFormatOut(Out):
     type: str = "text"
+    name: str | UnsetType = UNSET
+    schema: dict[str, Any] | UnsetType = UNSET
+    description: str | UnsetType | None = UNSET
+    strict: bool | UnsetType | None = UNSET
+
+
+def echo_format(fmt: TextFormat | None) -> TextFormatOut:
+    """The response's `text.format`: the request's, as OpenAI echoes it."""
+    if fmt is None or fmt.type != "json_schema":
+        return TextFormatOut(type=fmt.type if fmt else "text")
+    return TextFormatOut(type=fmt.type, name=fmt.name or "", schema=fmt.schema or {}, description=fmt.description,
+                         strict=fmt.strict)
 
 
 class TextOut(Out):
@@ -225,7 +270,7 @@ class Response(Out, kw_only=True):
     store: bool
     temperature: float
     text: TextOut
-    tool_choice: str = "auto"
+    tool_choice: Any = "auto"
     tools: list[Any] = []
     top_logprobs: int | None
     top_p: float
@@ -257,7 +302,7 @@ class ResponsesRenderer:
 
     def __init__(
         self, req: ResponsesRequest, *, response_id: str, created_at: int, history: list[bus.Message],
-        store: ResponseStore | None, tenant: str = "",
+        store: ResponseStore | None, tenant: str = "", ovms: bool = False,
     ) -> None:
         self.req = req
         self.id = response_id
@@ -266,6 +311,9 @@ class ResponsesRenderer:
         self.history = history
         self.store = store
         self.tenant = tenant
+        self.ovms = ovms
+        """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
+        `max_tokens`, as its page documents."""
         self.sequence = 0
         self.choices = Choices(1)
         self.status = "in_progress"
@@ -295,13 +343,16 @@ class ResponsesRenderer:
         return Response(
             id=self.id, created_at=self.created_at, completed_at=self.completed_at, status=self.status,
             error=self.error_detail,
-            incomplete_details=IncompleteDetails(reason="max_output_tokens") if self.status == "incomplete" else None,
+            incomplete_details=IncompleteDetails(reason="max_tokens" if self.ovms else "max_output_tokens")
+            if self.status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=req.model,
             output=[self._item()] if done else [], output_text=self.choices.text(0) if done else "",
             previous_response_id=req.previous_response_id,
+            tool_choice="auto" if req.tool_choice is None else req.tool_choice, tools=req.tools or [],
+            parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             reasoning=Reasoning(effort=req.reasoning.effort if req.reasoning else None),
             store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
-            text=TextOut(format=TextFormatOut()), top_logprobs=req.top_logprobs,
+            text=TextOut(format=echo_format(req.text.format if req.text else None)), top_logprobs=req.top_logprobs,
             top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
             usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
         )
@@ -356,14 +407,17 @@ class ResponsesRenderer:
         await self.store.save(self.id, encode(self.response()), [*self.history, answer], self.tenant)
 
     def done(self) -> list[bytes]:
-        return []
+        return [DONE] if self.ovms else []
 
     def error(self, error: TokenbusError) -> list[bytes]:
+        """An `error` event (its type, code, message and param, as OpenAI's stream sends them), then the
+        response, failed."""
         self.status = "failed"
-        self.error_detail = ResponseError(code=_ERROR_CODES.get(type(error).__name__, "server_error"),
-                                          message=error.message)
+        code = _ERROR_CODES.get(type(error).__name__, "server_error")
+        self.error_detail = ResponseError(code=code, message=error.message)
         out = [] if self.started else self._opening()
-        return [*out, self._event("response.failed", response=self.response())]
+        return [*out, self._event("error", code=error.code or code, message=error.message, param=error.param),
+                self._event("response.failed", response=self.response()), *self.done()]
 
     def body(self) -> bytes:
         return encode(self.response())

@@ -1,8 +1,8 @@
 """Hugging Face TGI / Huawei MindIE text generation: /generate, /generate_stream, / and /info.
 
 Validation errors are 422 and overload 429, as in TGI; requests we understand but cannot serve
-(multimodal inputs to a text model, an unknown adapter, prefill details while streaming, watermarking,
-typical-p sampling) are 400s that name the parameter.
+(images for a text model, an unknown adapter, prefill details while streaming) are 400s that name the
+parameter. `typical_p` and `watermark` are accepted and not applied, as MindIE documents them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import (
     Out,
     Request,
@@ -64,7 +65,7 @@ class Parameters(Request):
     adapter_id: Annotated[str, Meta(max_length=256, pattern=r"^[A-Za-z0-9._/-]+$")] | None = None
     top_n_tokens: Annotated[int, Meta(ge=0, le=5)] | None = None
     best_of: Annotated[int, Meta(ge=1)] | None = None
-    grammar: Any = None
+    grammar: structured.Grammar | None = None
 
 
 class GenerateRequest(Request):
@@ -75,25 +76,31 @@ class GenerateRequest(Request):
     """Our extension: which served model answers (default: the edge's --model)."""
 
 
+def input_text(inputs: str | list[Any]) -> str | None:
+    """The text of `inputs`: the string, or MindIE's list of `{"type": "text", "text"}` items joined; None
+    when the list holds anything but text."""
+    if isinstance(inputs, str):
+        return inputs
+    texts = [text for item in inputs if isinstance(item, dict) and item.get("type") == "text"
+             and isinstance(text := item.get("text"), str)]
+    joined = "".join(texts)
+    return joined if joined and len(texts) == len(inputs) else None
+
+
 def _refuse_unsupported(req: GenerateRequest, stream: bool, adapters: list[str]) -> None:
     p = req.parameters
     if p.seed is not None and p.seed > MAX_SEED:
         raise InvalidRequest(f"`parameters.seed` must be at most {MAX_SEED}.", param="parameters.seed")
-    if not isinstance(req.inputs, str):
-        raise refuse("inputs", "this model reads text only; send `inputs` as a string (nothing was fetched)")
+    if not isinstance(req.inputs, str) and input_text(req.inputs) is None:
+        raise refuse("inputs", "this model reads text only; send `inputs` as a string or text items "
+                     "(nothing was fetched)")
     if p.decoder_input_details and stream:
         raise refuse("parameters.decoder_input_details", "prefill details cannot be streamed")
     if p.adapter_id not in (None, NO_ADAPTER) and p.adapter_id not in adapters:
         raise InvalidRequest(f"Unknown adapter `{p.adapter_id}`; this model serves: {adapters or 'none'}.",
                              param="parameters.adapter_id", code="unknown_adapter")
-    if p.watermark:
-        raise refuse("parameters.watermark", "the engine cannot watermark its output")
-    if p.typical_p is not None and p.typical_p < 1.0:
-        raise refuse("parameters.typical_p", "the engine has no typical sampling (1.0 disables it)")
     if p.best_of not in (None, 1):
         raise refuse("parameters.best_of", "only best_of=1 is served")
-    if p.grammar is not None:
-        raise refuse("parameters.grammar", "guided decoding is not served yet")
 
 
 def check_context(req: GenerateRequest, max_model_len: int) -> None:
@@ -126,9 +133,10 @@ def to_job(
         frequency_penalty=p.frequency_penalty or 0.0,
         logprobs=(p.top_n_tokens or 0) if per_token else None,
         prompt_logprobs=(p.top_n_tokens or 0) if p.decoder_input_details else None,
+        constraint=structured.of_grammar(p.grammar),
     )
     return bus.Job(id=job_id, model=model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
-                   prompts=[str(req.inputs)], keep_last_tokens=p.truncate or 0, params=params,
+                   prompts=[input_text(req.inputs) or ""], keep_last_tokens=p.truncate or 0, params=params,
                    created_ms=bus.now_ms())
 
 
@@ -245,7 +253,7 @@ class TgiRenderer:
         self.req = req
         self.seed = seed
         self.array_body = array_body
-        self.prefix = str(req.inputs) if req.parameters.return_full_text else ""
+        self.prefix = (input_text(req.inputs) or "") if req.parameters.return_full_text else ""
         self.texts: list[str] = []
         self.tokens: list[Token] = []
         self.top_tokens: list[list[Token]] = []

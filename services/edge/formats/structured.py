@@ -1,0 +1,106 @@
+"""Structured outputs: what each API calls a constraint (Chat `response_format`, Responses `text.format`,
+TGI `parameters.grammar`) turned into one engine-neutral `bus.Constraint`, which vLLM's structured-output
+decoding then guarantees token by token. A schema or regex that cannot be used is refused here, naming the
+field, before anything is queued; the engine's own compile errors come back as a 400 too."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+import orjson
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from services.edge.formats.base import Request
+from shared import bus
+from shared.errors import InvalidRequest
+
+SchemaName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+MAX_SPEC_BYTES = 64 * 1024
+
+
+class JsonSchemaSpec(Request):
+    """OpenAI's `json_schema` format: a named schema (Chat nests it, Responses flattens it)."""
+
+    name: SchemaName
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    """Chat Completions `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class Grammar(Request):
+    """TGI's `parameters.grammar`: a JSON schema (as an object or its text) or a regular expression."""
+
+    type: Literal["json", "json_schema", "regex"]
+    value: Any
+
+
+def json_schema(schema: Any, param: str) -> bus.Constraint:
+    """A constraint to a JSON schema, checked against the JSON Schema meta-schema first."""
+    if isinstance(schema, str):
+        try:
+            schema = orjson.loads(schema)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"`{param}` is not valid JSON: {exc}", param=param) from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"`{param}` must be a JSON schema object.", param=param)
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise InvalidRequest(f"`{param}` is not a valid JSON schema: {exc.message}", param=param) from None
+    spec = orjson.dumps(schema).decode()
+    if len(spec) > MAX_SPEC_BYTES:
+        raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
+    return bus.Constraint(kind="json", spec=spec)
+
+
+def regex(pattern: Any, param: str) -> bus.Constraint:
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRequest(f"`{param}` must be a non-empty regular expression.", param=param)
+    if len(pattern) > MAX_SPEC_BYTES:
+        raise InvalidRequest(f"`{param}` is longer than {MAX_SPEC_BYTES} characters.", param=param)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise InvalidRequest(f"`{param}` is not a valid regular expression: {exc}", param=param) from None
+    return bus.Constraint(kind="regex", spec=pattern)
+
+
+JSON_OBJECT = bus.Constraint(kind="json_object")
+
+
+def of_response_format(fmt: ResponseFormat | None) -> bus.Constraint | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT
+    if fmt.json_schema is None:
+        raise InvalidRequest("`response_format.json_schema` is required with type json_schema.",
+                             param="response_format.json_schema")
+    return json_schema(fmt.json_schema.schema or {}, "response_format.json_schema.schema")
+
+
+def of_text_format(kind: str, schema: dict[str, Any] | None) -> bus.Constraint | None:
+    """Responses `text.format` (type, and the flat schema of a json_schema format)."""
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind == "json_schema":
+        return json_schema(schema or {}, "text.format.schema")
+    return None
+
+
+def of_grammar(grammar: Grammar | None) -> bus.Constraint | None:
+    if grammar is None:
+        return None
+    if grammar.type == "regex":
+        return regex(grammar.value, "parameters.grammar.value")
+    return json_schema(grammar.value, "parameters.grammar.value")

@@ -1,0 +1,141 @@
+"""The deployment files, checked offline (no Docker engine, no cluster runs here): the compose file against
+the Compose Specification's schema and what production needs of it, the Prometheus rules with promtool
+(including their unit tests), the dashboard's expressions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+COMPOSE = ROOT / "docker-compose.yml"
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tokenbus.json"
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """promtool comes with Debian's prometheus package, which deploy/install.sh installs."""
+    assert shutil.which("promtool"), "promtool is missing: run `bash deploy/install.sh dev`"
+    return subprocess.run(["promtool", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+def test_the_compose_file_follows_the_compose_specification() -> None:
+    checked = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+                              str(COMPOSE)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_compose_stack_is_ready_for_production() -> None:
+    services = compose()["services"]
+    redis_command = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis_command and "--appendfsync everysec" in redis_command
+    assert services["edge"]["deploy"]["replicas"] >= 2
+    assert "/ready" in " ".join(services["edge"]["healthcheck"]["test"])
+    grace = int(services["edge"]["environment"]["TOKENBUS_SHUTDOWN_GRACE_S"])
+    assert int(services["edge"]["stop_grace_period"].rstrip("s")) > grace  # the drain fits in the grace
+    gpu = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert services["worker-gpu"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
+    assert "COMPOSE_PROFILES=gpu" in (ROOT / ".env").read_text()  # plain `docker compose up` is the GPU stack
+    for name in ("worker-gpu", "worker-cpu", "embedder"):
+        assert services[name]["environment"]["TOKENBUS_REDIS_URL"] == "redis://redis:6379/0"
+    mounted = {volume.split(":")[0] for name in ("prometheus", "grafana") for volume in services[name]["volumes"]}
+    for path in (p for p in mounted if p.startswith("./")):
+        assert (ROOT / path).exists(), path
+
+
+def test_the_edge_image_has_no_engine() -> None:
+    edge = (ROOT / "deploy" / "docker" / "edge.Dockerfile").read_text().lower()
+    assert "vllm" not in edge.replace("no vllm", "") and "torch" not in edge.replace("no torch", "")
+    dependencies = " ".join(__import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]
+                            ["dependencies"]).lower()
+    assert "vllm" not in dependencies and "torch" not in dependencies
+
+
+def test_the_prometheus_config_and_rules_pass_promtool_and_their_unit_tests() -> None:
+    for args in (["check", "config", "--syntax-only", "prometheus.yml"], ["check", "rules", "rules.yml"],
+                 ["test", "rules", "rules.test.yml"]):
+        checked = promtool(*args, cwd=PROMETHEUS)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_every_dashboard_expression_is_valid_promql(tmp_path: Path) -> None:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:panel_{i}", "expr": target["expr"]}
+        for i, panel in enumerate(panels) for target in panel["targets"]]}]}
+    (tmp_path / "dashboard.yml").write_text(yaml.safe_dump(rules))
+    checked = promtool("check", "rules", "dashboard.yml", cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert len(panels) >= 8
+
+
+# Kubernetes
+
+
+K8S = ROOT / "deploy" / "k8s"
+CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml",
+                ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com.yaml",
+                ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml"}
+
+
+def rendered(overlay: str) -> list[dict[str, Any]]:
+    """The overlay as `kubectl apply -k` would send it (kustomize works offline)."""
+    assert shutil.which("kubectl"), "kubectl renders the kustomizations"
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_the_kubernetes_manifests_validate(overlay: str, tmp_path: Path) -> None:
+    from jsonschema import Draft202012Validator
+
+    docs = rendered(overlay)
+    core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CUSTOM_KINDS]
+    (tmp_path / "core.yaml").write_text(yaml.safe_dump_all(core))
+    checked = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", "1.32.0",
+                              str(tmp_path / "core.yaml")], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    custom = [d for d in docs if (d["apiVersion"], d["kind"]) in CUSTOM_KINDS]
+    assert {d["kind"] for d in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
+    for doc in custom:
+        schema = yaml.safe_load((K8S / "schemas" / CUSTOM_KINDS[(doc["apiVersion"], doc["kind"])]).read_text())
+        errors = [e.message for e in Draft202012Validator(schema).iter_errors(doc)]
+        assert not errors, (doc["kind"], errors)
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered(overlay)}
+    edge = docs[("Deployment", "tokenbus-edge")]["spec"]["template"]["spec"]
+    container = edge["containers"][0]
+    grace = int(next(e["value"] for e in container["env"] if e["name"] == "TOKENBUS_SHUTDOWN_GRACE_S"))
+    assert edge["terminationGracePeriodSeconds"] > grace + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert {"PodDisruptionBudget"} <= {kind for kind, _name in docs}
+    assert ("HorizontalPodAutoscaler", "tokenbus-edge") in docs and ("ScaledObject", "tokenbus-worker") in docs
+    worker = docs[("Deployment", "tokenbus-worker")]["spec"]["template"]["spec"]["containers"][0]
+    assert ("nvidia.com/gpu" in worker["resources"]["limits"]) == (overlay == "gpu")
+    redis_args = " ".join(docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--appendonly yes" in redis_args and "--appendfsync everysec" in redis_args
+
+
+def test_the_operator_rules_are_the_prometheus_rules() -> None:
+    operator = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
+    assert operator["spec"]["groups"] == yaml.safe_load((PROMETHEUS / "rules.yml").read_text())["groups"]

@@ -1,0 +1,78 @@
+"""/ready means every model the deployment serves has a live worker (real processes, simulated engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.stack import Stack
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    running = Stack(tmp_path, model="chat-model")
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+async def test_ready_waits_for_every_configured_model(stack: Stack) -> None:
+    edge = stack.edge(ready_models="chat-model,embed-model")
+    stack.worker()
+    async with httpx.AsyncClient(base_url=edge.url, timeout=5) as http:
+        deadline = time.monotonic() + 10
+        while (one := await http.get("/ready", params={"model": "chat-model"})).status_code != 200:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        waiting = await http.get("/ready")
+        assert waiting.status_code == 503 and waiting.json()["missing"] == ["embed-model"]
+        stack.model = "embed-model"
+        stack.worker()
+        while (await http.get("/ready")).status_code != 200:
+            assert time.monotonic() < deadline + 10
+            await asyncio.sleep(0.2)
+        assert (await http.get("/ready", params={"model": "nope"})).status_code == 503
+    assert one.json()["models"] == ["chat-model"]
+
+
+def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_key(tmp_path: Path) -> None:
+    """`tokenbus run` (what `make run` starts), on simulated engines: its "ready" line comes once /ready is
+    200 for the chat and the embedding model, and the README's first request works without a key."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from services.supervisor import free_port
+    from tests.conftest import ROOT
+
+    port = free_port()
+    env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path), "TOKENBUS_ENGINE": "sim", "TOKENBUS_PORT": str(port)}
+    env.pop("TOKENBUS_REDIS_URL", None)
+    env.pop("TOKENBUS_AUTH", None)
+    log = tmp_path / "run.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", "run"], cwd=ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "ready: http" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        ready = httpx.get(url + "/ready", timeout=5)
+        chat = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert ready.status_code == 200
+        assert set(ready.json()["models"]) == {"SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"}
+        assert chat.status_code == 200
+        assert "without API keys" in log.read_text()
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)

@@ -1,0 +1,97 @@
+"""Structured outputs on the real engine: the official SDKs' parse helpers, JSON schemas that every answer
+validates against (sampled at temperature 1.0, several seeds, streamed and not), JSON objects, and TGI
+grammars. A 135M model does not write valid JSON by itself: only the engine's constraint makes these pass."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+from pydantic import BaseModel
+
+from tests.conftest import MODEL, Edge
+from tests.openapi import validate
+
+pytestmark = pytest.mark.engine
+
+SEEDS = (1, 2, 3)
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+async def test_chat_parse_gives_a_parsed_object(client: openai.AsyncOpenAI) -> None:
+    completion = await client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        response_format=City, max_tokens=60, temperature=0)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City) and parsed.name
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_json_schema_answers_validate_at_temperature_one(client: openai.AsyncOpenAI, stream: bool) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in SEEDS:
+        if stream:
+            chunks = await client.chat.completions.create(model=MODEL, messages=ASK, response_format=response_format,
+                                                          temperature=1.0, seed=seed, max_tokens=80, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        else:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=ASK, response_format=response_format, temperature=1.0, seed=seed, max_tokens=80)
+            body = raw.http_response.json()
+            validate("CreateChatCompletionResponse", body)
+            text = body["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_json_object_answers_parse(client: openai.AsyncOpenAI) -> None:
+    for seed in SEEDS:
+        answer = await client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=seed,
+                                                      response_format={"type": "json_object"}, max_tokens=60)
+        if answer.choices[0].finish_reason == "stop":  # a cut answer cannot close its object
+            assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+
+
+async def test_responses_parse_gives_a_parsed_object(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.parse(model=MODEL, input="Which city is the capital of Italy?",
+                                            text_format=City, max_output_tokens=60, temperature=0)
+    assert isinstance(response.output_parsed, City)
+    dumped = response.model_dump(exclude_none=True)
+    assert dumped["text"]["format"]["type"] == "json_schema" and dumped["text"]["format"]["name"] == "City"
+
+
+async def test_a_schema_that_is_not_one_is_a_400_naming_it(served: Edge) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        answer = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}})
+        regex = await http.post(served.url + "/generate", json={
+            "inputs": "Phone:", "parameters": {"grammar": {"type": "regex", "value": "(unclosed"}}})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "response_format.json_schema.schema"
+    assert regex.status_code == 422 and "regular expression" in regex.json()["error"]
+
+
+def test_tgi_grammars_shape_the_text(served: Edge) -> None:
+    hf = InferenceClient(model=served.url, timeout=60)
+    phone = hf.text_generation("My phone number is", max_new_tokens=20, seed=7, temperature=1.0,
+                               grammar={"type": "regex", "value": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", phone)
+    person = hf.text_generation("A person:", max_new_tokens=80, seed=7, temperature=1.0,
+                                grammar={"type": "json", "value": PERSON})
+    jsonschema.validate(json.loads(person), PERSON)
