@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
-from shared import keys
+from shared import apikeys, keys
 from tests.conftest import Worker, metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, expected, sse_frames, stream_text
@@ -142,3 +143,30 @@ async def test_a_client_that_leaves_while_queued_takes_its_job_off_the_backlog(s
         assert await first == (expected(100), 100)
     await stack.settled()
     assert await metric(worker.metrics_url, "tokenbus_worker_jobs_total") == 1  # the one that left never ran
+
+
+async def test_a_refused_request_spends_nothing_of_its_keys_limits(stack: Stack) -> None:
+    """A key with 3 requests a minute: one request runs, one waits, the tenant's queue bound refuses three more
+    (429 tenant_queue_full, not rate_limit_exceeded); the refused ones gave their requests back, so the key's
+    third request of the minute is admitted once the queue has room."""
+    edge = stack.edge(auth="keys", max_queued_per_tenant=1)
+    worker = stack.worker(max_num_seqs=1)
+    client = aioredis.Redis.from_url(stack.url)
+    try:
+        key, _record = await apikeys.create(client, apikeys.KeyChanges(tenant="bounded", rpm=3))
+    finally:
+        await client.aclose()
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+        url = edge.url + "/v1/chat/completions"
+        first = asyncio.create_task(sse_frames(http, "POST", url, json=chat_body(stack.model, 50)))
+        await wait_for("the first job running", lambda: running(worker))
+        second = asyncio.create_task(sse_frames(http, "POST", url, json=chat_body(stack.model, 5)))
+        await wait_for("the second job queued", lambda: queued(stack) == 1)
+        refused = [await http.post(url, json=chat_body(stack.model, 5)) for _ in range(3)]
+        assert [r.json()["error"]["code"] for r in refused] == ["tenant_queue_full"] * 3
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
+        third = await http.post(url, json={**chat_body(stack.model, 5), "stream": False})
+    assert third.status_code == 200, third.text
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    await stack.settled()
