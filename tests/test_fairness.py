@@ -11,8 +11,10 @@ import pytest
 
 from services.bench import fairness
 
-PLAN = fairness.Plan(flood_streams=200, weighted_streams=100, alone_requests=8, warmup_s=2.0, window_s=6.0,
-                     schedulers=("fair",))
+PLAN = fairness.Plan(flood_streams=200, weighted_streams=150, alone_requests=8, warmup_s=2.0, window_s=6.0,
+                     tokens=16, sim_ttft_ms=100.0, sim_itl_ms=40.0, schedulers=("fair",))
+"""Half the bench's token rate (so that a 2-core machine running other tests too keeps up), jobs as long; 150
+streams a tenant keep both weighted tenants backlogged even when their client processes are slow to resubmit."""
 
 
 @pytest.fixture(scope="module")
