@@ -279,3 +279,13 @@ def test_a_call_without_text_is_the_only_item_and_a_named_choice_is_echoed_flat(
     assert body["tools"][0] == {**FLAT, "strict": None}
     assert renderer.items.answer() == bus.Message(role="assistant", content="", tool_calls=[
         bus.ToolCall(id="call_abc", name="get_weather", arguments='{"city": "Paris"}')])
+
+
+def test_admission_counts_the_functions_and_calls_a_prompt_holds() -> None:
+    from services.edge.admission import estimate
+
+    plain = estimate(chat_job(max_tokens=5), 2048)[0]
+    offered = estimate(chat_job(max_tokens=5, tools=[WEATHER]), 2048)[0]
+    silent = estimate(chat_job(max_tokens=5, tools=[WEATHER], tool_choice="none"), 2048)[0]
+    answered = estimate(chat_job(max_tokens=5, messages=[USER, {"role": "assistant", "tool_calls": [CALL]}]), 2048)[0]
+    assert offered > plain + 20 and silent == plain and answered > plain + 4 + 5
