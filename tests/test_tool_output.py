@@ -164,3 +164,18 @@ def test_which_templates_use_tools() -> None:
     assert not conversation.template_uses_tools("{% for message in messages %}{{ message['content'] }}{% endfor %}")
     assert conversation.template_uses_tools({"default": "x", "tool_use": "{{ tools }}"})
     assert not conversation.template_uses_tools(None)
+
+
+def test_without_parallel_calls_only_the_first_call_of_an_auto_answer_is_kept() -> None:
+    single = job()
+    assert single.tool_use is not None
+    single.tool_use.parallel = False
+    output = for_job(single, HERMES)
+    assert output is not None
+    two = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>\n' \
+          '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>'
+    calls: list[bus.ToolCall] = []
+    for i, chunk in enumerate(pieces(two, 5)):
+        for event in output.rewrite(tokens(chunk, i, "stop" if i == len(pieces(two, 5)) - 1 else None)):
+            bus.add_call_deltas(calls, event.tool_calls)
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "A"}]

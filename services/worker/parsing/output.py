@@ -26,14 +26,19 @@ def call_id(job_id: str, choice: int, index: int) -> str:
 class ChoiceOutput:
     """One choice's stages. Today one (the tool parser); a reasoning parser goes before it, on the same text."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
+        """parallel_tool_calls false: the calls after the first are dropped (the model made them anyway)."""
         self.made_calls = False
 
     def parse(self, text: str, finished: bool) -> Parsed:
         parsed = self.parser.feed(text)
         if finished:
             parsed.extend(self.parser.finish())
+        if self.max_calls is not None:
+            limit = self.max_calls
+            parsed.pieces = [p for p in parsed.pieces if isinstance(p, str) or p.index < limit]
         self.made_calls = self.made_calls or bool(parsed.calls)
         return parsed
 
@@ -41,14 +46,16 @@ class ChoiceOutput:
 class JobOutput:
     """The parsers of one job's choices, made as each choice first speaks."""
 
-    def __init__(self, job_id: str, make: Callable[[CallIds], ToolParser]) -> None:
+    def __init__(self, job_id: str, make: Callable[[CallIds], ToolParser], max_calls: int | None = None) -> None:
         self.job_id = job_id
         self.make = make
+        self.max_calls = max_calls
         self.choices: dict[int, ChoiceOutput] = {}
 
     def _choice(self, index: int) -> ChoiceOutput:
         if index not in self.choices:
-            self.choices[index] = ChoiceOutput(self.make(lambda n: call_id(self.job_id, index, n)))
+            parser = self.make(lambda n: call_id(self.job_id, index, n))
+            self.choices[index] = ChoiceOutput(parser, self.max_calls)
         return self.choices[index]
 
     def rewrite(self, event: bus.Output) -> list[bus.Output]:
@@ -96,4 +103,4 @@ def for_job(job: bus.Job, fmt: ToolFormat) -> JobOutput | None:
         return JobOutput(job.id, lambda ids: NamedParser(name, ids))
     if use.choice == "required":
         return JobOutput(job.id, JsonParser)
-    return JobOutput(job.id, fmt.parser)
+    return JobOutput(job.id, fmt.parser, max_calls=None if use.parallel else 1)
