@@ -23,10 +23,46 @@ class Base(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
 
 
 class Message(Base):
-    """One chat message with its content flattened to text."""
+    """One chat message with its content flattened to text; an assistant's may carry the calls it made, a
+    `tool` message answers one of them."""
 
     role: str
     content: str
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str = ""
+    """Role tool: the call this message is the result of."""
+
+
+class ToolCall(Base):
+    """A function call an assistant made: its id, the function's name, the arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+class Tool(Base):
+    """A function the model may call: its `parameters` are a JSON schema ({} for none)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+    strict: bool = False
+
+
+class ToolUse(Base):
+    """The functions a chat job offers and how the model may call them.
+
+    `choice` is auto (the worker's tool parser finds calls in the model's own text), required (one call or
+    more, forced by a constraint: the answer is a JSON array of {"name", "arguments"}), function (a call of
+    `name`, forced: the answer is its arguments) or none (no calls: the template is not given the tools)."""
+
+    tools: list[Tool]
+    choice: str = "auto"
+    name: str = ""
+    """choice function: the function to call."""
+    parallel: bool = True
+    """More than one call per answer allowed (required: false means exactly one)."""
 
 
 class SamplingParams(Base):
@@ -87,6 +123,8 @@ class Job(Base):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = {}
     """Extra variables for the model's chat template (e.g. enable_thinking, reasoning_effort)."""
+    tool_use: ToolUse | None = None
+    """Chat jobs: the functions the model may call (None: none offered)."""
     truncate: bool = False
     """Drop the oldest prompt tokens that do not fit the context instead of failing."""
     keep_last_tokens: int = 0
@@ -142,6 +180,10 @@ class Continuation(Base):
     """Prompts whose Prompt event (echo logprobs) was already sent."""
     embedded: list[int] = []
     """Embedding inputs whose vectors were already sent."""
+    texts: list[str] = []
+    """Per choice, the text sent so far (after parsing: content only)."""
+    calls: list[list[ToolCall]] = []
+    """Per choice, the tool calls sent so far, as far as their deltas went."""
 
     def carried(self) -> int:
         """Completion tokens the former owners generated."""
@@ -190,15 +232,28 @@ class Prompt(Stamped, tag="prompt", kw_only=True):
     """Of the second token onwards."""
 
 
+class ToolCallDelta(Base, array_like=True):
+    """Part of a tool call the worker's parser found in a choice's text: a call's first delta has its `id`
+    and `name`, the following ones fragments of its `arguments` (JSON text); `index` counts the calls of
+    the choice."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
 class Tokens(Stamped, tag="tok", kw_only=True):
-    """New tokens of one choice from one engine step; the last one of a choice has finish_reason."""
+    """New tokens of one choice from one engine step; the last one of a choice has finish_reason. With a
+    tool parser, `text` is the content only and the calls come as `tool_calls` deltas."""
 
     text: str
     token_ids: list[int]
     choice: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
-    """stop | length | abort"""
+    """stop | length | abort | tool_calls (it stopped after making calls)"""
+    tool_calls: list[ToolCallDelta] = []
     stop_reason: str | int | None = None
     """The stop string or token that ended the choice, when one did."""
 
@@ -301,6 +356,15 @@ def encode_route(route: Route) -> bytes:
 
 def decode_route(data: bytes) -> Route:
     return _route_decoder.decode(data)
+
+
+def add_call_deltas(calls: list[ToolCall], deltas: list[ToolCallDelta]) -> None:
+    """Folds tool-call deltas into the calls they build (a delta with an id opens a call)."""
+    for delta in deltas:
+        if delta.id:
+            calls.append(ToolCall(id=delta.id, name=delta.name, arguments=""))
+        if 0 <= delta.index < len(calls):
+            calls[delta.index].arguments += delta.arguments
 
 
 def now_ms() -> int:

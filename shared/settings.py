@@ -48,6 +48,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Embedding model `tokenbus run` serves next to the chat model; empty serves none."""
     embedding_model_dir: str = ""
     """Folder of that embedding model; empty means the bundled all-MiniLM-L6-v2."""
+    tool_parser: str = "hermes"
+    """How the worker finds function calls in its model's text (tool_choice auto): hermes (<tool_call>{json}
+    </tool_call>), json (a JSON object or array of {"name", "arguments"}); a template without tools is told
+    to write that format."""
     engine: str = "vllm"
     """vllm, or sim: a simulated engine with fixed timings, only for benchmarks and fault tests."""
     sim_ttft_ms: float = 50.0

@@ -90,8 +90,10 @@ async def test_the_body_matches_the_schema(client: openai.AsyncOpenAI) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    [({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(33)]}, "tools"),
      ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+     ({"response_format": {"type": "json_object"}, "tool_choice": "required",  # one constraint at a time
+       "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format"),
      ({"logit_bias": {"x": 1}}, "logit_bias")],
 )
 async def test_what_cannot_be_honoured_is_refused_by_name(

@@ -357,3 +357,18 @@ async def test_a_structured_stream_whose_worker_dies_ends_with_worker_lost_never
         await asyncio.wait_for(streaming, 30)
     assert caught.value.code == "worker_lost"
     await stack.settled()
+
+
+async def test_a_stream_with_tools_whose_worker_dies_continues_with_its_parser_where_it_was(stack: Stack) -> None:
+    """A job whose text goes through a tool parser (tool_choice auto) continues on the next worker, its parser
+    brought back from the tokens already sent: no seam in the content (the simulated text holds no calls)."""
+    edge = stack.edge()
+    doomed = stack.worker()
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 400, tools=tools))
+    await asyncio.sleep(0.8)
+    stack.kill(doomed.process)
+    survivor = stack.worker()
+    assert await asyncio.wait_for(streaming, 30) == (expected(400), 400)
+    assert "continuing job" in survivor.log.read_text()
+    await stack.settled()

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from redis.exceptions import RedisError
 
 from services.edge.auth import Caller
@@ -35,7 +36,7 @@ ADMISSION_TIMEOUT_S = 2.0
 def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
     """(prompt tokens, output budget) of a job, before anything is tokenized."""
     prompts = job.prompts or [""]
-    text = sum(len(m.content) for m in job.messages) + sum(len(p) for p in job.prompts)
+    text = sum(map(_message_chars, job.messages)) + sum(len(p) for p in job.prompts) + _tools_chars(job.tool_use)
     prompt = -(-text // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE * len(job.messages)
     if job.kind == "embedding":
         return prompt, 0
@@ -44,6 +45,15 @@ def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
         longest = max(len(p) for p in prompts) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE * len(job.messages)
         per_choice = max(1, max_model_len - longest) if max_model_len else 0
     return prompt, per_choice * job.params.n * len(prompts)
+
+
+def _message_chars(message: bus.Message) -> int:
+    return len(message.content) + sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
+
+
+def _tools_chars(use: bus.ToolUse | None) -> int:
+    """The functions the template lists in the prompt, as JSON."""
+    return len(msgspec.json.encode(use.tools)) if use is not None and use.choice != "none" else 0
 
 
 @dataclass

@@ -135,7 +135,7 @@ async def plan_responses(request: web.Request, body: bytes, given: Arrival | Non
             raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id")
         history = previous.history
-    history = history + responses.input_messages(req)
+    history = history + responses.input_messages(req, history)
     arrival = given or arrive(request, "resp_")
     job = responses.to_job(req, history, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.worker import conversation
+from services.worker.parsing.formats import tool_format
 from shared import bus
 from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.settings import Settings
@@ -77,6 +79,9 @@ class VllmEngine:
         self.max_model_len = settings.max_model_len
         self.requests: dict[str, list[str]] = {}
         """Engine request ids of each running job (a completion batch has one per prompt)."""
+        self.tool_format = tool_format(settings.tool_parser)
+        self.native_tools = False
+        """The model's chat template writes tools itself (else the worker does, see conversation)."""
 
     def start(self) -> None:
         _configure_environment(self.settings)
@@ -103,6 +108,7 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.llm.model_config.max_model_len
+        self.native_tools = conversation.template_uses_tools(getattr(self.tokenizer, "chat_template", None))
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
 
@@ -113,13 +119,23 @@ class VllmEngine:
 
     # prompts
 
-    def _chat_ids(self, job: bus.Job, messages: list[dict[str, str]]) -> list[int]:
-        while True:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=job.add_generation_prompt,
+    def _template(self, job: bus.Job, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            text: str = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=job.add_generation_prompt,
                 **job.chat_template_kwargs,
             )
-            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        except (TemplateError, TypeError, ValueError, KeyError) as exc:  # the template refused these messages
+            raise InvalidRequest(f"The model's chat template cannot render these messages: {exc}",
+                                 param="messages") from None
+        return text
+
+    def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+        while True:
+            ids: list[int] = self.tokenizer.encode(self._template(job, messages, tools), add_special_tokens=False)
             if not job.truncate or self._fits(job, len(ids)):
                 return ids
             # truncation "auto": drop the oldest turn after the system messages, keep the last one
@@ -131,13 +147,18 @@ class VllmEngine:
     def prompt_ids(self, job: bus.Job) -> list[list[int]]:
         """Token ids of each prompt: the chat template for chat jobs, the text as it is otherwise."""
         if job.kind == "chat":
-            return [self._chat_ids(job, [{"role": m.role, "content": m.content} for m in job.messages])]
+            messages, tools = conversation.render(job, self.tool_format, self.native_tools)
+            return [self._chat_ids(job, messages, tools)]
         if job.chat_template:
             return [self._chat_ids(job, [{"role": "user", "content": prompt}]) for prompt in job.prompts]
         prompts = [list(self.tokenizer.encode(prompt)) for prompt in job.prompts]
         if job.keep_last_tokens:
             prompts = [ids[-job.keep_last_tokens:] for ids in prompts]
         return prompts
+
+    def decode(self, job: bus.Job, token_ids: list[int]) -> str:
+        """The text of generated tokens, as the engine would have streamed it."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=job.params.skip_special_tokens))
 
     def _fits(self, job: bus.Job, prompt_tokens: int) -> bool:
         return prompt_tokens + max(job.params.max_tokens or 0, 1) <= self.max_model_len

@@ -140,14 +140,19 @@ def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:
     """What the client can already have of the job, from the events its log holds."""
     choices = max(1, len(job.prompts)) * job.params.n
     token_ids: list[list[int]] = [[] for _ in range(choices)]
+    texts: list[list[str]] = [[] for _ in range(choices)]
+    calls: list[list[bus.ToolCall]] = [[] for _ in range(choices)]
     finished = [False] * choices
-    result = bus.Continuation(token_ids=token_ids, finished=finished)
+    result = bus.Continuation(token_ids=token_ids, finished=finished, calls=calls)
     for event in taken:
         if isinstance(event, bus.Tokens) and event.choice < choices:
             token_ids[event.choice].extend(event.token_ids)
+            texts[event.choice].append(event.text)
+            bus.add_call_deltas(calls[event.choice], event.tool_calls)
             finished[event.choice] = finished[event.choice] or event.finish_reason is not None
         elif isinstance(event, bus.Prompt):
             result.prompted.append(event.index)
         elif isinstance(event, bus.Embedding):
             result.embedded.append(event.index)
+    result.texts = ["".join(parts) for parts in texts]
     return result

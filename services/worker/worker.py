@@ -17,6 +17,8 @@ from typing import Any, Protocol, TypeVar
 from redis.exceptions import RedisError, ResponseError
 
 from services.worker.ownership import Ownership
+from services.worker.parsing.formats import tool_format
+from services.worker.parsing.output import JobOutput, for_job
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
 from shared import bus, fairshare, keys, logs, metrics, redis_clients
@@ -56,6 +58,10 @@ class Engine(Protocol):
 
     async def abort(self, job_id: str) -> None: ...
 
+    def decode(self, job: bus.Job, token_ids: list[int]) -> str:
+        """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
+        ...
+
 
 def error_event(job_id: str, error: TokenbusError) -> bus.Error:
     return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
@@ -86,6 +92,8 @@ class Run:
     """Completion tokens this owner published."""
     usage: tuple[int, int] | None = None
     """(prompt, completion) tokens as its Final event reported them."""
+    output: JobOutput | None = None
+    """The parsers its text goes through (tool calls), if any."""
 
     def used(self) -> tuple[int, int]:
         """(prompt, completion) tokens the job used: as its Final event reported them, or, for a job that ended
@@ -122,6 +130,7 @@ class Worker:
         self.engine = engine
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.model = settings.model
+        self.tool_format = tool_format(settings.tool_parser)
         self.stream = keys.requests_stream(settings.model)
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
@@ -357,16 +366,30 @@ class Worker:
             self._end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
             metrics.JOBS.labels(self.model, "lost").inc()
             return
-        if job.params.constraint is not None and taken.continuation and taken.continuation.carried():
-            # the engine would start the grammar over in the middle of the answer: never unconstrained output
-            self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
-                                           "on another worker; send the request again."))
+        if not self._can_continue(run, taken.continuation):
             metrics.JOBS.labels(self.model, "lost").inc()
             return
         job.continuation = taken.continuation
         metrics.MIGRATIONS.labels(self.model, "reclaimed" if reclaimed else "handed_over").inc()
         log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)
         await self._run(run, resumed=True)
+
+    def _can_continue(self, run: Run, continuation: bus.Continuation | None) -> bool:
+        """Whether the job can go on after what a former owner generated; if not, it ends with worker_lost."""
+        if continuation is None or not continuation.carried():
+            return True
+        job = run.job
+        if job.params.constraint is not None:
+            # the engine would start the grammar over in the middle of the answer: never unconstrained output
+            self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
+                                           "on another worker; send the request again."))
+            return False
+        run.output = for_job(job, self.tool_format)
+        if run.output is not None and not run.output.resume(continuation, lambda ids: self.engine.decode(job, ids)):
+            self._end_with(run, WorkerLost("The job's worker was lost, and its tool calls cannot be continued "
+                                           "faithfully on another worker; send the request again."))
+            return False
+        return True
 
     async def _settle(self, run: Run) -> None:
         """Settles the job's reservation with what it used; a job that ended early counts its estimate."""
@@ -430,6 +453,8 @@ class Worker:
         self.emit(run, bus.Started(job=job.id, worker=self.id, resumed=resumed),
                   int(remaining_s * 1000) + replay_ms)
         carried = job.continuation.carried() if job.continuation else 0
+        if run.output is None:
+            run.output = for_job(job, self.tool_format)
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         run.began = time.monotonic()
@@ -442,9 +467,10 @@ class Worker:
                         break
                     if isinstance(event, bus.Final):
                         event.completion_tokens += carried
-                    self.emit(run, event, replay_ms if isinstance(event, bus.Final) else 0)
                     if isinstance(event, bus.Tokens):
                         metrics.GENERATED_TOKENS.labels(self.model).inc(len(event.token_ids))
+                    for out in [event] if run.output is None else run.output.rewrite(event):
+                        self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
         except TimeoutError:
             await self.engine.abort(job.id)
             raise RequestTimeout("The request did not finish before its deadline.") from None

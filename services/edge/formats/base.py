@@ -119,10 +119,12 @@ class Choices:
         self.texts: list[list[str]] = [[] for _ in range(count)]
         self.logprobs: list[list[bus.TokenLogprob]] = [[] for _ in range(count)]
         self.finish_reasons: list[str | None] = [None] * count
+        self.calls: list[list[bus.ToolCall]] = [[] for _ in range(count)]
         self.final: bus.Final | None = None
 
     def add(self, event: bus.Tokens) -> None:
         self.texts[event.choice].append(event.text)
+        bus.add_call_deltas(self.calls[event.choice], event.tool_calls)
         if event.logprobs:
             self.logprobs[event.choice].extend(event.logprobs)
         if event.finish_reason is not None:
@@ -133,8 +135,9 @@ class Choices:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's words: the engine's "abort" only reaches clients that left, anything else is a stop."""
-    return reason if reason in (None, "stop", "length") else "stop"
+    """OpenAI's words: the engine's "abort" only reaches clients that left, anything else is a stop (or the
+    worker's "tool_calls": the model stopped after making calls)."""
+    return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 
 class Renderer(Protocol):

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
-from services.edge.formats import structured
+from services.edge.formats import calling, structured
 from services.edge.formats.base import (
     TEXT_MARK,
     Choices,
@@ -42,10 +42,27 @@ class ContentPart(Request):
     text: str | None = None
 
 
+class CalledFunction(Request):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class MessageToolCall(Request):
+    """A call an assistant made earlier in the conversation."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    function: CalledFunction
+    type: str = "function"
+
+
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """Role assistant: the calls it made."""
+    tool_call_id: str | None = None
+    """Role tool: the call whose result this is."""
 
 
 class ChatCompletionRequest(Sampling, kw_only=True):
@@ -60,8 +77,9 @@ class ChatCompletionRequest(Sampling, kw_only=True):
     response_format: structured.ResponseFormat | None = None
     chat_template_kwargs: TemplateKwargs | None = None
     """vLLM's extension: variables for the model's chat template (reasoning_effort reaches it too)."""
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[calling.ChatTool] | None = None
+    tool_choice: calling.ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -90,8 +108,8 @@ def _text_of(message: ChatMessage, index: int) -> str:
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
-    if req.tools or req.functions:
-        raise refuse("tools" if req.tools else "functions", "tool calling is not served yet")
+    if req.functions:
+        raise refuse("functions", "use `tools`, which replaced `functions`")
     for name in ("function_call", "audio", "prediction", "web_search_options"):
         if getattr(req, name) is not None:
             raise refuse(name, "it is not served by this text model")
@@ -105,19 +123,48 @@ def check_context(req: ChatCompletionRequest, max_model_len: int) -> None:
     refuse_beyond_context(getattr(req, param), max_model_len, param)
 
 
+def _calls(message: ChatMessage, index: int) -> list[bus.ToolCall]:
+    if not message.tool_calls:
+        return []
+    if message.role != "assistant":
+        raise InvalidRequest("Only assistant messages carry `tool_calls`.", param=f"messages[{index}].tool_calls")
+    for j, call in enumerate(message.tool_calls):
+        if call.type != "function":
+            raise refuse(f"messages[{index}].tool_calls[{j}].type", "only function calls are served")
+    return [bus.ToolCall(id=c.id, name=c.function.name, arguments=calling.arguments_text(c.function.arguments))
+            for c in message.tool_calls]
+
+
+def _message(message: ChatMessage, index: int) -> bus.Message:
+    if message.role == "tool" and not message.tool_call_id:
+        raise InvalidRequest("A tool message needs the `tool_call_id` of the call it answers.",
+                             param=f"messages[{index}].tool_call_id")
+    return bus.Message(role="system" if message.role == "developer" else message.role,
+                       content=_text_of(message, index), tool_calls=_calls(message, index),
+                       tool_call_id=(message.tool_call_id or "") if message.role == "tool" else "")
+
+
+def _tool_use(req: ChatCompletionRequest) -> bus.ToolUse | None:
+    offered = calling.bus_tools(calling.chat_functions(req.tools))
+    use = calling.tool_use(offered, req.tool_choice, req.parallel_tool_calls)
+    if use is not None and use.choice != "none" and req.response_format and req.response_format.type != "text":
+        raise InvalidRequest("`response_format` cannot be combined with tools the model may call: a constrained "
+                             "answer cannot also make calls (set tool_choice to none).", param="response_format")
+    return use
+
+
 def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     """Validates what the schema cannot express and builds the internal job."""
     _refuse_unsupported(req)
-    messages = [
-        bus.Message(role="system" if m.role == "developer" else m.role, content=_text_of(m, i))
-        for i, m in enumerate(req.messages)
-    ]
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    calling.check_results(messages, 0, [f"messages[{i}].tool_call_id" for i in range(len(messages))])
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    params.constraint = structured.of_response_format(req.response_format)
+    tool_use = _tool_use(req)
+    params.constraint = calling.forced_constraint(tool_use) or structured.of_response_format(req.response_format)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
-        messages=messages, params=params, created_ms=bus.now_ms(),
+        messages=messages, params=params, created_ms=bus.now_ms(), tool_use=tool_use,
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs, reasoning_effort=req.reasoning_effort),
     )
 
@@ -130,9 +177,24 @@ class ChoiceLogprobs(Out):
     refusal: None = None
 
 
+class FunctionChunk(Out, kw_only=True):
+    name: str | UnsetType = UNSET
+    arguments: str
+
+
+class ToolCallChunk(Out, kw_only=True):
+    """A call's first chunk has its id, type and name (arguments ""); the following ones argument fragments."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionChunk
+
+
 class Delta(Out, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallChunk] | UnsetType = UNSET
 
 
 class ChunkChoice(Out, kw_only=True):
@@ -151,10 +213,41 @@ class ChatCompletionChunk(Out, kw_only=True):
     usage: Usage | UnsetType | None = UNSET
 
 
+class CalledFunctionOut(Out):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Out, kw_only=True):
+    id: str
+    type: str = "function"
+    function: CalledFunctionOut
+
+
 class ResponseMessage(Out, kw_only=True):
     role: str = "assistant"
     content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
+
+
+def response_message(text: str, calls: list[bus.ToolCall]) -> ResponseMessage:
+    """The answer: its content (null when it only made calls) and its calls."""
+    if not calls:
+        return ResponseMessage(content=text)
+    return ResponseMessage(content=text or None, tool_calls=[
+        ToolCallOut(id=c.id, function=CalledFunctionOut(name=c.name, arguments=c.arguments)) for c in calls])
+
+
+def tool_call_chunks(deltas: list[bus.ToolCallDelta]) -> list[ToolCallChunk]:
+    chunks = []
+    for delta in deltas:
+        if delta.id:
+            chunks.append(ToolCallChunk(index=delta.index, id=delta.id, type="function",
+                                        function=FunctionChunk(name=delta.name, arguments="")))
+        if delta.arguments:
+            chunks.append(ToolCallChunk(index=delta.index, function=FunctionChunk(arguments=delta.arguments)))
+    return chunks
 
 
 class Choice(Out, kw_only=True):
@@ -207,12 +300,14 @@ class ChatRenderer(OpenAIStreamEnd):
         if not self.started[i]:
             self.started[i] = True
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]))
-        if event.text and event.finish_reason is None and not self.with_logprobs:  # most tokens
-            out.append(self._content_template(i).fill(event.text))
+        if event.text and event.finish_reason is None and not self.with_logprobs and not event.tool_calls:
+            out.append(self._content_template(i).fill(event.text))  # most tokens
         elif event.text or event.logprobs:
             logprobs = ChoiceLogprobs(content=token_logprobs_out(event.logprobs or [])) \
                 if self.with_logprobs else None
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(content=event.text), logprobs=logprobs)]))
+        out.extend(self._chunk([ChunkChoice(index=i, delta=Delta(tool_calls=[chunk]))])
+                   for chunk in tool_call_chunks(event.tool_calls))
         if event.finish_reason is not None:
             reason = finish_reason(event.finish_reason)
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=reason)]))
@@ -229,7 +324,7 @@ class ChatRenderer(OpenAIStreamEnd):
         choices = [
             Choice(
                 index=i,
-                message=ResponseMessage(content=self.choices.text(i)),
+                message=response_message(self.choices.text(i), self.choices.calls[i]),
                 logprobs=ChoiceLogprobs(content=token_logprobs_out(self.choices.logprobs[i]))
                 if self.with_logprobs else None,
                 finish_reason=finish_reason(reason),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import msgspec
 from msgspec import Meta
 
 from services.edge.formats.base import Out, Request, StopList, StopString, stop_list
@@ -38,6 +39,11 @@ def template_kwargs(given: dict[str, Any] | None, **implied: Any) -> dict[str, A
     if given and (reserved := sorted(RESERVED_TEMPLATE_KWARGS & given.keys())):
         raise InvalidRequest(f"`chat_template_kwargs` may not set {', '.join(reserved)}: the server sets them.",
                              param=f"chat_template_kwargs.{reserved[0]}")
+    try:
+        msgspec.msgpack.encode(given)
+    except OverflowError:  # the job crosses the bus as msgpack, whose integers have 64 bits
+        raise InvalidRequest("`chat_template_kwargs` holds an integer beyond 64 bits.",
+                             param="chat_template_kwargs") from None
     return {**{k: v for k, v in implied.items() if v is not None}, **(given or {})}
 
 

@@ -7,9 +7,10 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
-from services.edge.formats import structured
-from services.edge.formats.base import Choices, Out, Request, encode, refuse, refuse_beyond_context
+from services.edge.formats import calling, structured
+from services.edge.formats.base import Out, Request, encode, refuse, refuse_beyond_context
 from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, sampling_params, template_kwargs
+from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.sse import DONE, event_frame
 from services.edge.store import ResponseStore
 from shared import bus
@@ -24,9 +25,20 @@ class InputContent(Request):
 
 
 class InputItem(Request):
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputContent]
+    """A message (`type` message, or absent), a function call an earlier answer made (`function_call`:
+    call_id, name, arguments), or a call's result (`function_call_output`: call_id, output)."""
+
     type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputContent] | None = None
+    call_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+    """OpenAI: the JSON text; Databricks: an object or its text."""
+    output: str | list[InputContent] | dict[str, Any] | None = None
+    """A string, text parts, or (Databricks) a JSON object."""
+    id: str | None = None
+    status: str | None = None
 
 
 class TextFormat(Request):
@@ -75,8 +87,8 @@ class ResponsesRequest(Sampling, kw_only=True):
     previous_response_id: str | None = None
     reasoning: ReasoningParam | None = None
     parallel_tool_calls: bool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[calling.ResponsesTool] | None = None
+    tool_choice: calling.ToolChoice | None = None
     include: list[str] | None = None
     background: bool | None = None
     conversation: Any = None
@@ -109,11 +121,7 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     if req.response_format is not None and req.text and req.text.format and req.text.format.type != "text":
         raise InvalidRequest("Give the format once: `text.format` or `response_format`, not both.",
                              param="response_format")
-    for i, tool in enumerate(req.tools or []):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "function":
-            raise refuse(f"tools[{i}]", "function tools are not served yet")
-        raise refuse(f"tools[{i}]", f"the built-in tool {kind!r} is not served")
+    calling.responses_functions(req.tools)  # built-in tools are refused by name
     if req.text and req.text.format and req.text.format.type == "json_schema" and not req.text.format.name:
         raise InvalidRequest("`text.format.name` is required with type json_schema.", param="text.format.name")
 
@@ -123,28 +131,86 @@ def check_context(req: ResponsesRequest, max_model_len: int) -> None:
     refuse_beyond_context(req.max_output_tokens, max_model_len, "max_output_tokens")
 
 
-def _content_text(content: str | list[InputContent], index: int) -> str:
+def _content_text(content: str | list[InputContent] | None, param: str) -> str:
+    if content is None:
+        raise InvalidRequest("A message item needs its `content`.", param=param)
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
         if part.type not in ("input_text", "output_text", "text") or part.text is None:
             raise InvalidRequest(f"Content of type {part.type!r} is not supported by this text model.",
-                                 param=f"input[{index}].content[{j}].type")
+                                 param=f"{param}[{j}].type")
         texts.append(part.text)
     return "".join(texts)
 
 
-def input_messages(req: ResponsesRequest) -> list[bus.Message]:
+def _message(item: InputItem, i: int) -> bus.Message:
+    if item.role is None:
+        raise InvalidRequest("A message item needs its `role`.", param=f"input[{i}].role")
+    role = "system" if item.role == "developer" else item.role
+    return bus.Message(role=role, content=_content_text(item.content, f"input[{i}].content"))
+
+
+def _call(item: InputItem, i: int) -> bus.ToolCall:
+    for name in ("call_id", "name", "arguments"):
+        if getattr(item, name) is None:
+            raise InvalidRequest(f"A function_call item needs its `{name}`.", param=f"input[{i}].{name}")
+    assert item.call_id is not None and item.name is not None and item.arguments is not None
+    return bus.ToolCall(id=item.call_id, name=item.name, arguments=calling.arguments_text(item.arguments))
+
+
+def _result(item: InputItem, i: int) -> bus.Message:
+    if item.call_id is None:
+        raise InvalidRequest("A function_call_output item needs the `call_id` it answers.", param=f"input[{i}].call_id")
+    if item.output is None:
+        raise InvalidRequest("A function_call_output item needs its `output`.", param=f"input[{i}].output")
+    output = item.output
+    text = calling.arguments_text(output) if isinstance(output, dict) else _content_text(output, f"input[{i}].output")
+    return bus.Message(role="tool", content=text, tool_call_id=item.call_id)
+
+
+def input_messages(req: ResponsesRequest, history: list[bus.Message] | None = None) -> list[bus.Message]:
+    """This turn's input as messages: a function_call joins the assistant turn before it (or starts one), a
+    function_call_output is a `tool` message, and must answer a call made before it."""
     if isinstance(req.input, str):
         return [bus.Message(role="user", content=req.input)]
-    messages = []
+    earlier = list(history or [])
+    messages: list[bus.Message] = []
+    params: list[str] = []
     for i, item in enumerate(req.input):
-        if item.type != "message":
-            raise refuse(f"input[{i}].type", f"input items of type {item.type!r} are not served yet")
-        role = "system" if item.role == "developer" else item.role
-        messages.append(bus.Message(role=role, content=_content_text(item.content, i)))
+        if item.type == "function_call":
+            call = _call(item, i)
+            if messages and messages[-1].role == "assistant":
+                messages[-1].tool_calls.append(call)
+                continue
+            messages.append(bus.Message(role="assistant", content="", tool_calls=[call]))
+        elif item.type == "function_call_output":
+            messages.append(_result(item, i))
+        elif item.type == "message":
+            messages.append(_message(item, i))
+        else:
+            raise refuse(f"input[{i}].type", f"input items of type {item.type!r} are not served")
+        params.append(f"input[{i}].call_id")
+    calling.check_results(earlier + messages, len(earlier), params)
     return messages
+
+
+def _text_constraint(req: ResponsesRequest) -> bus.Constraint | None:
+    if req.text and req.text.format and req.text.format.type != "text":
+        return structured.of_text_format(req.text.format.type, req.text.format.schema)
+    return structured.of_response_format(req.response_format)
+
+
+def _tool_use(req: ResponsesRequest) -> bus.ToolUse | None:
+    use = calling.tool_use(calling.bus_tools(calling.responses_functions(req.tools)), req.tool_choice,
+                           req.parallel_tool_calls)
+    formatted = (req.text and req.text.format and req.text.format.type != "text") or (
+        req.response_format and req.response_format.type != "text")
+    if use is not None and use.choice != "none" and formatted:
+        raise InvalidRequest("`text.format` cannot be combined with tools the model may call: a constrained answer "
+                             "cannot also make calls (set tool_choice to none).", param="text.format")
+    return use
 
 
 def to_job(
@@ -155,15 +221,13 @@ def to_job(
     logprobs = req.top_logprobs if req.top_logprobs is not None else (0 if req.logprobs else None)
     params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=logprobs)
     params.include_stop_str_in_output = bool(req.include_stop_str_in_output)
-    if req.text and req.text.format and req.text.format.type != "text":
-        params.constraint = structured.of_text_format(req.text.format.type, req.text.format.schema)
-    else:
-        params.constraint = structured.of_response_format(req.response_format)
+    tool_use = _tool_use(req)
+    params.constraint = calling.forced_constraint(tool_use) or _text_constraint(req)
     effort = req.reasoning.effort if req.reasoning else None
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=instructions + history, params=params, truncate=req.truncation == "auto",
-        created_ms=bus.now_ms(),
+        created_ms=bus.now_ms(), tool_use=tool_use,
         # as OVMS does: any reasoning effort turns the template's thinking on
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs, enable_thinking=True if effort else None,
                                              reasoning_effort=effort),
@@ -171,33 +235,6 @@ def to_job(
 
 
 # response
-
-
-class TopLogprob(Out):
-    token: str
-    logprob: float
-
-
-class LogProb(Out):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class OutputText(Out, kw_only=True):
-    type: str = "output_text"
-    text: str
-    annotations: list[Any] = []
-    logprobs: list[LogProb] = []
-
-
-class OutputMessage(Out, kw_only=True):
-    id: str
-    type: str = "message"
-    role: str = "assistant"
-    status: str
-    content: list[OutputText]
 
 
 class IncompleteDetails(Out):
@@ -251,6 +288,34 @@ class TextOut(Out):
     format: TextFormatOut
 
 
+class FunctionToolOut(Out, kw_only=True):
+    type: str = "function"
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool | None
+
+
+class NamedChoiceOut(Out):
+    type: str
+    name: str
+
+
+def echo_tools(tools: list[calling.ResponsesTool] | None) -> list[FunctionToolOut]:
+    """The response's `tools`: each function in OpenAI's flat form, however it was given."""
+    return [FunctionToolOut(name=f.name, description=f.description, parameters=f.parameters, strict=f.strict)
+            for f, _param in calling.responses_functions(tools)]
+
+
+def echo_tool_choice(choice: calling.ToolChoice | None) -> str | NamedChoiceOut:
+    """The response's `tool_choice`: as sent; a function in OpenAI's flat form."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        return choice
+    return NamedChoiceOut(type=choice.type, name=choice.function.name if choice.function else choice.name or "")
+
+
 class Response(Out, kw_only=True):
     id: str
     object: str = "response"
@@ -262,7 +327,7 @@ class Response(Out, kw_only=True):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     output_text: str
     parallel_tool_calls: bool = True
     previous_response_id: str | None
@@ -270,8 +335,8 @@ class Response(Out, kw_only=True):
     store: bool
     temperature: float
     text: TextOut
-    tool_choice: Any = "auto"
-    tools: list[Any] = []
+    tool_choice: str | NamedChoiceOut = "auto"
+    tools: list[FunctionToolOut] = []
     top_logprobs: int | None
     top_p: float
     truncation: str
@@ -287,18 +352,13 @@ class Deleted(Out):
     deleted: bool = True
 
 
-def _logprobs(logprobs: list[bus.TokenLogprob]) -> list[LogProb]:
-    return [LogProb(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-                    top_logprobs=[TopLogprob(token=t.token, logprob=t.logprob) for t in lp.top])
-            for lp in logprobs]
-
-
 _ERROR_CODES = {"InvalidRequest": "invalid_prompt", "ContextLengthExceeded": "invalid_prompt"}
 
 
 class ResponsesRenderer:
-    """The Responses stream as a state machine: created, in_progress, the message item and its text
-    part opened, text deltas, everything closed, then completed / incomplete / failed."""
+    """The Responses stream as a state machine: created and in_progress, then the output items as they come
+    (messages with their text deltas, function calls with their argument deltas; see response_items), then
+    completed / incomplete / failed."""
 
     def __init__(
         self, req: ResponsesRequest, *, response_id: str, created_at: int, history: list[bus.Message],
@@ -306,7 +366,6 @@ class ResponsesRenderer:
     ) -> None:
         self.req = req
         self.id = response_id
-        self.message_id = "msg_" + response_id.removeprefix("resp_")
         self.created_at = created_at
         self.history = history
         self.store = store
@@ -315,7 +374,11 @@ class ResponsesRenderer:
         """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
         `max_tokens`, as its page documents."""
         self.sequence = 0
-        self.choices = Choices(1)
+        self.items = OutputItems("msg_" + response_id.removeprefix("resp_"),
+                                 eager=not req.tools or req.tool_choice == "none")
+        self.final: bus.Final | None = None
+        self.cut = False
+        """The answer ended at its token budget."""
         self.status = "in_progress"
         self.completed_at: int | None = None
         self.error_detail: ResponseError | None = None
@@ -323,16 +386,8 @@ class ResponsesRenderer:
 
     # the response object at any point of its life
 
-    def _text_part(self) -> OutputText:
-        return OutputText(text=self.choices.text(0), logprobs=_logprobs(self.choices.logprobs[0]))
-
-    def _item(self) -> OutputMessage:
-        status = self.status if self.status in ("completed", "incomplete") else "in_progress"
-        content = [self._text_part()] if self.status != "in_progress" else []
-        return OutputMessage(id=self.message_id, status=status, content=content)
-
     def response(self) -> Response:
-        req, final = self.req, self.choices.final
+        req, final = self.req, self.final
         usage = UNSET if final is None else ResponseUsage(
             input_tokens=final.prompt_tokens, input_tokens_details=InputTokensDetails(),
             output_tokens=final.completion_tokens,
@@ -346,9 +401,9 @@ class ResponsesRenderer:
             incomplete_details=IncompleteDetails(reason="max_tokens" if self.ovms else "max_output_tokens")
             if self.status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=req.model,
-            output=[self._item()] if done else [], output_text=self.choices.text(0) if done else "",
+            output=self.items.output() if done else [], output_text=self.items.text() if done else "",
             previous_response_id=req.previous_response_id,
-            tool_choice="auto" if req.tool_choice is None else req.tool_choice, tools=req.tools or [],
+            tool_choice=echo_tool_choice(req.tool_choice), tools=echo_tools(req.tools),
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             reasoning=Reasoning(effort=req.reasoning.effort if req.reasoning else None),
             store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
@@ -364,17 +419,14 @@ class ResponsesRenderer:
         self.sequence += 1
         return event_frame(kind, encode(payload))
 
-    def _ids(self) -> dict[str, Any]:
-        return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+    def _events(self, events: list[Event]) -> list[bytes]:
+        return [self._event(kind, **fields) for kind, fields in events]
 
     def _opening(self) -> list[bytes]:
         self.started = True
-        empty_item = OutputMessage(id=self.message_id, status="in_progress", content=[])
         return [
             self._event("response.created", response=self.response()),
             self._event("response.in_progress", response=self.response()),
-            self._event("response.output_item.added", output_index=0, item=empty_item),
-            self._event("response.content_part.added", part=OutputText(text=""), **self._ids()),
         ]
 
     def frames(self, event: bus.Output) -> list[bytes]:
@@ -382,29 +434,19 @@ class ResponsesRenderer:
             return []
         out = [] if self.started else self._opening()
         if isinstance(event, bus.Tokens):
-            self.choices.add(event)
-            if event.text:
-                out.append(self._event("response.output_text.delta", delta=event.text,
-                                       logprobs=_logprobs(event.logprobs or []), **self._ids()))
-            return out
-        self.choices.final = event
+            self.cut = self.cut or event.finish_reason == "length"
+            return out + self._events(self.items.tokens(event))
+        self.final = event
         self.completed_at = int(time.time())
-        self.status = "incomplete" if self.choices.finish_reasons[0] == "length" else "completed"
-        part = self._text_part()
-        return [
-            *out,
-            self._event("response.output_text.done", text=part.text, logprobs=part.logprobs, **self._ids()),
-            self._event("response.content_part.done", part=part, **self._ids()),
-            self._event("response.output_item.done", output_index=0, item=self._item()),
-            self._event(f"response.{self.status}", response=self.response()),
-        ]
+        self.status = "incomplete" if self.cut else "completed"
+        closing = self._events(self.items.finish(self.status))
+        return [*out, *closing, self._event(f"response.{self.status}", response=self.response())]
 
     async def settle(self) -> None:
         """Stores the finished response before the client hears of it, so any edge can serve it at once."""
         if self.store is None or not self.req.store:
             return
-        answer = bus.Message(role="assistant", content=self.choices.text(0))
-        await self.store.save(self.id, encode(self.response()), [*self.history, answer], self.tenant)
+        await self.store.save(self.id, encode(self.response()), [*self.history, self.items.answer()], self.tenant)
 
     def done(self) -> list[bytes]:
         return [DONE] if self.ovms else []

@@ -44,8 +44,8 @@ class Grammar(Request):
     value: Any
 
 
-def json_schema(schema: Any, param: str) -> bus.Constraint:
-    """A constraint to a JSON schema, checked against the JSON Schema meta-schema first."""
+def checked_schema(schema: Any, param: str) -> dict[str, Any]:
+    """A JSON schema (an object, or its text) checked against the JSON Schema meta-schema and our size limit."""
     if isinstance(schema, str):
         try:
             schema = orjson.loads(schema)
@@ -55,12 +55,21 @@ def json_schema(schema: Any, param: str) -> bus.Constraint:
         raise InvalidRequest(f"`{param}` must be a JSON schema object.", param=param)
     try:
         Draft202012Validator.check_schema(schema)
+        size = len(orjson.dumps(schema))
     except SchemaError as exc:
         raise InvalidRequest(f"`{param}` is not a valid JSON schema: {exc.message}", param=param) from None
-    spec = orjson.dumps(schema).decode()
-    if len(spec) > MAX_SPEC_BYTES:
+    except RecursionError:
+        raise InvalidRequest(f"`{param}` is nested too deeply.", param=param) from None
+    except orjson.JSONEncodeError as exc:  # beyond 254 levels of nesting, or an integer beyond 64 bits
+        raise InvalidRequest(f"`{param}` cannot be used: {exc}.", param=param) from None
+    if size > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
-    return bus.Constraint(kind="json", spec=spec)
+    return schema
+
+
+def json_schema(schema: Any, param: str) -> bus.Constraint:
+    """A constraint to a JSON schema, checked against the JSON Schema meta-schema first."""
+    return bus.Constraint(kind="json", spec=orjson.dumps(checked_schema(schema, param)).decode())
 
 
 def regex(pattern: Any, param: str) -> bus.Constraint:

@@ -1,0 +1,210 @@
+"""Function calling at the edge: the tools a request offers (Chat's nested form, the Responses API's flat one
+and the nested one OVMS also accepts), the tool choice, and the checks that keep bad definitions off the
+queue: at most 32 functions, parameters of at most 15 properties (Databricks' limits), unique names, valid
+JSON schemas that describe objects.
+
+A forced choice (`required`, or a named function) becomes a structured-output constraint built from the
+functions' parameters, so the engine itself guarantees that the arguments validate: `required` holds the
+answer to a JSON array of `{"name", "arguments"}` (exactly one item with `parallel_tool_calls: false`), a
+named function to its arguments object. With `auto` the worker's tool parser finds calls in free text.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeAlias
+
+import orjson
+from msgspec import Meta
+
+from services.edge.formats import structured
+from services.edge.formats.base import Request, refuse
+from shared import bus
+from shared.errors import InvalidRequest
+
+MAX_FUNCTIONS = 32
+MAX_PROPERTIES = 15
+FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+"""OpenAI's rule for function names (letters, digits, underscores, dashes; dots for namespaces), 64 at most."""
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+"""What a function without `parameters` takes: nothing (OpenAI: "an empty parameter list")."""
+DEFS_KEYS = ("$defs", "definitions")
+
+
+class FunctionDef(Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Request):
+    """Chat Completions: `{"type": "function", "function": {...}}`."""
+
+    type: str
+    function: FunctionDef | None = None
+
+
+class ResponsesTool(Request):
+    """The Responses API: OpenAI's flat function `{"type": "function", "name", "parameters", ...}`, the nested
+    form OVMS accepts `{"type": "function", "function": {...}}`, or a built-in tool (refused by name)."""
+
+    type: str
+    name: FunctionName | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    function: FunctionDef | None = None
+
+
+class FunctionRef(Request):
+    name: str
+
+
+class NamedChoice(Request):
+    """A forced function: Chat's `{"type": "function", "function": {"name"}}` or the Responses API's flat
+    `{"type": "function", "name"}`."""
+
+    type: str
+    function: FunctionRef | None = None
+    name: str | None = None
+
+
+ToolChoice: TypeAlias = Literal["none", "auto", "required"] | NamedChoice
+
+
+def chat_functions(tools: list[ChatTool] | None) -> list[tuple[FunctionDef, str]]:
+    """The functions of Chat's `tools`, each with where it was given (for errors)."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise refuse(f"tools[{i}].type", f"only function tools are served, not {tool.type!r}")
+        if tool.function is None:
+            raise InvalidRequest("A function tool needs its `function`.", param=f"tools[{i}].function")
+        out.append((tool.function, f"tools[{i}].function"))
+    return out
+
+
+def responses_functions(tools: list[ResponsesTool] | None) -> list[tuple[FunctionDef, str]]:
+    """The functions of the Responses API's `tools`, flat or nested."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise refuse(f"tools[{i}]", f"the built-in tool {tool.type!r} is not served")
+        if tool.function is not None:
+            out.append((tool.function, f"tools[{i}].function"))
+        elif tool.name is None:
+            raise InvalidRequest("A function tool needs its `name`.", param=f"tools[{i}].name")
+        else:
+            flat = FunctionDef(name=tool.name, description=tool.description, parameters=tool.parameters,
+                               strict=tool.strict)
+            out.append((flat, f"tools[{i}]"))
+    return out
+
+
+def _parameters(function: FunctionDef, param: str) -> dict[str, Any]:
+    param = f"{param}.parameters"
+    if function.parameters is None:
+        return {}
+    schema = structured.checked_schema(function.parameters, param)
+    if schema.get("type", "object") != "object":
+        raise InvalidRequest(f"`{param}` must describe an object (type object): the arguments are one.", param=param)
+    properties = schema.get("properties", {})
+    if isinstance(properties, dict) and len(properties) > MAX_PROPERTIES:
+        raise InvalidRequest(f"`{param}` has {len(properties)} properties; a function may take at most "
+                             f"{MAX_PROPERTIES}.", param=param)
+    return schema
+
+
+def bus_tools(functions: list[tuple[FunctionDef, str]]) -> list[bus.Tool]:
+    """The functions, checked, as the worker gets them."""
+    if len(functions) > MAX_FUNCTIONS:
+        raise InvalidRequest(f"`tools` lists {len(functions)} functions; at most {MAX_FUNCTIONS} are served.",
+                             param="tools")
+    seen: set[str] = set()
+    out = []
+    for function, param in functions:
+        if function.name in seen:
+            raise InvalidRequest(f"Two functions are named {function.name!r}; names must be unique.",
+                                 param=f"{param}.name")
+        seen.add(function.name)
+        out.append(bus.Tool(name=function.name, description=function.description or "",
+                            parameters=_parameters(function, param), strict=bool(function.strict)))
+    return out
+
+
+def _named(choice: NamedChoice, names: set[str]) -> str:
+    if choice.type != "function":
+        raise refuse("tool_choice", f"a tool choice of type {choice.type!r} is not served; use none, auto, "
+                                    "required or a function")
+    name, param = ((choice.function.name, "tool_choice.function.name") if choice.function is not None
+                   else (choice.name, "tool_choice.name"))
+    if not name:
+        raise InvalidRequest("A function tool choice needs the function's `name`.", param="tool_choice")
+    if name not in names:
+        raise InvalidRequest(f"`tool_choice` names {name!r}, which is not one of the `tools`.", param=param)
+    return name
+
+
+def tool_use(tools: list[bus.Tool], choice: ToolChoice | None, parallel: bool | None) -> bus.ToolUse | None:
+    """How the model may call the functions (None: no functions offered)."""
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if not tools:
+        if choice != "none" and choice != "auto":
+            raise InvalidRequest("`tool_choice` asks for a call, but `tools` offers no function.",
+                                 param="tool_choice")
+        return None
+    if isinstance(choice, NamedChoice):
+        name = _named(choice, {tool.name for tool in tools})
+        return bus.ToolUse(tools=tools, choice="function", name=name, parallel=parallel is not False)
+    return bus.ToolUse(tools=tools, choice=choice, parallel=parallel is not False)
+
+
+def _lift_defs(tools: list[bus.Tool]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Each function's parameters with their `$defs` moved to the top of the combined schema, where the
+    parameters' own `#/$defs/...` references point."""
+    lifted: dict[str, dict[str, Any]] = {}
+    schemas = []
+    for tool in tools:
+        schema = dict(tool.parameters or NO_PARAMETERS)
+        for key in DEFS_KEYS:
+            definitions: dict[str, Any] = schema.pop(key, None) or {}
+            for name, definition in definitions.items():
+                if lifted.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise InvalidRequest(f"Two functions define `{key}.{name}` differently; a forced tool choice "
+                                         "needs one definition.", param="tools")
+        schemas.append(schema)
+    return schemas, lifted
+
+
+def forced_constraint(use: bus.ToolUse | None) -> bus.Constraint | None:
+    """The constraint of a forced choice; None for auto and none."""
+    if use is None or use.choice not in ("required", "function"):
+        return None
+    if use.choice == "function":
+        [tool] = [tool for tool in use.tools if tool.name == use.name]
+        return structured.json_schema(tool.parameters or NO_PARAMETERS, "tools")
+    schemas, defs = _lift_defs(use.tools)
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.name]}, "arguments": schema},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for tool, schema in zip(use.tools, schemas, strict=True)]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
+    if not use.parallel:
+        array["maxItems"] = 1
+    return structured.json_schema(array, "tools")
+
+
+def arguments_text(arguments: str | dict[str, Any]) -> str:
+    """A call's arguments as JSON text (Databricks documents them as an object, OpenAI as its text)."""
+    return arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
+
+
+def check_results(messages: list[bus.Message], first: int, params: list[str]) -> None:
+    """Every tool result from message `first` on answers a call made before it (`params[i]` names message
+    `first + i`'s call id in the request)."""
+    made = {call.id for m in messages[:first] for call in m.tool_calls}
+    for i, message in enumerate(messages[first:]):
+        made.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise InvalidRequest(f"A tool result answers the call {message.tool_call_id!r}, which no earlier "
+                                 "assistant message made.", param=params[i])

@@ -1,0 +1,171 @@
+"""The output items of a response as the model writes them: messages (its text) and function calls, in the
+order they come, each with the stream events that open it, fill it and close it.
+
+A message opens at the first text after the start or after a call; a call opens with its first delta (id and
+name) and closes when the next item opens or the response ends. An item closed along the way is completed;
+the last one takes the response's status. A response without any item still gets one (empty) message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.edge.formats.base import Out
+from shared import bus
+
+Event = tuple[str, dict[str, Any]]
+"""A stream event's type and fields (the renderer numbers it)."""
+
+
+class TopLogprob(Out):
+    token: str
+    logprob: float
+
+
+class LogProb(Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class OutputText(Out, kw_only=True):
+    type: str = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[LogProb] = []
+
+
+class OutputMessage(Out, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    role: str = "assistant"
+    status: str
+    content: list[OutputText]
+
+
+class FunctionCallItem(Out, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+def logprobs_out(logprobs: list[bus.TokenLogprob]) -> list[LogProb]:
+    return [LogProb(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
+                    top_logprobs=[TopLogprob(token=t.token, logprob=t.logprob) for t in lp.top])
+            for lp in logprobs]
+
+
+@dataclass
+class _Item:
+    id: str
+    index: int
+    call: bus.ToolCall | None = None
+    """A function call; None for a message."""
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[bus.TokenLogprob] = field(default_factory=list)
+    status: str = "in_progress"
+
+    def part(self) -> OutputText:
+        return OutputText(text="".join(self.texts), logprobs=logprobs_out(self.logprobs))
+
+    def out(self) -> OutputItem:
+        if self.call is None:
+            content = [self.part()] if self.status != "in_progress" else []
+            return OutputMessage(id=self.id, status=self.status, content=content)
+        return FunctionCallItem(id=self.id, call_id=self.call.id, name=self.call.name,
+                                arguments=self.call.arguments if self.status != "in_progress" else "",
+                                status=self.status)
+
+    def ids(self) -> dict[str, Any]:
+        return {"item_id": self.id, "output_index": self.index}
+
+
+class OutputItems:
+    """The items of one response; `eager`: every token belongs to one message, opened at the first event
+    (a request without tools, exactly as before there were tools)."""
+
+    def __init__(self, message_id: str, eager: bool) -> None:
+        self.message_id = message_id
+        self.eager = eager
+        self.items: list[_Item] = []
+        self.open: _Item | None = None
+
+    def tokens(self, event: bus.Tokens) -> list[Event]:
+        out: list[Event] = []
+        if event.text or (self.eager and self.open is None):
+            out += self._message()
+        message = self.open if self.open is not None and self.open.call is None else None
+        if message is not None:
+            message.texts.append(event.text)
+            message.logprobs.extend(event.logprobs or [])
+            if event.text:
+                out.append(("response.output_text.delta", {
+                    "delta": event.text, "logprobs": logprobs_out(event.logprobs or []), **message.ids(),
+                    "content_index": 0}))
+        for delta in event.tool_calls:
+            out += self._call_delta(delta)
+        return out
+
+    def finish(self, status: str) -> list[Event]:
+        """Closes the last item with the response's status (opening an empty message if there is none)."""
+        out = [] if self.items else self._message()
+        return out + self._close(status)
+
+    def output(self) -> list[OutputItem]:
+        return [item.out() for item in self.items]
+
+    def text(self) -> str:
+        return "".join(text for item in self.items if item.call is None for text in item.texts)
+
+    def answer(self) -> bus.Message:
+        """The response's output as one assistant turn of the conversation."""
+        return bus.Message(role="assistant", content=self.text(),
+                           tool_calls=[item.call for item in self.items if item.call is not None])
+
+    def _add(self, item: _Item) -> list[Event]:
+        out = self._close("completed")
+        self.items.append(item)
+        self.open = item
+        return [*out, ("response.output_item.added", {"output_index": item.index, "item": item.out()})]
+
+    def _message(self) -> list[Event]:
+        if self.open is not None and self.open.call is None:
+            return []
+        count = sum(1 for item in self.items if item.call is None)
+        item_id = self.message_id if count == 0 else f"{self.message_id}_{count}"
+        item = _Item(id=item_id, index=len(self.items))
+        return [*self._add(item), ("response.content_part.added", {
+            **item.ids(), "content_index": 0, "part": OutputText(text="")})]
+
+    def _call_delta(self, delta: bus.ToolCallDelta) -> list[Event]:
+        out: list[Event] = []
+        if delta.id:
+            call = bus.ToolCall(id=delta.id, name=delta.name, arguments="")
+            out += self._add(_Item(id="fc_" + delta.id.removeprefix("call_"), index=len(self.items), call=call))
+        item = self.open
+        if delta.arguments and item is not None and item.call is not None:
+            item.call.arguments += delta.arguments
+            out.append(("response.function_call_arguments.delta", {**item.ids(), "delta": delta.arguments}))
+        return out
+
+    def _close(self, status: str) -> list[Event]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item.status = status
+        if item.call is None:
+            part = item.part()
+            closing: list[Event] = [
+                ("response.output_text.done", {**item.ids(), "content_index": 0, "text": part.text,
+                                               "logprobs": part.logprobs}),
+                ("response.content_part.done", {**item.ids(), "content_index": 0, "part": part})]
+        else:
+            closing = [("response.function_call_arguments.done", {**item.ids(), "name": item.call.name,
+                                                                  "arguments": item.call.arguments})]
+        return [*closing, ("response.output_item.done", {"output_index": item.index, "item": item.out()})]
