@@ -73,7 +73,7 @@ TENANT_TOKENS = Counter("tokenbus_worker_tenant_tokens", "Tokens settled per ten
 QUEUED_JOBS = Gauge("tokenbus_queued_jobs", "Jobs of a model waiting for a worker (as one worker last read it)",
                     ["model"])
 QUEUE_WAIT = Histogram("tokenbus_worker_queue_wait_seconds", "From a job's arrival to its start on a worker",
-                       ["model"], buckets=_LATENCY_BUCKETS)
+                       ["model", "tenant"], buckets=_LATENCY_BUCKETS)
 DISPATCHES = Counter("tokenbus_fair_dispatches", "Jobs this process moved from tenants' backlogs to workers",
                      ["model"])
 ADMISSION_REFUSALS = Counter("tokenbus_edge_admission_refusals", "Requests refused before they were queued",

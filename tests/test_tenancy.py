@@ -292,6 +292,7 @@ async def test_usage_is_accounted_per_tenant_and_model(stack: Stack) -> None:
         metrics = (await http.get(stack.workers[0].metrics_url)).text
     assert metric_value(metrics, "tokenbus_worker_tenant_tokens_total",
                         {"tenant": "accounted", "kind": "completion"}) == expected["completion"]
+    assert metric_value(metrics, "tokenbus_worker_queue_wait_seconds_count", {"tenant": "accounted"}) == 2
 
 
 def test_make_run_serves_without_keys_and_says_so() -> None:

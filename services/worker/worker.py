@@ -338,7 +338,7 @@ class Worker:
         if job.id in self.aborted or (waited_ms > CHECK_FIRST_AFTER_MS and (await checks)[index].cancelled):
             metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
             return
-        metrics.QUEUE_WAIT.labels(self.model).observe(max(0, waited_ms) / 1000)
+        metrics.QUEUE_WAIT.labels(self.model, self.tenants.label(run.job.tenant)).observe(max(0, waited_ms) / 1000)
         if job.created_ms and waited_ms > self.settings.queue_timeout_s * 1000:
             await asyncio.wait([checks])  # it may have been resumed on another edge meanwhile
             self._apply_check(run, index, checks)
