@@ -130,7 +130,7 @@ async def test_store_false_keeps_nothing(client: openai.AsyncOpenAI) -> None:
     [({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
      ({"service_tier": "flex"}, "service_tier"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
      ({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"temperature": 3}, "temperature"),
-     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"), ({"n": 2}, "n"),
+     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"), ({"extra_body": {"n": 2}}, "n"),
      ({"text": {"format": {"type": "json_object"}}, "tool_choice": "required",  # one constraint at a time
        "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "text.format")],
 )
