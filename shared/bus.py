@@ -31,6 +31,8 @@ class Message(Base):
     tool_calls: list[ToolCall] = []
     tool_call_id: str = ""
     """Role tool: the call this message is the result of."""
+    reasoning: str = ""
+    """Role assistant: the reasoning that came before its answer, for templates that show it again."""
 
 
 class ToolCall(Base):
@@ -184,6 +186,8 @@ class Continuation(Base):
     """Per choice, the text sent so far (after parsing: content only)."""
     calls: list[list[ToolCall]] = []
     """Per choice, the tool calls sent so far, as far as their deltas went."""
+    reasonings: list[str] = []
+    """Per choice, the reasoning sent so far."""
 
     def carried(self) -> int:
         """Completion tokens the former owners generated."""
@@ -245,7 +249,8 @@ class ToolCallDelta(Base, array_like=True):
 
 class Tokens(Stamped, tag="tok", kw_only=True):
     """New tokens of one choice from one engine step; the last one of a choice has finish_reason. With a
-    tool parser, `text` is the content only and the calls come as `tool_calls` deltas."""
+    tool parser, `text` is the content only and the calls come as `tool_calls` deltas; with a reasoning
+    parser, the reasoning comes as `reasoning` (before any content of the same event)."""
 
     text: str
     token_ids: list[int]
@@ -256,6 +261,7 @@ class Tokens(Stamped, tag="tok", kw_only=True):
     tool_calls: list[ToolCallDelta] = []
     stop_reason: str | int | None = None
     """The stop string or token that ended the choice, when one did."""
+    reasoning: str = ""
 
 
 class Embedding(Stamped, tag="emb", kw_only=True):

@@ -52,6 +52,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """How the worker finds function calls in its model's text (tool_choice auto): hermes (<tool_call>{json}
     </tool_call>), json (a JSON object or array of {"name", "arguments"}); a template without tools is told
     to write that format."""
+    reasoning_parser: str = "none"
+    """How the worker finds its model's reasoning in a chat answer: none (the model does not think), qwen3
+    (a <think>...</think> block the model opens), deepseek_r1 (the chat template opens the block, the
+    model closes it with </think>)."""
     engine: str = "vllm"
     """vllm, or sim: a simulated engine with fixed timings, only for benchmarks and fault tests."""
     sim_ttft_ms: float = 50.0

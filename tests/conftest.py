@@ -123,9 +123,10 @@ def running_worker(redis_url: str, redis_client: redis.Redis, log: Path, model: 
 def worker(
     redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    """The real vLLM worker on the default model, started once."""
+    """The real vLLM worker on the default model, started once (with a reasoning parser: SmolLM2 never opens
+    a <think> block by itself, so its answers are as without one, and test_reasoning_engine makes it write one)."""
     with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("worker") / "worker.log", MODEL,
-                        kv_cache_gib=2) as started:
+                        kv_cache_gib=2, reasoning_parser="qwen3") as started:
         yield started
 
 

@@ -48,9 +48,10 @@ def run(text: str, size: int = 3, finish: str | None = "stop") -> list[bus.Token
 def test_which_parser_a_job_gets() -> None:
     assert for_job(bus.Job(id="j", model="m", reply_to="r", deadline_ms=0), HERMES) is None
     assert for_job(job("none"), HERMES) is None
-    assert isinstance(for_job(job("function", "get_weather"), HERMES).make(str), NamedParser)
-    assert isinstance(for_job(job("required"), HERMES).make(str), JsonParser)
-    assert isinstance(for_job(job(), HERMES).make(str), TaggedParser)
+    for use, parser in ((job("function", "get_weather"), NamedParser), (job("required"), JsonParser),
+                        (job(), TaggedParser)):
+        output = for_job(use, HERMES)
+        assert output is not None and output.make is not None and isinstance(output.make(str), parser)
 
 
 def test_events_carry_content_and_call_deltas_and_end_with_tool_calls() -> None:

@@ -60,6 +60,8 @@ def _native(messages: list[bus.Message]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.reasoning:  # templates read one name or the other (Qwen3's reasoning_content)
+            message["reasoning"] = message["reasoning_content"] = m.reasoning
         if m.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": _arguments(c.arguments)}}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from services.worker import conversation
 from services.worker.parsing.formats import tool_format
 from shared import bus
@@ -381,4 +383,6 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
         return StructuredOutputsParams(json_object=True)
     if constraint.kind == "regex":
         return StructuredOutputsParams(regex=constraint.spec)
+    if constraint.kind == "choice":
+        return StructuredOutputsParams(choice=orjson.loads(constraint.spec))
     raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")

@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 from services.worker.engine import VllmEngine
 from services.worker.models import resolve_model_dir
 from services.worker.parsing.formats import tool_format
+from services.worker.parsing.reasoning import reasoning_format
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
 from shared.settings import Settings
@@ -21,10 +22,11 @@ log = logging.getLogger(__name__)
 def run_worker(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("the worker needs --redis-url (or TOKENBUS_REDIS_URL)")
-    try:
-        tool_format(settings.tool_parser)
-    except ValueError as exc:
-        raise SystemExit(f"invalid setting tool_parser: {exc}") from None
+    for name, check in (("tool_parser", tool_format), ("reasoning_parser", reasoning_format)):
+        try:
+            check(getattr(settings, name))
+        except ValueError as exc:
+            raise SystemExit(f"invalid setting {name}: {exc}") from None
     engine: VllmEngine | SimEngine
     if settings.engine == "sim":
         log.warning("serving %s with the SIMULATED engine (benchmarks and fault tests only)", settings.model)

@@ -142,12 +142,14 @@ def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:
     token_ids: list[list[int]] = [[] for _ in range(choices)]
     texts: list[list[str]] = [[] for _ in range(choices)]
     calls: list[list[bus.ToolCall]] = [[] for _ in range(choices)]
+    reasonings: list[list[str]] = [[] for _ in range(choices)]
     finished = [False] * choices
     result = bus.Continuation(token_ids=token_ids, finished=finished, calls=calls)
     for event in taken:
         if isinstance(event, bus.Tokens) and event.choice < choices:
             token_ids[event.choice].extend(event.token_ids)
             texts[event.choice].append(event.text)
+            reasonings[event.choice].append(event.reasoning)
             bus.add_call_deltas(calls[event.choice], event.tool_calls)
             finished[event.choice] = finished[event.choice] or event.finish_reason is not None
         elif isinstance(event, bus.Prompt):
@@ -155,4 +157,5 @@ def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:
         elif isinstance(event, bus.Embedding):
             result.embedded.append(event.index)
     result.texts = ["".join(parts) for parts in texts]
+    result.reasonings = ["".join(parts) for parts in reasonings]
     return result

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError, ResponseError
 from services.worker.ownership import Ownership
 from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import JobOutput, for_job
+from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
 from shared import bus, fairshare, keys, logs, metrics, redis_clients
@@ -131,6 +132,7 @@ class Worker:
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.model = settings.model
         self.tool_format = tool_format(settings.tool_parser)
+        self.reasoning = reasoning_format(settings.reasoning_parser)
         self.stream = keys.requests_stream(settings.model)
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
@@ -384,7 +386,7 @@ class Worker:
             self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
                                            "on another worker; send the request again."))
             return False
-        run.output = for_job(job, self.tool_format)
+        run.output = for_job(job, self.tool_format, self.reasoning)
         if run.output is not None and not run.output.resume(continuation, lambda ids: self.engine.decode(job, ids)):
             self._end_with(run, WorkerLost("The job's worker was lost, and its tool calls cannot be continued "
                                            "faithfully on another worker; send the request again."))
@@ -454,7 +456,7 @@ class Worker:
                   int(remaining_s * 1000) + replay_ms)
         carried = job.continuation.carried() if job.continuation else 0
         if run.output is None:
-            run.output = for_job(job, self.tool_format)
+            run.output = for_job(job, self.tool_format, self.reasoning)
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         run.began = time.monotonic()

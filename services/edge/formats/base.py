@@ -100,15 +100,19 @@ class Usage(Out, kw_only=True):
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
+    reasoning_tokens: int | UnsetType = UNSET
+    """Databricks' place for them, beside OpenAI's `completion_tokens_details`: only when a model reasoned."""
 
 
 def usage_of(event: bus.Final, details: bool = False) -> Usage:
+    """The usage; `details`: with the reasoning tokens (which `completion_tokens` includes)."""
     return Usage(
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
         total_tokens=event.prompt_tokens + event.completion_tokens,
         completion_tokens_details=(CompletionTokensDetails(reasoning_tokens=event.reasoning_tokens)
                                    if details else UNSET),
+        reasoning_tokens=event.reasoning_tokens if details and event.reasoning_tokens else UNSET,
     )
 
 
@@ -120,10 +124,13 @@ class Choices:
         self.logprobs: list[list[bus.TokenLogprob]] = [[] for _ in range(count)]
         self.finish_reasons: list[str | None] = [None] * count
         self.calls: list[list[bus.ToolCall]] = [[] for _ in range(count)]
+        self.reasonings: list[list[str]] = [[] for _ in range(count)]
         self.final: bus.Final | None = None
 
     def add(self, event: bus.Tokens) -> None:
         self.texts[event.choice].append(event.text)
+        if event.reasoning:
+            self.reasonings[event.choice].append(event.reasoning)
         bus.add_call_deltas(self.calls[event.choice], event.tool_calls)
         if event.logprobs:
             self.logprobs[event.choice].extend(event.logprobs)
@@ -132,6 +139,9 @@ class Choices:
 
     def text(self, index: int) -> str:
         return "".join(self.texts[index])
+
+    def reasoning(self, index: int) -> str:
+        return "".join(self.reasonings[index])
 
 
 def finish_reason(reason: str | None) -> str | None:

@@ -63,6 +63,9 @@ class ChatMessage(Request):
     """Role assistant: the calls it made."""
     tool_call_id: str | None = None
     """Role tool: the call whose result this is."""
+    reasoning: str | None = None
+    """Role assistant: its reasoning, as vLLM returns it (`reasoning_content` is the older name)."""
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(Sampling, kw_only=True):
@@ -141,7 +144,9 @@ def _message(message: ChatMessage, index: int) -> bus.Message:
                              param=f"messages[{index}].tool_call_id")
     return bus.Message(role="system" if message.role == "developer" else message.role,
                        content=_text_of(message, index), tool_calls=_calls(message, index),
-                       tool_call_id=(message.tool_call_id or "") if message.role == "tool" else "")
+                       tool_call_id=(message.tool_call_id or "") if message.role == "tool" else "",
+                       reasoning=(message.reasoning or message.reasoning_content or "")
+                       if message.role == "assistant" else "")
 
 
 def _tool_use(req: ChatCompletionRequest) -> bus.ToolUse | None:
@@ -161,7 +166,10 @@ def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_m
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     tool_use = _tool_use(req)
-    params.constraint = calling.forced_constraint(tool_use) or structured.of_response_format(req.response_format)
+    params.constraint = structured.only_one(
+        ("tool_choice", calling.forced_constraint(tool_use)),
+        ("response_format", structured.of_response_format(req.response_format)),
+        ("structured_outputs", structured.of_structured_outputs(req.structured_outputs)))
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=messages, params=params, created_ms=bus.now_ms(), tool_use=tool_use,
@@ -194,6 +202,10 @@ class ToolCallChunk(Out, kw_only=True):
 class Delta(Out, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+    """vLLM's field for what a reasoning model thought (`reasoning_content` its older name, still read by
+    many clients): both are sent."""
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallChunk] | UnsetType = UNSET
 
 
@@ -229,13 +241,16 @@ class ResponseMessage(Out, kw_only=True):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCallOut] | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
-def response_message(text: str, calls: list[bus.ToolCall]) -> ResponseMessage:
-    """The answer: its content (null when it only made calls) and its calls."""
+def response_message(text: str, calls: list[bus.ToolCall], reasoning: str = "") -> ResponseMessage:
+    """The answer: its content (null when it only made calls), its calls, and what the model thought first."""
+    thought = reasoning or UNSET
     if not calls:
-        return ResponseMessage(content=text)
-    return ResponseMessage(content=text or None, tool_calls=[
+        return ResponseMessage(content=text, reasoning=thought, reasoning_content=thought)
+    return ResponseMessage(content=text or None, reasoning=thought, reasoning_content=thought, tool_calls=[
         ToolCallOut(id=c.id, function=CalledFunctionOut(name=c.name, arguments=c.arguments)) for c in calls])
 
 
@@ -300,11 +315,14 @@ class ChatRenderer(OpenAIStreamEnd):
         if not self.started[i]:
             self.started[i] = True
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]))
+        logprobs = ChoiceLogprobs(content=token_logprobs_out(event.logprobs or [])) if self.with_logprobs else None
+        if event.reasoning:  # the tokens' logprobs go with the content when there is some
+            out.append(self._chunk([ChunkChoice(index=i, delta=Delta(
+                reasoning=event.reasoning, reasoning_content=event.reasoning),
+                logprobs=None if event.text else logprobs)]))
         if event.text and event.finish_reason is None and not self.with_logprobs and not event.tool_calls:
             out.append(self._content_template(i).fill(event.text))  # most tokens
-        elif event.text or event.logprobs:
-            logprobs = ChoiceLogprobs(content=token_logprobs_out(event.logprobs or [])) \
-                if self.with_logprobs else None
+        elif event.text or (event.logprobs and not event.reasoning):
             out.append(self._chunk([ChunkChoice(index=i, delta=Delta(content=event.text), logprobs=logprobs)]))
         out.extend(self._chunk([ChunkChoice(index=i, delta=Delta(tool_calls=[chunk]))])
                    for chunk in tool_call_chunks(event.tool_calls))
@@ -324,7 +342,7 @@ class ChatRenderer(OpenAIStreamEnd):
         choices = [
             Choice(
                 index=i,
-                message=response_message(self.choices.text(i), self.choices.calls[i]),
+                message=response_message(self.choices.text(i), self.choices.calls[i], self.choices.reasoning(i)),
                 logprobs=ChoiceLogprobs(content=token_logprobs_out(self.choices.logprobs[i]))
                 if self.with_logprobs else None,
                 finish_reason=finish_reason(reason),

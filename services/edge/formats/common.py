@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from services.edge.formats import structured
 from services.edge.formats.base import Out, Request, StopList, StopString, stop_list
 from shared import bus
 from shared.errors import InvalidRequest
@@ -72,6 +73,8 @@ class Sampling(Request):
     """vLLM's extension: keep generating past the end-of-sequence token."""
     min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
     """vLLM's extension: the fewest tokens to generate before a stop can end the choice."""
+    structured_outputs: structured.StructuredOutputs | None = None
+    """vLLM's extension: a regex, a choice, a JSON schema or any JSON object the answer is held to."""
 
     @property
     def include_usage(self) -> bool:

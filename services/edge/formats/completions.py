@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
+from services.edge.formats import structured
 from services.edge.formats.base import (
     Choices,
     OpenAIStreamEnd,
@@ -60,6 +61,7 @@ def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: i
         raise refuse("best_of", "only best_of equal to n is served")
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+    params.constraint = structured.of_structured_outputs(req.structured_outputs)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
         prompts=prompts_of(req), chat_template=req.use_raw_prompt is False,

@@ -1,9 +1,10 @@
-"""The output items of a response as the model writes them: messages (its text) and function calls, in the
-order they come, each with the stream events that open it, fill it and close it.
+"""The output items of a response as the model writes them: its reasoning, messages (its text) and function
+calls, in the order they come, each with the stream events that open it, fill it and close it.
 
-A message opens at the first text after the start or after a call; a call opens with its first delta (id and
-name) and closes when the next item opens or the response ends. An item closed along the way is completed;
-the last one takes the response's status. A response without any item still gets one (empty) message.
+A reasoning item (one summary part, as OVMS sends it) opens at the first reasoning text; a message opens at
+the first text after the start, the reasoning or a call; a call opens with its first delta (id and name). An
+item closes when the next one opens or the response ends: one closed along the way is completed, the last one
+takes the response's status. A response without any item still gets one (empty) message.
 """
 
 from __future__ import annotations
@@ -52,7 +53,18 @@ class FunctionCallItem(Out, kw_only=True, tag_field="type", tag="function_call")
     status: str
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class SummaryText(Out, kw_only=True):
+    type: str = "summary_text"
+    text: str
+
+
+class ReasoningItem(Out, kw_only=True, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[SummaryText]
+    status: str
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 def logprobs_out(logprobs: list[bus.TokenLogprob]) -> list[LogProb]:
@@ -66,15 +78,27 @@ class _Item:
     id: str
     index: int
     call: bus.ToolCall | None = None
-    """A function call; None for a message."""
+    """A function call; None for a message or reasoning."""
+    reasoning: bool = False
     texts: list[str] = field(default_factory=list)
+    """A message's text, or the reasoning."""
     logprobs: list[bus.TokenLogprob] = field(default_factory=list)
     status: str = "in_progress"
+
+    @property
+    def message(self) -> bool:
+        return self.call is None and not self.reasoning
 
     def part(self) -> OutputText:
         return OutputText(text="".join(self.texts), logprobs=logprobs_out(self.logprobs))
 
+    def summary(self) -> SummaryText:
+        return SummaryText(text="".join(self.texts))
+
     def out(self) -> OutputItem:
+        if self.reasoning:
+            return ReasoningItem(id=self.id, status=self.status,
+                                 summary=[self.summary()] if self.status != "in_progress" else [])
         if self.call is None:
             content = [self.part()] if self.status != "in_progress" else []
             return OutputMessage(id=self.id, status=self.status, content=content)
@@ -98,9 +122,11 @@ class OutputItems:
 
     def tokens(self, event: bus.Tokens) -> list[Event]:
         out: list[Event] = []
+        if event.reasoning:
+            out += self._reasoning(event.reasoning)
         if event.text or (self.eager and self.open is None):
             out += self._message()
-        message = self.open if self.open is not None and self.open.call is None else None
+        message = self.open if self.open is not None and self.open.message else None
         if message is not None:
             message.texts.append(event.text)
             message.logprobs.extend(event.logprobs or [])
@@ -121,12 +147,13 @@ class OutputItems:
         return [item.out() for item in self.items]
 
     def text(self) -> str:
-        return "".join(text for item in self.items if item.call is None for text in item.texts)
+        return "".join(text for item in self.items if item.message for text in item.texts)
 
     def answer(self) -> bus.Message:
         """The response's output as one assistant turn of the conversation."""
         return bus.Message(role="assistant", content=self.text(),
-                           tool_calls=[item.call for item in self.items if item.call is not None])
+                           tool_calls=[item.call for item in self.items if item.call is not None],
+                           reasoning="".join(text for item in self.items if item.reasoning for text in item.texts))
 
     def _add(self, item: _Item) -> list[Event]:
         out = self._close("completed")
@@ -134,10 +161,22 @@ class OutputItems:
         self.open = item
         return [*out, ("response.output_item.added", {"output_index": item.index, "item": item.out()})]
 
+    def _reasoning(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        item = self.open
+        if item is None or not item.reasoning:
+            count = sum(1 for item in self.items if item.reasoning)
+            item_id = "rs_" + self.message_id.removeprefix("msg_") + (f"_{count}" if count else "")
+            item = _Item(id=item_id, index=len(self.items), reasoning=True)
+            out += [*self._add(item), ("response.reasoning_summary_part.added", {
+                **item.ids(), "summary_index": 0, "part": SummaryText(text="")})]
+        item.texts.append(text)
+        return [*out, ("response.reasoning_summary_text.delta", {**item.ids(), "summary_index": 0, "delta": text})]
+
     def _message(self) -> list[Event]:
-        if self.open is not None and self.open.call is None:
+        if self.open is not None and self.open.message:
             return []
-        count = sum(1 for item in self.items if item.call is None)
+        count = sum(1 for item in self.items if item.message)
         item_id = self.message_id if count == 0 else f"{self.message_id}_{count}"
         item = _Item(id=item_id, index=len(self.items))
         return [*self._add(item), ("response.content_part.added", {
@@ -159,9 +198,14 @@ class OutputItems:
         if item is None:
             return []
         item.status = status
-        if item.call is None:
-            part = item.part()
+        if item.reasoning:
+            summary = item.summary()
             closing: list[Event] = [
+                ("response.reasoning_summary_text.done", {**item.ids(), "summary_index": 0, "text": summary.text}),
+                ("response.reasoning_summary_part.done", {**item.ids(), "summary_index": 0, "part": summary})]
+        elif item.call is None:
+            part = item.part()
+            closing = [
                 ("response.output_text.done", {**item.ids(), "content_index": 0, "text": part.text,
                                                "logprobs": part.logprobs}),
                 ("response.content_part.done", {**item.ids(), "content_index": 0, "part": part})]

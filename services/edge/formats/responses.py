@@ -26,7 +26,8 @@ class InputContent(Request):
 
 class InputItem(Request):
     """A message (`type` message, or absent), a function call an earlier answer made (`function_call`:
-    call_id, name, arguments), or a call's result (`function_call_output`: call_id, output)."""
+    call_id, name, arguments), a call's result (`function_call_output`: call_id, output), or the reasoning
+    an earlier answer began with (`reasoning`: summary and content texts)."""
 
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
@@ -39,6 +40,8 @@ class InputItem(Request):
     """A string, text parts, or (Databricks) a JSON object."""
     id: str | None = None
     status: str | None = None
+    summary: list[InputContent] | None = None
+    encrypted_content: str | None = None
 
 
 class TextFormat(Request):
@@ -54,8 +57,12 @@ class TextParam(Request):
 
 
 class ReasoningParam(Request):
+    """`effort` reaches the template (and turns thinking on, as OVMS does); `summary` and Databricks'
+    `encrypted_content` are accepted and not applied."""
+
     effort: str | None = None
     summary: str | None = None
+    encrypted_content: str | None = None
 
 
 MetadataValue = Annotated[str, Meta(max_length=512)]
@@ -145,6 +152,10 @@ def _content_text(content: str | list[InputContent] | None, param: str) -> str:
     return "".join(texts)
 
 
+def _parts(content: str | list[InputContent] | None) -> list[InputContent]:
+    return content if isinstance(content, list) else []
+
+
 def _message(item: InputItem, i: int) -> bus.Message:
     if item.role is None:
         raise InvalidRequest("A message item needs its `role`.", param=f"input[{i}].role")
@@ -172,26 +183,36 @@ def _result(item: InputItem, i: int) -> bus.Message:
 
 def input_messages(req: ResponsesRequest, history: list[bus.Message] | None = None) -> list[bus.Message]:
     """This turn's input as messages: a function_call joins the assistant turn before it (or starts one), a
-    function_call_output is a `tool` message, and must answer a call made before it."""
+    function_call_output is a `tool` message, and must answer a call made before it; a reasoning item's text
+    goes with the assistant turn after it (its raw content, else its summary)."""
     if isinstance(req.input, str):
         return [bus.Message(role="user", content=req.input)]
     earlier = list(history or [])
     messages: list[bus.Message] = []
     params: list[str] = []
+    thought = ""
+    """The reasoning item just read: it goes with the assistant turn that follows it."""
     for i, item in enumerate(req.input):
+        if item.type == "reasoning":
+            thought += "".join(part.text or "" for part in _parts(item.content) or item.summary or [])
+            continue
         if item.type == "function_call":
             call = _call(item, i)
-            if messages and messages[-1].role == "assistant":
+            if messages and messages[-1].role == "assistant" and not thought:
                 messages[-1].tool_calls.append(call)
                 continue
-            messages.append(bus.Message(role="assistant", content="", tool_calls=[call]))
+            messages.append(bus.Message(role="assistant", content="", tool_calls=[call], reasoning=thought))
         elif item.type == "function_call_output":
             messages.append(_result(item, i))
         elif item.type == "message":
-            messages.append(_message(item, i))
+            message = _message(item, i)
+            if message.role == "assistant":
+                message.reasoning = thought
+            messages.append(message)
         else:
             raise refuse(f"input[{i}].type", f"input items of type {item.type!r} are not served")
         params.append(f"input[{i}].call_id")
+        thought = ""
     calling.check_results(earlier + messages, len(earlier), params)
     return messages
 
@@ -222,7 +243,9 @@ def to_job(
     params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=logprobs)
     params.include_stop_str_in_output = bool(req.include_stop_str_in_output)
     tool_use = _tool_use(req)
-    params.constraint = calling.forced_constraint(tool_use) or _text_constraint(req)
+    params.constraint = structured.only_one(
+        ("tool_choice", calling.forced_constraint(tool_use)), ("text.format", _text_constraint(req)),
+        ("structured_outputs", structured.of_structured_outputs(req.structured_outputs)))
     effort = req.reasoning.effort if req.reasoning else None
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",

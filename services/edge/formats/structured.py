@@ -37,6 +37,18 @@ class ResponseFormat(Request):
     json_schema: JsonSchemaSpec | None = None
 
 
+class StructuredOutputs(Request):
+    """vLLM's `structured_outputs` extension (Chat, Completions, Responses): one of a JSON schema, a regular
+    expression, a choice between strings, or any JSON object."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+
+
 class Grammar(Request):
     """TGI's `parameters.grammar`: a JSON schema (as an object or its text) or a regular expression."""
 
@@ -105,6 +117,43 @@ def of_text_format(kind: str, schema: dict[str, Any] | None) -> bus.Constraint |
     if kind == "json_schema":
         return json_schema(schema or {}, "text.format.schema")
     return None
+
+
+def of_structured_outputs(spec: StructuredOutputs | None) -> bus.Constraint | None:
+    if spec is None:
+        return None
+    given = [name for name in ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
+             if getattr(spec, name) not in (None, False)]
+    if len(given) > 1:
+        raise InvalidRequest(f"`structured_outputs` takes one constraint; it has {', '.join(given)}.",
+                             param=f"structured_outputs.{given[1]}")
+    kind = given[0] if given else None
+    param = f"structured_outputs.{kind}"
+    if kind == "json":
+        return json_schema(spec.json, param)
+    if kind == "regex":
+        return regex(spec.regex, param)
+    if kind == "choice":
+        if not spec.choice or not all(spec.choice) or len(orjson.dumps(spec.choice)) > MAX_SPEC_BYTES:
+            raise InvalidRequest(f"`{param}` must be a list of non-empty strings, at most {MAX_SPEC_BYTES} bytes.",
+                                 param=param)
+        return bus.Constraint(kind="choice", spec=orjson.dumps(spec.choice).decode())
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind is not None:
+        raise InvalidRequest(f"`{param}` is not supported: only json, regex, choice and json_object are served.",
+                             param=param, code="unsupported_parameter")
+    return None
+
+
+def only_one(*constraints: tuple[str, bus.Constraint | None]) -> bus.Constraint | None:
+    """The request's constraint, from (field, constraint) pairs; a 400 when two fields ask for one (the engine
+    applies a single grammar)."""
+    given = [(name, c) for name, c in constraints if c is not None]
+    if len(given) > 1:
+        raise InvalidRequest(f"`{given[0][0]}` and `{given[1][0]}` cannot be combined: an answer is held to one "
+                             "constraint.", param=given[1][0])
+    return given[0][1] if given else None
 
 
 def of_grammar(grammar: Grammar | None) -> bus.Constraint | None:

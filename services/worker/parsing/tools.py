@@ -99,10 +99,15 @@ class _Calls:
         return self.count > 0 or self.open
 
 
+def partial_marker(text: str, marker: str) -> int:
+    """How many characters at the end of `text` may be the beginning of `marker`."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+
+
 def held_tail(text: str, marker: str) -> int:
     """How many characters at the end of `text` to keep back: a beginning of `marker`, and the whitespace
     before it (dropped if the marker follows)."""
-    partial = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+    partial = partial_marker(text, marker)
     before = text[: len(text) - partial]
     return partial + len(before) - len(before.rstrip())
 
