@@ -1,8 +1,16 @@
-"""Every Prometheus metric tokenbus exports. Labels are bounded: routes, status codes, served models, and
-tenants (the first `metrics_max_tenants` seen by a process; the rest are counted as `other`)."""
+"""Every Prometheus metric tokenbus exports, in two registries: the edge's (`EDGE`, served on the edge's
+/metrics) and the worker's (prometheus_client's default registry, served on the worker's metrics port beside
+the engine's own `vllm:*` metrics), so that neither shows the other's series. No `_created` series.
 
-from prometheus_client import Counter, Gauge, Histogram
+Labels are bounded: routes, status codes, error codes, finish reasons, served models, and tenants (the first
+`metrics_max_tenants` seen by a process; the rest are counted as `other`)."""
 
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()
+
+EDGE = CollectorRegistry(auto_describe=True)
+WORKER = REGISTRY
 OTHER_TENANTS = "other"
 
 
@@ -23,21 +31,43 @@ class TenantLabels:
         return OTHER_TENANTS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
-# edge
-REQUESTS = Counter("tokenbus_edge_requests", "Requests answered by the edge", ["route", "status"])
+# edge: requests
+REQUESTS = Counter("tokenbus_edge_requests", "Requests answered by the edge", ["route", "status"], registry=EDGE)
+REJECTIONS = Counter("tokenbus_edge_rejections", "Requests answered with an error, by route and error code",
+                     ["route", "reason"], registry=EDGE)
 TIME_TO_FIRST_TOKEN = Histogram(
     "tokenbus_edge_time_to_first_token_seconds", "From request arrival to the first token event",
-    ["route"], buckets=_LATENCY_BUCKETS,
+    ["model"], buckets=_LATENCY_BUCKETS, registry=EDGE,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "tokenbus_edge_inter_token_latency_seconds", "Between a stream's token events, per token", ["model"],
+    buckets=_TOKEN_GAP_BUCKETS, registry=EDGE,
 )
 REQUEST_DURATION = Histogram(
-    "tokenbus_edge_request_duration_seconds", "From request arrival to the last byte sent",
-    ["route"], buckets=_LATENCY_BUCKETS,
+    "tokenbus_edge_request_duration_seconds", "From request arrival to the last byte sent", ["model"],
+    buckets=_LATENCY_BUCKETS, registry=EDGE,
 )
-IN_FLIGHT = Gauge("tokenbus_edge_requests_in_flight", "Requests waiting for or streaming tokens")
-STREAMED_TOKENS = Counter("tokenbus_edge_completion_tokens", "Completion tokens delivered to clients")
-CLIENT_DISCONNECTS = Counter("tokenbus_edge_client_disconnects", "Clients gone before their last token")
-UNKNOWN_FIELDS = Counter("tokenbus_edge_unknown_fields", "Request fields ignored as unknown", ["route"])
+IN_FLIGHT = Gauge("tokenbus_edge_requests_in_flight", "Requests waiting for or streaming tokens", ["model"],
+                  registry=EDGE)
+PROMPT_TOKENS = Counter("tokenbus_edge_prompt_tokens", "Prompt tokens of finished requests", ["model"],
+                        registry=EDGE)
+STREAMED_TOKENS = Counter("tokenbus_edge_completion_tokens", "Completion tokens delivered to clients", ["model"],
+                          registry=EDGE)
+FINISH_REASONS = Counter("tokenbus_edge_finish_reasons", "Choices ended, by the engine's reason", ["model", "reason"],
+                         registry=EDGE)
+"""reason: stop | length | tool_calls | abort"""
+CLIENT_DISCONNECTS = Counter("tokenbus_edge_client_disconnects", "Clients gone before their last token",
+                             registry=EDGE)
+UNKNOWN_FIELDS = Counter("tokenbus_edge_unknown_fields", "Request fields ignored as unknown", ["route"],
+                         registry=EDGE)
+READY = Gauge("tokenbus_edge_ready", "1 while the edge reaches Redis and every model it is configured to serve has a "
+              "live worker (what /ready says, refreshed every second), else 0", registry=EDGE)
+LIVE_WORKERS = Gauge("tokenbus_edge_live_workers", "Workers of a model whose heartbeat is alive (as the edge "
+                     "last read them; 0 for a configured model without one)", ["model"], registry=EDGE)
+FREE_SLOTS = Gauge("tokenbus_edge_free_slots", "Free job slots of a model's live workers", ["model"],
+                   registry=EDGE)
 
 # worker
 JOBS = Counter("tokenbus_worker_jobs", "Jobs a worker finished, by outcome", ["model", "outcome"])
@@ -46,6 +76,19 @@ ENGINE_ABORTS = Counter("tokenbus_worker_engine_aborts", "Requests aborted in th
 GENERATED_TOKENS = Counter("tokenbus_worker_generated_tokens", "Tokens generated", ["model"])
 EVENT_FLUSHES = Counter("tokenbus_worker_event_flushes", "Pipelined writes of token events to Redis")
 EVENTS_PUBLISHED = Counter("tokenbus_worker_events_published", "Token events written to Redis")
+ENGINE_RUNNING = Gauge("tokenbus_worker_engine_running_sequences", "Sequences the engine is running (its scheduler)",
+                       ["model"])
+ENGINE_WAITING = Gauge("tokenbus_worker_engine_waiting_sequences", "Sequences waiting in the engine's scheduler",
+                       ["model"])
+KV_CACHE_USAGE = Gauge("tokenbus_worker_kv_cache_usage_ratio", "Share of the engine's KV cache in use (0-1)",
+                       ["model"])
+
+# the request streams (read by each worker of a model; take the max over workers)
+STREAM_LENGTH = Gauge("tokenbus_stream_length", "Entries in a model's request stream", ["model"])
+STREAM_LAG = Gauge("tokenbus_stream_lag", "Entries of a model's request stream not yet delivered to a worker",
+                   ["model"])
+STREAM_PENDING = Gauge("tokenbus_stream_pending", "Entries delivered to a worker and not yet acknowledged",
+                       ["model"])
 
 # faults
 MIGRATIONS = Counter("tokenbus_worker_migrations", "Jobs a worker took over from another, by how", ["model", "how"])
@@ -53,17 +96,18 @@ MIGRATIONS = Counter("tokenbus_worker_migrations", "Jobs a worker took over from
 RECLAIMS = Counter("tokenbus_worker_reclaimed_entries", "Queue entries claimed from dead workers", ["model"])
 DEAD_LETTERS = Counter("tokenbus_worker_dead_letters", "Jobs moved to the dead-letter stream", ["model"])
 HANDOVERS = Counter("tokenbus_worker_handovers", "Jobs a draining worker handed to others", ["model"])
-RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Event-ID", ["route"])
-WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died")
-REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage")
+RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Event-ID", ["route"], registry=EDGE)
+WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died",
+                       registry=EDGE)
+REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage", registry=EDGE)
 
 # tenants
 TENANT_REQUESTS = Counter("tokenbus_edge_tenant_requests", "Generation and embedding requests by tenant and outcome",
-                          ["tenant", "model", "outcome"])
+                          ["tenant", "model", "outcome"], registry=EDGE)
 """outcome: admitted, or the limit that refused it: requests | tokens | concurrency | insufficient_quota"""
 TENANT_TIME_TO_FIRST_TOKEN = Histogram(
     "tokenbus_edge_tenant_time_to_first_token_seconds", "From request arrival to the first token, by tenant",
-    ["tenant", "model"], buckets=_LATENCY_BUCKETS,
+    ["tenant", "model"], buckets=_LATENCY_BUCKETS, registry=EDGE,
 )
 TENANT_TOKENS = Counter("tokenbus_worker_tenant_tokens", "Tokens settled per tenant and model",
                         ["model", "tenant", "kind"])
@@ -74,8 +118,26 @@ QUEUED_JOBS = Gauge("tokenbus_queued_jobs", "Jobs of a model waiting for a worke
                     ["model"])
 QUEUE_WAIT = Histogram("tokenbus_worker_queue_wait_seconds", "From a job's arrival to its start on a worker",
                        ["model", "tenant"], buckets=_LATENCY_BUCKETS)
-DISPATCHES = Counter("tokenbus_fair_dispatches", "Jobs this process moved from tenants' backlogs to workers",
-                     ["model"])
+DISPATCHES = Counter("tokenbus_worker_fair_dispatches", "Jobs this worker moved from tenants' backlogs to the "
+                     "model's stream", ["model"])
+EDGE_DISPATCHES = Counter("tokenbus_edge_fair_dispatches", "Jobs this edge moved from tenants' backlogs to the "
+                          "model's stream", ["model"], registry=EDGE)
 ADMISSION_REFUSALS = Counter("tokenbus_edge_admission_refusals", "Requests refused before they were queued",
-                             ["model", "reason"])
+                             ["model", "reason"], registry=EDGE)
 """reason: queue_full | tenant_queue_full | wait_exceeds_deadline"""
+
+
+def worker_series(model: str) -> None:
+    """Creates a worker's per-model series at 0, so that rates and alerts see them before the first event."""
+    for how in ("reclaimed", "handed_over"):
+        MIGRATIONS.labels(model, how)
+    for counter in (RECLAIMS, DEAD_LETTERS, HANDOVERS, ENGINE_ABORTS, GENERATED_TOKENS):
+        counter.labels(model)
+    for gauge in (RUNNING_JOBS, ENGINE_RUNNING, ENGINE_WAITING, KV_CACHE_USAGE):
+        gauge.labels(model)
+
+
+def edge_series(model: str) -> None:
+    """The same for a model an edge is configured to serve."""
+    for metric in (PROMPT_TOKENS, STREAMED_TOKENS, IN_FLIGHT):
+        metric.labels(model)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import openai
@@ -20,6 +21,9 @@ import redis
 from services.supervisor import free_port, private_redis
 from shared import keys
 from shared.settings import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
+
+if TYPE_CHECKING:
+    from tests.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = DEFAULT_MODEL_NAME
@@ -170,3 +174,15 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
             continue
         total += float(value)
     return total
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of separate processes of the test's own (fault and deployment tests): see tests/stack.py."""
+    from tests.stack import Stack  # it builds on this module
+
+    running = Stack(tmp_path)
+    try:
+        yield running
+    finally:
+        running.close()

@@ -6,27 +6,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
 import orjson
-import pytest
 import redis.asyncio as aioredis
 
 from shared import apikeys, keys
 from tests.conftest import Worker, metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, expected, sse_frames, stream_text
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    running = Stack(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 async def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -11,8 +11,6 @@ import asyncio
 import signal
 import socket
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,15 +20,6 @@ import pytest
 from shared import keys
 from tests.conftest import metric_value
 from tests.stack import Stack
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    running = Stack(tmp_path)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def expected(tokens: int) -> str:

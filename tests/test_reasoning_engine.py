@@ -18,15 +18,15 @@ from tests.openapi import validate
 
 pytestmark = pytest.mark.engine
 
-THOUGHT = r"[a-z]+( [a-z]+){2,6}"
-ANSWER = r"[A-Z][a-z]+( [a-z]+){1,5}\."
+THOUGHT = r"[a-z]{1,10}( [a-z]{1,10}){2,6}"
+ANSWER = r"[A-Z][a-z]{1,10}( [a-z]{1,10}){1,5}\."
 THINK_THEN_ANSWER = {"structured_outputs": {"regex": f"<think>{THOUGHT}</think>{ANSWER}"}}
 ASK = [{"role": "user", "content": "Is the sky blue? Think first."}]
 
 
 async def test_a_chat_answer_keeps_its_reasoning_apart(client: openai.AsyncOpenAI) -> None:
     raw = await client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=ASK, max_tokens=80, temperature=0, extra_body=THINK_THEN_ANSWER)
+        model=MODEL, messages=ASK, max_tokens=200, temperature=0, extra_body=THINK_THEN_ANSWER)
     body = raw.http_response.json()
     validate("CreateChatCompletionResponse", body)
     message, usage = body["choices"][0]["message"], body["usage"]
@@ -36,7 +36,7 @@ async def test_a_chat_answer_keeps_its_reasoning_apart(client: openai.AsyncOpenA
     assert usage["reasoning_tokens"] == usage["completion_tokens_details"]["reasoning_tokens"]
 
     stream = await client.chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=80, temperature=0, extra_body=THINK_THEN_ANSWER, stream=True,
+        model=MODEL, messages=ASK, max_tokens=200, temperature=0, extra_body=THINK_THEN_ANSWER, stream=True,
         stream_options={"include_usage": True})
     reasoning, content, streamed_usage = [], [], None
     async for chunk in stream:
@@ -61,7 +61,7 @@ async def test_an_answer_without_a_block_is_served_as_without_a_parser(client: o
 
 
 async def test_a_response_streams_a_reasoning_item_before_its_message(served: Edge) -> None:
-    body = {"model": MODEL, "input": ASK[0]["content"], "max_output_tokens": 80, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "input": ASK[0]["content"], "max_output_tokens": 200, "temperature": 0, "stream": True,
             "reasoning": {"effort": "low"}, **THINK_THEN_ANSWER}
     events = []
     async with httpx.AsyncClient(base_url=served.url, timeout=60) as http, \

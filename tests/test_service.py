@@ -33,7 +33,35 @@ async def test_health_ready_and_metrics(served: Edge) -> None:
         text = (await http.get("/metrics")).text
     assert metric_value(text, "tokenbus_edge_requests_total", {"route": "/v1/chat/completions",
                                                                 "status": "200"}) >= 1
-    assert metric_value(text, "tokenbus_edge_time_to_first_token_seconds_count", {"route": "chat"}) >= 1
+    assert metric_value(text, "tokenbus_edge_time_to_first_token_seconds_count", {"model": MODEL}) >= 1
+    assert metric_value(text, "tokenbus_edge_live_workers", {"model": MODEL}) >= 1
+    assert metric_value(text, "tokenbus_edge_ready") == 1
+
+
+async def test_the_worker_reports_what_its_engine_holds_and_the_edge_what_streams_did(
+    client: openai.AsyncOpenAI, served: Edge, worker: Worker
+) -> None:
+    """While a long answer streams, the worker's gauges show the engine's running sequence and its KV cache
+    (read from vLLM's scheduler); then the edge has counted its tokens, token gaps and finish reason. Each
+    process exports only its own series, none of them `_created`."""
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a story."}],
+                                                  max_tokens=120, temperature=0, stream=True)
+    seen: dict[str, float] = {}
+    async with httpx.AsyncClient() as http:
+        async for _chunk in stream:
+            text = (await http.get(worker.metrics_url)).text
+            for name in ("tokenbus_worker_engine_running_sequences", "tokenbus_worker_kv_cache_usage_ratio"):
+                seen[name] = max(seen.get(name, 0.0), metric_value(text, name, {"model": MODEL}))
+        worker_text = text
+        edge_text = (await http.get(served.url + "/metrics")).text
+    assert seen["tokenbus_worker_engine_running_sequences"] >= 1 and seen["tokenbus_worker_kv_cache_usage_ratio"] > 0
+    assert metric_value(edge_text, "tokenbus_edge_inter_token_latency_seconds_count", {"model": MODEL}) >= 100
+    assert metric_value(edge_text, "tokenbus_edge_prompt_tokens_total", {"model": MODEL}) > 0
+    assert metric_value(edge_text, "tokenbus_edge_finish_reasons_total", {"model": MODEL, "reason": "length"}) >= 1
+    assert metric_value(worker_text, "tokenbus_stream_length", {"model": MODEL}) >= 0
+    assert "tokenbus_stream_pending{" in worker_text
+    assert "\ntokenbus_worker_" not in "\n" + edge_text and "\ntokenbus_edge_" not in "\n" + worker_text
+    assert "_created" not in edge_text + worker_text
 
 
 def _edge_connections(redis_client: redis.Redis) -> int:

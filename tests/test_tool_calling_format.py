@@ -204,7 +204,7 @@ def test_flat_and_nested_function_tools_are_the_same_function() -> None:
      ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_weather"}]}, "input[0].arguments"),
      ({"input": [{"type": "function_call_output", "call_id": "call_1"}]}, "input[0].output"),
      ({"input": [{"content": "hi"}]}, "input[0].role"),
-     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type")],
+     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type")],
 )
 def test_responses_refusals_name_their_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:

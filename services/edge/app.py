@@ -18,6 +18,7 @@ from services.edge.directory import ModelDirectory
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
+from services.edge.ops import expected_models
 from services.edge.relay import EventRelay, Timing, running
 from services.edge.routes import Route, route_of
 from services.edge.sse import ClientGone
@@ -49,6 +50,7 @@ says how long it needs, a full queue how long it takes to drain)."""
 
 
 def _error_response(route: Route, error: TokenbusError) -> web.Response:
+    metrics.REJECTIONS.labels(route.path, error.code or error.type).inc()
     if route.family == "tgi":
         status, _type = tgi.error_status(error)
         body = tgi.tgi_error(error)
@@ -142,7 +144,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
     commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size)
     reader = redis_clients.dedicated(settings.redis_url, name)  # the relay bounds each read itself
-    directory = ModelDirectory(commands)
+    directory = ModelDirectory(commands, expected_models(settings))
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
     relay = EventRelay(reader, commands, keys.events_stream(edge_id), timing, directory.alive)

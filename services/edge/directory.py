@@ -11,7 +11,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import bus, keys
+from shared import bus, keys, metrics
 from shared.background import looping
 
 log = logging.getLogger(__name__)
@@ -24,8 +24,16 @@ PRUNE_AFTER_S = 300.0
 class ModelDirectory:
     """The models of live workers, and one worker's heartbeat for each."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, expected: list[str] | None = None) -> None:
         self.redis = redis
+        self.expected = list(expected or [])
+        """The models this deployment serves: their live-worker gauge shows 0 until a worker beats."""
+        self.counted: set[str] = set(self.expected)
+        """Models whose gauges were set: a model whose last worker died goes back to 0, not away."""
+        for model in self.expected:
+            metrics.edge_series(model)
+            metrics.LIVE_WORKERS.labels(model).set(0)
+            metrics.FREE_SLOTS.labels(model).set(0)
         self.models: dict[str, bus.WorkerInfo] = {}
         self.workers: set[str] = set()
         """Ids of the workers whose heartbeat was alive at the last read."""
@@ -56,12 +64,21 @@ class ModelDirectory:
         _pruned, names = await pipe.execute()
         found: dict[str, bus.WorkerInfo] = {}
         workers: set[str] = set()
+        live: dict[str, int] = {}
+        free: dict[str, int] = {}
         for raw in await self.redis.mget(names) if names else ():
             if isinstance(raw, bytes):  # None: that heartbeat expired
                 info = bus.decode_info(raw)
                 found.setdefault(info.model, info)
                 workers.add(info.worker)
+                live[info.model] = live.get(info.model, 0) + 1
+                free[info.model] = free.get(info.model, 0) + max(0, info.slots - info.running)
         self.workers, self.loaded = workers, True
+        self.counted |= live.keys()
+        for model in self.counted:
+            metrics.LIVE_WORKERS.labels(model).set(live.get(model, 0))
+            metrics.FREE_SLOTS.labels(model).set(free.get(model, 0))
+        metrics.READY.set(all(model in live for model in self.expected))
         return found
 
     async def _refresh_forever(self) -> None:
@@ -69,6 +86,7 @@ class ModelDirectory:
             try:
                 await self.refresh()
             except (RedisError, OSError) as exc:
+                metrics.READY.set(0)
                 log.warning("reading the worker registry failed (%s); keeping the last answer", exc)
             await asyncio.sleep(REFRESH_S)
 

@@ -89,7 +89,7 @@ class JobQueue:
     def _resolve(self, put: _Put, outcome: Outcome) -> bool:
         """Settles a put's future; True if admission refused the job."""
         if isinstance(outcome, fairshare.Admitted):
-            metrics.DISPATCHES.labels(put.job.model).inc(outcome.dispatched)
+            metrics.EDGE_DISPATCHES.labels(put.job.model).inc(outcome.dispatched)
         elif isinstance(outcome, TokenbusError):
             metrics.ADMISSION_REFUSALS.labels(put.job.model, outcome.code).inc()
         if not put.written.done():  # else its request went away meanwhile (its job is cancelled on the way out)

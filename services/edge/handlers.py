@@ -43,15 +43,16 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     if plan.stream:  # kept so that any edge can resume the stream
         ttl_ms = int((settings.request_timeout_s + settings.replay_ttl_s) * 1000)
         record = (keys.job_record(arrival.job_id), _records.encode(plan.record(body, caller.tenant)), ttl_ms)
-    metrics.IN_FLIGHT.inc()
+    in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
+    in_flight.inc()
     try:
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
-            return await pump.respond(request, events, plan.renderer, stream=plan.stream, route=plan.route,
+            return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
                                       tenant=tenant)
     finally:
-        metrics.IN_FLIGHT.dec()
-        metrics.REQUEST_DURATION.labels(plan.route).observe(time.monotonic() - arrival.started)
+        in_flight.dec()
+        metrics.REQUEST_DURATION.labels(plan.job.model).observe(time.monotonic() - arrival.started)
         await admitter.release(caller, admission)
 
 
@@ -114,18 +115,19 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
     plan = await PLANNERS[record.plan](request, record.body, arrival)
     deadline = arrival.started + (record.deadline_ms - bus.now_ms()) / 1000
     metrics.RESUMES.labels(plan.route).inc()
-    metrics.IN_FLIGHT.inc()
+    in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
+    in_flight.inc()
     try:
         async with gateway.follow(job_id, deadline) as events:
             if cancelled:  # a job cancelled before it ran never ends by itself
                 await events.fill()
                 if not any(isinstance(e, bus.Final | bus.Error) for e in events.buffer):
                     events.fail(StreamAbandoned("The stream was cancelled before it finished."))
-            return await pump.respond(request, events, plan.renderer, stream=True, route=plan.route,
+            return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
                                       after=after)
     finally:
-        metrics.IN_FLIGHT.dec()
+        in_flight.dec()
 
 
 # OpenAI

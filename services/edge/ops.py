@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS
+from shared import metrics
 from shared.settings import Settings
 
 
@@ -40,6 +41,6 @@ def expected_models(settings: Settings) -> list[str]:
 
 
 async def prometheus(request: web.Request) -> web.Response:
-    response = web.Response(body=generate_latest())
+    response = web.Response(body=generate_latest(metrics.EDGE))
     response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return response

@@ -16,15 +16,19 @@ from shared.errors import EngineError, TokenbusError
 
 class _Delivery:
     """Renders one job's events, numbers the frames (the SSE `id:` a client resumes after) and counts the
-    tokens that reached the client (once, at the end). A resumed stream renders everything again and sends
-    only the frames after the client's last id."""
+    tokens that reached the client (once, at the end), the gaps between token events, the prompt tokens and
+    the finish reasons. A resumed stream renders everything again and sends only the frames after the
+    client's last id."""
 
-    def __init__(self, renderer: Renderer, job_id: str, after: int = -1) -> None:
+    def __init__(self, renderer: Renderer, job_id: str, model: str, after: int = -1) -> None:
         self.renderer = renderer
+        self.model = model
         self.tokens = 0
         self.prefix = b"id: " + job_id.encode() + b":"
         self.numbered = 0
         self.after = after
+        self.gaps = metrics.INTER_TOKEN_LATENCY.labels(model)
+        self.last_tokens_at = 0.0
 
     def stamp(self, frames: list[bytes]) -> list[bytes]:
         """Gives each frame its id; drops the frames the client already has."""
@@ -36,9 +40,22 @@ class _Delivery:
         return out
 
     def frames(self, event: bus.Output) -> list[bytes]:
-        if isinstance(event, bus.Tokens) and self.numbered > self.after:
-            self.tokens += len(event.token_ids)
+        if self.numbered > self.after:  # not a replayed event the client already has
+            self._count(event)
         return self.renderer.frames(event)
+
+    def _count(self, event: bus.Output) -> None:
+        if isinstance(event, bus.Tokens):
+            if event.token_ids:
+                self.tokens += len(event.token_ids)
+                now = time.monotonic()
+                if self.last_tokens_at:
+                    self.gaps.observe((now - self.last_tokens_at) / len(event.token_ids))
+                self.last_tokens_at = now
+            if event.finish_reason is not None:
+                metrics.FINISH_REASONS.labels(self.model, event.finish_reason).inc()
+        elif isinstance(event, bus.Final):
+            metrics.PROMPT_TOKENS.labels(self.model).inc(event.prompt_tokens)
 
     async def render(self, event: bus.Output) -> list[bytes]:
         frames = self.frames(event)
@@ -59,7 +76,7 @@ class _Delivery:
 
 
 async def respond(
-    request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, route: str,
+    request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, model: str,
     keepalive_s: float, started: float, after: int = -1, tenant: tuple[str, str] | None = None,
 ) -> web.StreamResponse:
     """Waits for the first event before committing to a status: errors before it are plain 4xx/5xx.
@@ -72,10 +89,10 @@ async def respond(
     first = await _next(request, events)
     if first is None:
         raise EngineError("The worker ended the job without a result.")
-    metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(time.monotonic() - started)
+    metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(time.monotonic() - started)
     if tenant is not None:
         metrics.TENANT_TIME_TO_FIRST_TOKEN.labels(*tenant).observe(time.monotonic() - started)
-    delivery = _Delivery(renderer, events.job_id, after)
+    delivery = _Delivery(renderer, events.job_id, model, after)
     try:
         if not stream:
             event: bus.Output | None = first
@@ -92,7 +109,7 @@ async def respond(
         return sse.response
     finally:
         events.sink = None
-        metrics.STREAMED_TOKENS.inc(delivery.tokens)
+        metrics.STREAMED_TOKENS.labels(model).inc(delivery.tokens)
 
 
 async def _next(

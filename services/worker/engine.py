@@ -17,7 +17,7 @@ import orjson
 
 from services.worker import conversation
 from services.worker.parsing.formats import tool_format
-from shared import bus
+from shared import bus, metrics
 from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.settings import Settings
 
@@ -106,7 +106,7 @@ class VllmEngine:
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
             enforce_eager=True,
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
         self.tokenizer = self.llm.get_tokenizer()
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.llm.model_config.max_model_len
@@ -386,3 +386,28 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
     if constraint.kind == "choice":
         return StructuredOutputsParams(choice=orjson.loads(constraint.spec))
     raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")
+
+
+def engine_gauges(model: str) -> Any:
+    """A vLLM stat logger that keeps the worker's engine gauges (running and waiting sequences, KV-cache use)
+    from the scheduler's own figures, each time the engine reports them."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    running, waiting, cache = (metrics.ENGINE_RUNNING.labels(model), metrics.ENGINE_WAITING.labels(model),
+                               metrics.KV_CACHE_USAGE.labels(model))
+
+    class EngineGauges(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                running.set(scheduler_stats.num_running_reqs)
+                waiting.set(scheduler_stats.num_waiting_reqs)
+                cache.set(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineGauges

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shared import bus
+from shared import bus, metrics
 from shared.settings import Settings
 
 DEFAULT_MAX_TOKENS = 128
@@ -53,6 +53,10 @@ class SimEngine:
         self.max_model_len = settings.max_model_len
         self.dimensions = 0
         self.running: list[_Sequence] = []
+        self.slots = settings.max_num_seqs
+        self.gauges = (metrics.ENGINE_RUNNING.labels(settings.model), metrics.KV_CACHE_USAGE.labels(settings.model))
+        """Running sequences, and the share of the slots they fill (the simulated engine's cache); nothing waits
+        in the simulated engine (the worker never gives it more than its slots)."""
         self.aborted: set[str] = set()
         self.stepper: asyncio.Task[None] | None = None
 
@@ -78,7 +82,13 @@ class SimEngine:
                 if finish is not None:
                     self.running.remove(seq)
                     seq.queue.put_nowait(None)
+            self._gauge()
         self.stepper = None
+
+    def _gauge(self) -> None:
+        running, usage = self.gauges
+        running.set(len(self.running))
+        usage.set(min(1.0, len(self.running) / max(1, self.slots)))
 
     async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
         prompts = len(job.prompts) or 1
@@ -92,6 +102,7 @@ class SimEngine:
             if finish:
                 seq.queue.put_nowait(None)
         self.running.extend(seq for seq in sequences if seq.left > 0)
+        self._gauge()
         if self.stepper is None:
             self.stepper = asyncio.create_task(self._step())
         done = 0

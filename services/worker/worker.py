@@ -133,6 +133,7 @@ class Worker:
         self.model = settings.model
         self.tool_format = tool_format(settings.tool_parser)
         self.reasoning = reasoning_format(settings.reasoning_parser)
+        metrics.worker_series(self.model)
         self.stream = keys.requests_stream(settings.model)
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
@@ -539,6 +540,19 @@ class Worker:
                 await self.scheduler.dispatch()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
+    async def _count_stream(self) -> None:
+        """The request stream's length, and its consumer group's lag and pending entries, for the gauges."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(self.stream)
+        pipe.xinfo_groups(self.stream)
+        length, groups = await pipe.execute()
+        names = (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())
+        group = next((g for g in groups if g.get("name") in names), None)
+        metrics.STREAM_LENGTH.labels(self.model).set(length)
+        if group is not None:
+            metrics.STREAM_PENDING.labels(self.model).set(group.get("pending") or 0)
+            metrics.STREAM_LAG.labels(self.model).set(group.get("lag") or 0)
+
     async def _supervise(self) -> None:
         """Every heartbeat: keep our claims, notice gone edges and clients, take over dead workers' jobs."""
         rounds = 0
@@ -548,6 +562,7 @@ class Worker:
             try:
                 await self._keep_claims()
                 await self.scheduler.count_queued()
+                await self._count_stream()
                 await self._watch_edges()
                 await self._expire_detached()
                 if not self.stopping:

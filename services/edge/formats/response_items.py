@@ -111,8 +111,8 @@ class _Item:
 
 
 class OutputItems:
-    """The items of one response; `eager`: every token belongs to one message, opened at the first event
-    (a request without tools, exactly as before there were tools)."""
+    """The items of one response; `eager`: every token belongs to one message, opened at the first event with
+    text or logprobs (a request without tools)."""
 
     def __init__(self, message_id: str, eager: bool) -> None:
         self.message_id = message_id
@@ -124,8 +124,8 @@ class OutputItems:
         out: list[Event] = []
         if event.reasoning:
             out += self._reasoning(event.reasoning)
-        if event.text or (self.eager and self.open is None):
-            out += self._message()
+        if event.text or (self.eager and self.open is None and event.logprobs):
+            out += self._message()  # an empty event waits: its model may be deciding whether it reasons
         message = self.open if self.open is not None and self.open.message else None
         if message is not None:
             message.texts.append(event.text)
