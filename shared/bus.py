@@ -99,7 +99,8 @@ class SamplingParams(Base):
 
 class Constraint(Base):
     """What every token of the answer must keep possible: `kind` json (a JSON schema, `spec` its JSON
-    text), json_object (any JSON object), regex (`spec` the expression)."""
+    text), json_object (any JSON object), regex (`spec` the expression), choice (`spec` a JSON list of the
+    strings), structural_tag (`spec` XGrammar's structural tag as JSON)."""
 
     kind: str
     spec: str = ""

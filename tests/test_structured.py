@@ -95,3 +95,29 @@ def test_tgi_grammars_shape_the_text(served: Edge) -> None:
     person = hf.text_generation("A person:", max_new_tokens=80, seed=7, temperature=1.0,
                                 grammar={"type": "json", "value": PERSON})
     jsonschema.validate(json.loads(person), PERSON)
+
+
+async def test_an_xgrammar_structural_tag_holds_the_tagged_text_to_its_schema(served: Edge) -> None:
+    """OVMS's "XGrammar structural tags format" of `response_format`: a tag whose content is held to a schema
+    (xgrammar's `format` form forces the tag itself); the `structures` and `triggers` form compiles too, and a
+    structure that no trigger opens is a 400 naming it."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<person>", "end": "</person>",
+                                                "content": {"type": "json_schema", "json_schema": PERSON}}}
+    legacy = {"type": "structural_tag", "triggers": ["<function="],
+              "structures": [{"begin": "<function=describe>", "schema": PERSON, "end": "</function>"}]}
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        forced = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "response_format": tag, "max_tokens": 80, "temperature": 1.0,
+            "seed": 3})
+        free = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "response_format": legacy, "max_tokens": 10})
+        stray = await http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "response_format": {**legacy, "triggers": ["<tool>"]}})
+    assert forced.status_code == 200, forced.text
+    body = forced.json()
+    validate("CreateChatCompletionResponse", body)
+    found = re.fullmatch(r"<person>(.*)</person>", body["choices"][0]["message"]["content"], re.DOTALL)
+    assert found, body["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(found.group(1)), PERSON)
+    assert free.status_code == 200, free.text
+    assert stray.status_code == 400 and stray.json()["error"]["param"] == "response_format.structures[0].begin"

@@ -385,6 +385,8 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
         return StructuredOutputsParams(regex=constraint.spec)
     if constraint.kind == "choice":
         return StructuredOutputsParams(choice=orjson.loads(constraint.spec))
+    if constraint.kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=constraint.spec)
     raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")
 
 

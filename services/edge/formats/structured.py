@@ -30,11 +30,25 @@ class JsonSchemaSpec(Request):
     strict: bool | None = None
 
 
-class ResponseFormat(Request):
-    """Chat Completions `response_format`."""
+class TagStructure(Request):
+    """One tag of XGrammar's structural-tag format as OVMS and vLLM take it: text between `begin` and `end`
+    that follows a JSON schema."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: Annotated[str, msgspec.Meta(min_length=1)]
+    end: str
+    schema: Any = None
+
+
+class ResponseFormat(Request):
+    """Chat Completions `response_format` (also OVMS's on Responses): `structural_tag` is XGrammar's format,
+    either `structures` with `triggers` (each structure's text is held to its schema once the model writes
+    a trigger) or a `format` object in XGrammar's own terms."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaSpec | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[Annotated[str, msgspec.Meta(min_length=1)]] | None = None
+    format: dict[str, Any] | None = None
 
 
 class StructuredOutputs(Request):
@@ -104,10 +118,39 @@ def of_response_format(fmt: ResponseFormat | None) -> bus.Constraint | None:
         return None
     if fmt.type == "json_object":
         return JSON_OBJECT
+    if fmt.type == "structural_tag":
+        return structural_tag(fmt)
     if fmt.json_schema is None:
         raise InvalidRequest("`response_format.json_schema` is required with type json_schema.",
                              param="response_format.json_schema")
     return json_schema(fmt.json_schema.schema or {}, "response_format.json_schema.schema")
+
+
+def structural_tag(fmt: ResponseFormat) -> bus.Constraint:
+    """XGrammar's structural tag, checked for its shape here; the engine compiles it (its errors are a 400
+    too). The spec is the format as vLLM takes it."""
+    param = "response_format"
+    if fmt.format is not None:
+        if fmt.structures is not None or fmt.triggers is not None:
+            raise InvalidRequest("A structural tag has either `format`, or `structures` and `triggers`.",
+                                 param=f"{param}.format")
+        spec: dict[str, Any] = {"type": "structural_tag", "format": fmt.format}
+    else:
+        if not fmt.structures or not fmt.triggers:
+            raise InvalidRequest("A structural tag needs `structures` and `triggers` (or a `format`).",
+                                 param=f"{param}.structures")
+        for i, tag in enumerate(fmt.structures):
+            if not any(tag.begin.startswith(trigger) for trigger in fmt.triggers):
+                raise InvalidRequest("Each structure's `begin` must start with one of the `triggers`.",
+                                     param=f"{param}.structures[{i}].begin")
+        spec = {"type": "structural_tag", "triggers": fmt.triggers, "structures": [
+            {"begin": tag.begin, "end": tag.end,
+             "schema": checked_schema(tag.schema if tag.schema is not None else {}, f"{param}.structures[{i}].schema")}
+            for i, tag in enumerate(fmt.structures)]}
+    text = orjson.dumps(spec).decode()
+    if len(text) > MAX_SPEC_BYTES:
+        raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
+    return bus.Constraint(kind="structural_tag", spec=text)
 
 
 def of_text_format(kind: str, schema: dict[str, Any] | None) -> bus.Constraint | None:
