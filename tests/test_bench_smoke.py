@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import edge_bench, load, report, systems
+from services.bench import edge_bench, load, report, scale, scale_report, systems
 from services.bench.workload import Distribution, requests
 
 SIM_TTFT_MS, SIM_ITL_MS = 40.0, 15.0
@@ -51,3 +51,18 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     text = out.read_text()
     assert "100 concurrent streams" in text and f"{many.edge_redis_connections_max} Redis connections" in text
     assert f"first wave of {hop.streams}" in text and f"{streamed.edge_cpu_us_per_token:.1f} us" in text
+
+
+def test_a_scale_cell_spreads_the_load_over_every_edge_and_worker(engine: systems.Engine, tmp_path: Path) -> None:
+    """Two edges and two workers on one Redis (the cell waits until the edges see both workers): every
+    request completes through both edges, and Redis's CPU and commands per token are measured."""
+    plan = scale.Plan(edges=(2,), workers=(2,), slots_per_worker=4, tokens=10, requests_per_slot=2,
+                      sim_ttft_ms=SIM_TTFT_MS, sim_itl_ms=SIM_ITL_MS)
+    cell = scale.measure_cell(engine, tmp_path / "scale.log", plan, edges=2, workers=2)
+    assert (cell.streams, cell.requests, cell.failed) == (8, 16, 0)
+    assert cell.tokens_per_s > 0 and cell.redis_cpu_s >= 0 and cell.redis_commands_per_token > 0
+    assert 0 <= cell.ttft_overhead_ms.p50 < 200
+    out = tmp_path / "benchmarks.md"
+    scale_report.write(scale.Result(plan, [cell]), out, "test")
+    text = out.read_text()
+    assert scale_report.SCALE_HEADING in text and f"| 2 | 2 | 8 | {cell.tokens_per_s:.0f} |" in text

@@ -10,7 +10,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.bench import compare, edge_bench, fairness, fairness_report, load, report, systems
+from services.bench import (
+    compare,
+    edge_bench,
+    fairness,
+    fairness_report,
+    load,
+    report,
+    scale,
+    scale_report,
+    systems,
+)
 from services.bench.workload import Distribution, requests
 from shared.settings import DEFAULT_MODEL_NAME
 
@@ -35,6 +45,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     for name, text in (("edge", "measure the edge and bus alone over the simulated engine"),
                        ("fairness", "FIFO against fair share between tenants on the simulated engine; writes its "
                                     "section of the report"),
+                       ("scale", "1, 2 and 4 edges times 1, 2 and 4 workers on one Redis, simulated engine; writes "
+                                 "its section of the report"),
                        ("all", "compare with vllm serve, measure the edge, run vllm bench serve, measure fairness, "
                                "write the report")):
         sub = commands.add_parser(name, help=text)
@@ -85,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result.failed == 0 else 1
     if args.bench_command == "fairness":
         return _fairness(args)
+    if args.bench_command == "scale":
+        return _scale(args)
     engine = _engine(args.model_dir) if args.bench_command == "all" else systems.Engine(
         model=DEFAULT_MODEL_NAME, model_dir=Path("."))
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
@@ -107,7 +121,19 @@ def run(args: argparse.Namespace) -> int:
                              vllm_bench=vllm_bench, **parts)  # type: ignore[arg-type]
     report.write(document, args.out)
     print(f"wrote {args.out}")
-    return _fairness(args) if args.bench_command == "all" else 0
+    if args.bench_command != "all":
+        return 0
+    return max(_fairness(args), _scale(args))
+
+
+def _scale(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
+    print(f"scale: logs in {log_dir}", file=sys.stderr)
+    plan = scale.Plan.quick() if args.quick else scale.Plan()
+    result = scale.measure(log_dir / "scale.log", plan, DEFAULT_MODEL_NAME)
+    scale_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    print(f"wrote the scale section of {args.out}")
+    return 0 if all(cell.failed == 0 for cell in result.cells) else 1
 
 
 def _fairness(args: argparse.Namespace) -> int:

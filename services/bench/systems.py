@@ -37,6 +37,8 @@ class Running:
     base_url: str
     pids: dict[str, int]
     redis_url: str = ""
+    base_urls: tuple[str, ...] = ()
+    """Every edge's, when there are several (`base_url` is the first)."""
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -82,12 +84,14 @@ def _env(**settings: object) -> dict[str, str]:
 @contextmanager
 def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = None,
              edge_settings: dict[str, object] | None = None,
-             worker_settings: dict[str, object] | None = None) -> Iterator[Running]:
-    """Redis, one worker (vLLM, or the simulator with (ttft_ms, itl_ms)) and one edge; `worker_settings` go
-    over the defaults (the simulator's slots, say)."""
+             worker_settings: dict[str, object] | None = None, edges: int = 1, workers: int = 1,
+             redis_url: str | None = None) -> Iterator[Running]:
+    """Redis (a private one unless `redis_url` is given), `workers` workers (vLLM, or the simulator with
+    (ttft_ms, itl_ms)) and `edges` edges; `worker_settings` go over the defaults (the simulator's slots,
+    say). The pids are `edge`/`worker` for the first ones, `edge1`, `worker1`... for the others."""
     with ExitStack() as stack:
-        redis_url = stack.enter_context(private_redis())
-        port = free_port()
+        if redis_url is None:
+            redis_url = stack.enter_context(private_redis())
         settings: dict[str, object] = dict(
             redis_url=redis_url, model=engine.model, model_dir=engine.model_dir,
             max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_cache_gib=engine.kv_cache_gib,
@@ -95,15 +99,22 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
         if sim is not None:
             settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
         settings.update(worker_settings or {})
-        worker = _spawn([sys.executable, "-m", "services.cli", "worker"], _env(**settings), log)
-        stack.callback(_stop, worker)
-        edge_env = {"redis_url": redis_url, "model": engine.model, "port": port, "log_level": "WARNING",
-                    "auth": "none", **(edge_settings or {})}
-        edge = _spawn([sys.executable, "-m", "services.cli", "edge"], _env(**edge_env), log)
-        stack.callback(_stop, edge)
-        base_url = f"http://127.0.0.1:{port}"
-        wait_ready(base_url, engine.model, [worker, edge], log, ready_path="/ready")
-        yield Running(base_url, {"edge": edge.pid, "worker": worker.pid}, redis_url)
+        processes: dict[str, subprocess.Popen[bytes]] = {}
+        for i in range(workers):
+            processes[f"worker{i or ''}"] = _spawn([sys.executable, "-m", "services.cli", "worker"],
+                                                   _env(**settings), log)
+            stack.callback(_stop, processes[f"worker{i or ''}"])
+        urls = []
+        for i in range(edges):
+            port = free_port()
+            edge_env = {"redis_url": redis_url, "model": engine.model, "port": port, "log_level": "WARNING",
+                        "auth": "none", **(edge_settings or {})}
+            processes[f"edge{i or ''}"] = _spawn([sys.executable, "-m", "services.cli", "edge"], _env(**edge_env), log)
+            stack.callback(_stop, processes[f"edge{i or ''}"])
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_ready(url, engine.model, list(processes.values()), log, ready_path="/ready")
+        yield Running(urls[0], {name: p.pid for name, p in processes.items()}, redis_url, tuple(urls))
 
 
 @contextmanager
