@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PULL_BLOCK_MS = 1000
+STOP_WAIT_S = 5.0
+"""How long a stopping worker waits for each of its loops and clients to close after the drain."""
 HANDOVER_WAIT_S = 5.0
 """How long a draining worker waits for the jobs it hands over to stop in the engine."""
 FORGET_CONSUMERS_EVERY = 10
@@ -207,10 +209,14 @@ class Worker:
             await pipe.execute()
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.redis.aclose()
-        await self.channels.aclose()
-        await self.publisher.redis.aclose()
+        _stopped, stuck = await asyncio.wait(self.tasks, timeout=STOP_WAIT_S) if self.tasks else (set(), set())
+        if stuck:  # say which, rather than hang the shutdown
+            log.warning("loops still running %.0f s after their cancel: %s", STOP_WAIT_S,
+                        ", ".join(sorted(task.get_name() for task in stuck)))
+        for client in (self.redis, self.channels, self.publisher.redis):
+            with contextlib.suppress(TimeoutError, RedisError, OSError):
+                async with asyncio.timeout(STOP_WAIT_S):
+                    await client.aclose()
         log.info("worker %s stopped", self.id)
 
     async def _hand_over_running(self) -> None:
