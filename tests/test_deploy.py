@@ -57,6 +57,16 @@ def test_the_compose_stack_is_ready_for_production() -> None:
         assert (ROOT / path).exists(), path
 
 
+@pytest.mark.parametrize("image", ["edge", "worker-cpu", "worker-gpu"])
+def test_each_dockerfile_passes_hadolint(image: str) -> None:
+    """hadolint's rules, with the two exceptions deploy/docker/.hadolint.yaml gives its reasons for."""
+    docker = ROOT / "deploy" / "docker"
+    linted = subprocess.run([str(Path(sys.executable).parent / "hadolint"), "--config", str(docker / ".hadolint.yaml"),
+                             "--no-color", str(docker / f"{image}.Dockerfile")], capture_output=True, text=True,
+                            timeout=60)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
 def test_the_edge_image_has_no_engine() -> None:
     edge = (ROOT / "deploy" / "docker" / "edge.Dockerfile").read_text().lower()
     assert "vllm" not in edge.replace("no vllm", "") and "torch" not in edge.replace("no torch", "")

@@ -10,7 +10,7 @@ USER 10001
 ENV TOKENBUS_HOST=0.0.0.0 TOKENBUS_PORT=8000
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s \
-  CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["tokenbus"]
 CMD ["edge"]

