@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import apikeys, keys
+from shared import apikeys, keys, redis_clients
 from shared.apikeys import KeyChanges, KeyRecord
 from shared.settings import ENV_PREFIX
 
@@ -59,6 +60,8 @@ def _limit_arguments(parser: argparse.ArgumentParser, creating: bool) -> None:
 def add_arguments(commands: Any) -> None:
     key_parser = commands.add_parser("keys", help="manage API keys", description="Manage API keys.")
     key_parser.add_argument("--redis-url", default=None, help=f"default: ${ENV_PREFIX}REDIS_URL")
+    key_parser.add_argument("--redis-cluster", action="store_true",
+                          help=f"the Redis is a node of a Redis Cluster (default: ${ENV_PREFIX}REDIS_CLUSTER)")
     key_parser.add_argument("--json", action="store_true", help="print JSON")
     actions = key_parser.add_subparsers(dest="keys_command", required=True)
     _limit_arguments(actions.add_parser("create", help="make a key; it is printed once"), creating=True)
@@ -72,6 +75,8 @@ def add_arguments(commands: Any) -> None:
     usage = commands.add_parser("usage", help="tokens used per tenant and model",
                                 description="Tokens used per tenant and model, from the daily counts in Redis.")
     usage.add_argument("--redis-url", default=None, help=f"default: ${ENV_PREFIX}REDIS_URL")
+    usage.add_argument("--redis-cluster", action="store_true",
+                          help=f"the Redis is a node of a Redis Cluster (default: ${ENV_PREFIX}REDIS_CLUSTER)")
     usage.add_argument("--tenant", help="only this tenant")
     usage.add_argument("--since", default=None, help="first day counted, YYYY-MM-DD (default: 30 days ago)")
     usage.add_argument("--json", action="store_true", help="print JSON")
@@ -154,14 +159,17 @@ async def _main(args: argparse.Namespace) -> int:
     if not url:
         print(f"say which Redis: --redis-url or ${ENV_PREFIX}REDIS_URL", file=sys.stderr)
         return 2
-    redis = aioredis.Redis.from_url(url)
+    cluster = getattr(args, "redis_cluster", False) or os.environ.get(ENV_PREFIX + "REDIS_CLUSTER", "").lower() in (
+        "1", "true", "yes")
+    redis = redis_clients.pooled(url, "tokenbus-admin", 4, cluster)
     try:
         return await (_keys(redis, args) if args.command == "keys" else _usage(redis, args))
     except ValueError as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 2
     finally:
-        await redis.aclose()
+        with contextlib.suppress(RuntimeError):  # redis-py's cluster client, after a transaction (see worker.stop)
+            await redis.aclose()
 
 
 def run(args: argparse.Namespace) -> int:

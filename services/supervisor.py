@@ -83,6 +83,75 @@ def private_redis(port: int | None = None, data_dir: str | None = None) -> Itera
             server.stop()
 
 
+@contextmanager
+def private_redis_cluster(masters: int = 3) -> Iterator[str]:
+    """A Redis Cluster of `masters` redis-server processes on free loopback ports (no replicas, in a temporary
+    folder), for tests and benchmarks; yields the URL of its first node."""
+    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if binary is None or cli is None:
+        raise SystemExit("redis-server and redis-cli are needed: run `make install`")
+    with tempfile.TemporaryDirectory(prefix="tokenbus-cluster-") as workdir:
+        ports: list[int] = []
+        while len(ports) < masters:
+            if (port := _cluster_port()) not in ports:
+                ports.append(port)
+        procs = []
+        try:
+            for port in ports:
+                node_dir = os.path.join(workdir, str(port))
+                os.makedirs(node_dir)
+                procs.append(subprocess.Popen(
+                    [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                     "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "yes",
+                     "--appendfsync", "everysec", "--dir", node_dir, "--loglevel", "warning"],
+                    stdout=subprocess.DEVNULL))
+            for port, proc in zip(ports, procs, strict=True):
+                _wait_for_redis(f"redis://127.0.0.1:{port}", proc)
+            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
+                            "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            _wait_for_cluster(f"redis://127.0.0.1:{ports[0]}", masters)
+            yield f"redis://127.0.0.1:{ports[0]}"
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def _wait_for_cluster(url: str, masters: int, timeout_s: float = 30.0) -> None:
+    """Until every node agrees the cluster is up (the slots are assigned and the nodes have met)."""
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis.from_url(url)
+    try:
+        while True:
+            info = client.execute_command("CLUSTER", "INFO")
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            if "cluster_state:ok" in text and f"cluster_known_nodes:{masters}" in text:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the Redis Cluster at {url} did not come up: {text}")
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
 def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + timeout_s

@@ -116,8 +116,8 @@ async def create(redis: aioredis.Redis, changes: KeyChanges) -> tuple[str, KeyRe
     pipe = redis.pipeline(transaction=True)
     pipe.hset(keys.API_KEYS, record.id, _encoder.encode(record))
     pipe.set(keys.api_key_by_hash(digest), record.id)
-    pipe.publish(keys.KEY_CHANGES_CHANNEL, record.id)
     await pipe.execute()
+    await _announce(redis, record.id)
     return key, record
 
 
@@ -145,10 +145,8 @@ async def update(redis: aioredis.Redis, key_id: str, changes: KeyChanges) -> Key
     if record is None:
         return None
     updated = _apply(record, changes)
-    pipe = redis.pipeline(transaction=True)
-    pipe.hset(keys.API_KEYS, key_id, _encoder.encode(updated))
-    pipe.publish(keys.KEY_CHANGES_CHANNEL, key_id)
-    await pipe.execute()
+    await redis.hset(keys.API_KEYS, key_id, _encoder.encode(updated))
+    await _announce(redis, key_id)
     return updated
 
 
@@ -157,9 +155,15 @@ async def revoke(redis: aioredis.Redis, key_id: str) -> KeyRecord | None:
     record = await get(redis, key_id)
     if record is None:
         return None
-    pipe = redis.pipeline(transaction=True)
+    pipe = redis.pipeline(transaction=True)  # the record and its hash lie in one slot (see keys.api_key_by_hash)
     pipe.hdel(keys.API_KEYS, key_id)
     pipe.delete(keys.api_key_by_hash(record.hash))
-    pipe.publish(keys.KEY_CHANGES_CHANNEL, key_id)
     await pipe.execute()
+    await _announce(redis, key_id)
     return record
+
+
+async def _announce(redis: aioredis.Redis, key_id: str) -> None:
+    """Tells every edge that a key changed, once the change is written (a cluster does not publish from within
+    a transaction)."""
+    await redis.publish(keys.KEY_CHANGES_CHANNEL, key_id)

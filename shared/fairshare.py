@@ -147,7 +147,7 @@ class Scheduler:
     def enqueue(self, pipe: Pipeline, job: bus.Job, encoded: bytes) -> None:
         """Adds the job's admission and enqueue to a pipeline; its result goes through `outcome`."""
         args: list[Arg] = [encoded, self.settings.max_queued_jobs, self.affordable_ms(job), keys.WORKER_GROUP]
-        pipe.evalsha(self._enqueue_fifo.sha, len(keys.fair_keys(job.model)), *keys.fair_keys(job.model), *args)
+        _pipelined(pipe, self._enqueue_fifo, job.model, args)
 
     async def dispatch(self, model: str, offer: Offer = NO_OFFER) -> int:
         """Offers a worker's slots (if any) and fills the room on the request stream; returns the jobs moved."""
@@ -158,12 +158,12 @@ class Scheduler:
         args: list[Arg] = [*NO_OFFER.args()]
         for done in settlements:
             args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}"]
-        pipe.evalsha(self._dispatch.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), *args)
+        _pipelined(pipe, self._dispatch, model, args)
 
     def withdraw(self, pipe: Pipeline, model: str, member: bytes) -> None:
         """Adds to a pipeline taking a job whose client left off its backlog, if it is still there."""
         if member:
-            pipe.evalsha(self._withdraw.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), member)
+            _pipelined(pipe, self._withdraw, model, [member])
 
     async def queued(self, model: str) -> int:
         """Jobs of the model waiting for a worker: in the backlogs, and on the request stream not yet read."""
@@ -189,7 +189,13 @@ class FairShare(Scheduler):
         cost = Ticket("", charge, input_price, output_price).fields()
         args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
                 self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job)]
-        pipe.evalsha(self._enqueue.sha, len(keys.fair_keys(job.model)), *keys.fair_keys(job.model), *args)
+        _pipelined(pipe, self._enqueue, job.model, args)
+
+
+def _pipelined(pipe: Pipeline, script: Any, model: str, args: list[Arg]) -> None:
+    """Adds a call of a fair-share script on the model's keys, by its hash, as a raw EVALSHA: a Redis
+    Cluster's pipeline routes that by its keys, and refuses its `evalsha` method."""
+    pipe.execute_command("EVALSHA", script.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), *args)
 
 
 def for_settings(redis: aioredis.Redis, settings: Settings) -> Scheduler:

@@ -90,8 +90,9 @@ KEY_CHANGES_CHANNEL = f"{PREFIX}:apikeys:changed"
 
 
 def api_key_by_hash(key_hash: str) -> str:
-    """An API key's SHA-256 hash -> its id: what an edge looks a presented key up by."""
-    return f"{PREFIX}:apikey:{key_hash}"
+    """An API key's SHA-256 hash -> its id: what an edge looks a presented key up by. Tagged with API_KEYS's
+    name, so that a key's record and its hash change together, in one slot of a Redis Cluster."""
+    return f"{{{API_KEYS}}}:hash:{key_hash}"
 
 
 def rate_requests(key_id: str) -> str:

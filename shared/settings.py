@@ -34,6 +34,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     redis_url: str = ""
     """Redis to use; empty means `tokenbus run` starts a private redis-server on a free port."""
+    redis_cluster: bool = False
+    """The Redis at --redis-url is a node of a Redis Cluster: talk to the whole cluster through it."""
     host: str = "127.0.0.1"
     """Address the edge (and the worker's metrics endpoint) listens on."""
     port: int = 8000

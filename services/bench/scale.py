@@ -16,11 +16,13 @@ from pathlib import Path
 
 import httpx
 import redis
+from redis.cluster import RedisCluster
 
 from services.bench import load, systems
 from services.bench.client import Timing
 from services.bench.stats import Summary
 from services.bench.workload import Distribution, Request, requests
+from services.supervisor import private_redis_cluster
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Plan:
     requests_per_slot: int = 4
     sim_ttft_ms: float = 50.0
     sim_itl_ms: float = 20.0
+    backends: tuple[str, ...] = ("redis", "cluster")
+    """One Redis, and a Redis Cluster of three masters."""
 
     @classmethod
     def quick(cls) -> Plan:
@@ -41,6 +45,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Cell:
+    backend: str
     edges: int
     workers: int
     streams: int
@@ -69,14 +74,34 @@ class Result:
     cells: list[Cell] = field(default_factory=list)
 
 
-def _redis_counters(url: str) -> tuple[float, int]:
-    """Redis's own CPU seconds (user and system, all its threads) and the commands it has processed."""
-    client = redis.Redis.from_url(url)
-    try:
-        cpu, stats = client.info("cpu"), client.info("stats")
-        return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), int(stats["total_commands_processed"])
-    finally:
-        client.close()
+def _nodes(url: str, cluster: bool) -> list[redis.Redis]:
+    if not cluster:
+        return [redis.Redis.from_url(url)]
+    with RedisCluster.from_url(url) as nodes:
+        return [redis.Redis(host=node.host, port=node.port) for node in nodes.get_primaries()]
+
+
+def _redis_counters(url: str, cluster: bool) -> tuple[float, int]:
+    """Redis's own CPU seconds (user and system, all its threads) and the commands it has processed, summed
+    over a cluster's masters."""
+    cpu_s, commands = 0.0, 0
+    for client in _nodes(url, cluster):
+        try:
+            cpu, stats = client.info("cpu"), client.info("stats")
+            cpu_s += float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+            commands += int(stats["total_commands_processed"])
+        finally:
+            client.close()
+    return cpu_s, commands
+
+
+def _flush(url: str) -> None:
+    """Empties a cluster between cells (a single Redis is a fresh one each time)."""
+    for client in _nodes(url, True):
+        try:
+            client.flushall()
+        finally:
+            client.close()
 
 
 def _wait_for_workers(url: str, model: str, workers: int, timeout_s: float = 60.0) -> None:
@@ -91,10 +116,16 @@ def _wait_for_workers(url: str, model: str, workers: int, timeout_s: float = 60.
     raise RuntimeError(f"{workers} workers did not all beat within {timeout_s} s")
 
 
-def measure_cell(engine: systems.Engine, log: Path, plan: Plan, edges: int, workers: int) -> Cell:
+def measure_cell(engine: systems.Engine, log: Path, plan: Plan, edges: int, workers: int,
+                 cluster_url: str | None = None) -> Cell:
+    """One cell, on a fresh Redis, or on the given Redis Cluster (emptied first)."""
     streams = plan.slots_per_worker * workers
+    cluster: dict[str, object] = {"redis_cluster": "true"} if cluster_url else {}
+    if cluster_url:
+        _flush(cluster_url)
     with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), edges=edges, workers=workers,
-                          worker_settings={"max_num_seqs": plan.slots_per_worker}) as running:
+                          worker_settings={"max_num_seqs": plan.slots_per_worker, **cluster}, edge_settings=cluster,
+                          redis_url=cluster_url) as running:
         _wait_for_workers(running.base_url, engine.model, workers)
         work = requests(streams * plan.requests_per_slot, Distribution("fixed", 16),
                         Distribution("uniform", plan.tokens // 2, plan.tokens * 3 // 2), seed=5)
@@ -110,13 +141,14 @@ def measure_cell(engine: systems.Engine, log: Path, plan: Plan, edges: int, work
             return [t for timings, _duration in runs for t in timings], time.perf_counter() - started
 
         asyncio.run(spread(work[:streams]))  # warm-up: connections, the first wave
-        cpu_before, commands_before = _redis_counters(running.redis_url)
+        cpu_before, commands_before = _redis_counters(running.redis_url, bool(cluster_url))
         timings, duration = asyncio.run(spread(work))
-        cpu_after, commands_after = _redis_counters(running.redis_url)
+        cpu_after, commands_after = _redis_counters(running.redis_url, bool(cluster_url))
     done = [t for t in timings if t.ok]
     tokens = sum(t.output_tokens for t in done)
     ttft = Summary.of([t.ttft for t in done]).scaled(1000)
-    return Cell(edges, workers, streams, len(timings), len(timings) - len(done), duration, tokens / duration,
+    return Cell("cluster" if cluster_url else "redis", edges, workers, streams, len(timings),
+                len(timings) - len(done), duration, tokens / duration,
                 Summary(ttft.mean - plan.sim_ttft_ms, ttft.p50 - plan.sim_ttft_ms, ttft.p90 - plan.sim_ttft_ms,
                         ttft.p99 - plan.sim_ttft_ms),
                 cpu_after - cpu_before, commands_after - commands_before)
@@ -125,12 +157,23 @@ def measure_cell(engine: systems.Engine, log: Path, plan: Plan, edges: int, work
 def measure(log: Path, plan: Plan, model: str) -> Result:
     engine = systems.Engine(model=model, model_dir=Path("."))
     result = Result(plan)
+    for backend in plan.backends:
+        if backend == "cluster":
+            with private_redis_cluster(3) as url:
+                _measure_cells(engine, log, plan, result, url)
+        else:
+            _measure_cells(engine, log, plan, result, None)
+    return result
+
+
+def _measure_cells(engine: systems.Engine, log: Path, plan: Plan, result: Result,
+                   cluster_url: str | None) -> None:
     for workers in plan.workers:
         for edges in plan.edges:
-            cell = measure_cell(engine, log, plan, edges, workers)
-            print(f"  {edges} edges x {workers} workers: {cell.tokens_per_s:7.0f} tok/s, TTFT overhead p50 "
+            cell = measure_cell(engine, log, plan, edges, workers, cluster_url)
+            print(f"  {cell.backend}: {edges} edges x {workers} workers: {cell.tokens_per_s:7.0f} tok/s, TTFT "
+                  f"overhead p50 "
                   f"{cell.ttft_overhead_ms.p50:6.1f} ms p99 {cell.ttft_overhead_ms.p99:6.1f} ms, Redis "
                   f"{cell.redis_cores_per_1k_tokens_s:.3f} cores per 1k tok/s, {cell.redis_commands_per_token:.2f} "
                   f"commands/token, {cell.failed} failed")
             result.cells.append(cell)
-    return result

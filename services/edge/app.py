@@ -142,8 +142,9 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     edge_id = uuid.uuid4().hex[:12]
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
-    commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size)
-    reader = redis_clients.dedicated(settings.redis_url, name)  # the relay bounds each read itself
+    commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size, settings.redis_cluster)
+    # the relay bounds each of its reads itself
+    reader = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster)
     directory = ModelDirectory(commands, expected_models(settings))
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
@@ -152,7 +153,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings.response_ttl_s)
-    app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name), settings.key_cache_s)
+    app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
+                         settings.key_cache_s)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
                              settings.admission_when_redis_down, lambda: relay.live_edges,
                              settings.metrics_max_tenants)

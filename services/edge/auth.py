@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from shared import apikeys, keys
+from shared import apikeys, keys, redis_clients
 from shared.apikeys import KeyRecord
 from shared.background import looping
 from shared.errors import ModelNotFound, Unauthenticated
@@ -101,8 +101,9 @@ class KeyCache:
     async def listen(self) -> None:
         """Follows the key change channel for good; each (re)subscription starts from an empty cache."""
         while True:
-            pubsub = self.channels.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
+                pubsub = await redis_clients.subscriber(self.channels)
                 await pubsub.subscribe(keys.KEY_CHANGES_CHANNEL)
                 self.entries.clear()
                 self.listening = True
@@ -113,8 +114,9 @@ class KeyCache:
             finally:
                 self.listening = False
                 self.entries.clear()
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await pubsub.aclose()
             await asyncio.sleep(RESUBSCRIBE_PAUSE_S)
 
 

@@ -66,7 +66,10 @@ class ModelDirectory:
         workers: set[str] = set()
         live: dict[str, int] = {}
         free: dict[str, int] = {}
-        for raw in await self.redis.mget(names) if names else ():
+        reads = self.redis.pipeline(transaction=False)  # not MGET: on a Redis Cluster they lie in many slots
+        for name in names:
+            reads.get(name)
+        for raw in await reads.execute() if names else ():
             if isinstance(raw, bytes):  # None: that heartbeat expired
                 info = bus.decode_info(raw)
                 found.setdefault(info.model, info)

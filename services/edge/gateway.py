@@ -82,7 +82,7 @@ class Gateway:
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(keys.job_reply_to(job_id), self.relay.stream, px=ttl_ms)
-                pipe.publish(keys.ROUTE_CHANNEL, bus.encode_route(route))
+                pipe.execute_command("PUBLISH", keys.ROUTE_CHANNEL, bus.encode_route(route))  # see cancel
                 await pipe.execute()
             except RedisError as exc:
                 raise Unavailable("The service cannot reach its queue; try again shortly.") from exc
@@ -123,7 +123,9 @@ class Gateway:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(keys.cancelled(job_id), 1, ex=CANCEL_MARK_TTL_S)
-            pipe.publish(keys.CANCEL_CHANNEL, job_id)
+            # raw: a Redis Cluster's pipeline refuses its publish method, and sends this to any node (a cluster
+            # delivers a message to the subscribers of every node)
+            pipe.execute_command("PUBLISH", keys.CANCEL_CHANNEL, job_id)
             if waiting := self.waiting.pop(job_id, None):
                 self.queue.scheduler.withdraw(pipe, *waiting)  # a failure leaves it to be dropped when dispatched
             results = await pipe.execute(raise_on_error=False)

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from services.edge.jobevents import JobEvents
@@ -69,6 +70,8 @@ class EventRelay:
         self.live_edges = 1
         """Edges whose heartbeat was current at this edge's last beat (itself included)."""
         self.connection: Any = None
+        self.release: Any = None
+        """How a cluster node takes its connection back (None: the reader's own pool)."""
         self.jobs: dict[str, JobEvents] = {}
         self.last_id = "0-0"
         self.down_since: float | None = None
@@ -135,18 +138,32 @@ class EventRelay:
         here, not the connection's socket timeout, which costs redis-py a task per command."""
         async with asyncio.timeout(READ_BLOCK_MS / 1000 + READ_GRACE_S):
             if self.connection is None:
-                self.connection = await self.reader.connection_pool.get_connection()
+                self.connection = await self._take_connection()
             await self.connection.send_command(
                 "XREAD", "COUNT", READ_COUNT, "BLOCK", READ_BLOCK_MS, "STREAMS", self.stream, self.last_id,
                 check_health=False,
             )
             return await self.connection.read_response()
 
+    async def _take_connection(self) -> Any:
+        """A connection of the reader's pool; on a cluster, of the node that holds this edge's stream."""
+        if isinstance(self.reader, RedisCluster):
+            await self.reader.initialize()
+            node = self.reader.get_node_from_key(self.stream)
+            connection = node.acquire_connection()
+            await connection.connect()
+            self.release = node.release
+            return connection
+        return await self.reader.connection_pool.get_connection()
+
     async def _drop_connection(self) -> None:
         if self.connection is not None:
             with contextlib.suppress(Exception):
                 await self.connection.disconnect()
-            await self.reader.connection_pool.release(self.connection)
+            if self.release is not None:
+                self.release(self.connection)
+            else:
+                await self.reader.connection_pool.release(self.connection)
             self.connection = None
 
     async def tick(self) -> None:

@@ -147,13 +147,14 @@ class Worker:
         # bounded: a burst of jobs waits for a connection instead of opening hundreds; the pull and the
         # cancel subscription hold one each for good
         name = f"tokenbus-worker-{self.id}"
-        self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 1)
-        self.channels = redis_clients.dedicated(settings.redis_url, name)
+        self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 1,
+                                            settings.redis_cluster)
+        self.channels = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster)
         """The cancel and route subscription: quiet for long stretches, so no socket timeout."""
         self.scheduler = SchedulerLink(
             fairshare.for_settings(self.redis, settings), self.model,
             fairshare.Offer(self.id, settings.max_num_seqs, int(settings.heartbeat_ttl_s * 1000)))
-        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name),
+        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.settlements = Settlements(self.redis)
@@ -214,7 +215,8 @@ class Worker:
             log.warning("loops still running %.0f s after their cancel: %s", STOP_WAIT_S,
                         ", ".join(sorted(task.get_name() for task in stuck)))
         for client in (self.redis, self.channels, self.publisher.redis):
-            with contextlib.suppress(TimeoutError, RedisError, OSError):
+            # RuntimeError: redis-py's cluster client, after a transaction, fails to close that connection
+            with contextlib.suppress(TimeoutError, RedisError, OSError, RuntimeError):
                 async with asyncio.timeout(STOP_WAIT_S):
                     await client.aclose()
         log.info("worker %s stopped", self.id)
@@ -511,8 +513,9 @@ class Worker:
 
     async def _listen(self) -> None:
         while True:
-            pubsub = self.channels.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
+                pubsub = await redis_clients.subscriber(self.channels)
                 await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.ROUTE_CHANNEL)
                 async for message in pubsub.listen():
                     if message["channel"] == keys.ROUTE_CHANNEL.encode():
@@ -523,8 +526,9 @@ class Worker:
                 log.warning("cancel channel lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await pubsub.aclose()
 
     async def _heartbeat(self) -> None:
         key = keys.worker_heartbeat(self.model, self.id)
