@@ -71,7 +71,21 @@ async def test_streams_resumes_cancels_and_stored_responses_work_on_a_cluster(
 ) -> None:
     edges, worker_metrics = services
     key = make_key(cluster, "--tenant", "cluster")
-    first, second = client(edges[0], key), client(edges[1], key)
+    async with client(edges[0], key) as first, client(edges[1], key) as second:
+        await serve_everything(edges, worker_metrics, key, first, second)
+    nodes = AsyncRedisCluster.from_url(cluster)
+    try:
+        deadline = time.monotonic() + 10
+        while (pending := (await nodes.xpending(keys.requests_stream(MODEL), keys.WORKER_GROUP))["pending"]) > 0:
+            assert time.monotonic() < deadline, f"{pending} entries still pending"
+            await asyncio.sleep(0.2)
+    finally:
+        await nodes.aclose()
+
+
+async def serve_everything(edges: list[Edge], worker_metrics: str, key: str, first: openai.AsyncOpenAI,
+                           second: openai.AsyncOpenAI) -> None:
+    """Streams, a resume, a client that leaves, stored responses: through both edges (`first`, `second`)."""
 
     async def stream(sdk: openai.AsyncOpenAI, tokens: int) -> str:
         chunks = await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
@@ -102,6 +116,7 @@ async def test_streams_resumes_cancels_and_stored_responses_work_on_a_cluster(
     leaving = asyncio.create_task(stream(first, 2000))
     await asyncio.sleep(0.5)
     leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
     deadline = time.monotonic() + 20
     async with httpx.AsyncClient(timeout=10) as http:
         while await aborted(http, worker_metrics) == before:
@@ -115,15 +130,6 @@ async def test_streams_resumes_cancels_and_stored_responses_work_on_a_cluster(
     follow = await second.responses.create(model=MODEL, input="more", max_output_tokens=3,
                                            previous_response_id=made.id)
     assert (follow.previous_response_id, follow.output_text) == (made.id, " t1 t2 t3")  # the sim counts to its budget
-
-    nodes = AsyncRedisCluster.from_url(cluster)
-    try:
-        deadline = time.monotonic() + 10
-        while (pending := (await nodes.xpending(keys.requests_stream(MODEL), keys.WORKER_GROUP))["pending"]) > 0:
-            assert time.monotonic() < deadline, f"{pending} entries still pending"
-            await asyncio.sleep(0.2)
-    finally:
-        await nodes.aclose()
 
 
 async def aborted(http: httpx.AsyncClient, metrics_url: str) -> float:
