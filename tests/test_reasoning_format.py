@@ -153,3 +153,12 @@ def test_structured_outputs_that_cannot_be_served_are_refused_by_name(fields: di
     with pytest.raises(InvalidRequest) as caught:
         chat.to_job(chat_request(**fields), job_id="j", reply_to="r", deadline_ms=1)
     assert caught.value.param == param and caught.value.status == 400
+
+
+def test_encrypted_reasoning_is_refused_by_name_and_a_summary_setting_accepted() -> None:
+    """Databricks documents `reasoning.encrypted_content` for stateless turns; we never make any, so it is a 400
+    naming it rather than something silently dropped. OVMS accepts `reasoning.summary` and ignores it: so do we."""
+    with pytest.raises(InvalidRequest) as caught:
+        responses.refuse_unsupported(responses_request(reasoning={"effort": "low", "encrypted_content": "gAAA"}))
+    assert caught.value.param == "reasoning.encrypted_content" and caught.value.status == 400
+    responses.refuse_unsupported(responses_request(reasoning={"effort": "low", "summary": "auto"}))

@@ -57,8 +57,8 @@ class TextParam(Request):
 
 
 class ReasoningParam(Request):
-    """`effort` reaches the template (and turns thinking on, as OVMS does); `summary` and Databricks'
-    `encrypted_content` are accepted and not applied."""
+    """`effort` reaches the template (and turns thinking on, as OVMS does); `summary` is accepted and not
+    applied, as OVMS documents; Databricks' `encrypted_content` is refused by name (we never make any)."""
 
     effort: str | None = None
     summary: str | None = None
@@ -124,6 +124,9 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise refuse("service_tier", "there is one service tier")
     if req.prompt is not None:
         raise refuse("prompt", "prompt templates are not served")
+    if req.reasoning is not None and req.reasoning.encrypted_content:
+        raise refuse("reasoning.encrypted_content", "this server returns no encrypted reasoning to send back; send "
+                     "the reasoning item (its summary or content) instead")
     _refuse_decoding_extras(req)
     if req.response_format is not None and req.text and req.text.format and req.text.format.type != "text":
         raise InvalidRequest("Give the format once: `text.format` or `response_format`, not both.",
