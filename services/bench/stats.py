@@ -1,8 +1,10 @@
-"""Percentiles and summaries, with the definitions `vllm bench serve` uses (linear interpolation)."""
+"""Percentiles and summaries, with the definitions `vllm bench serve` uses (linear interpolation), and the
+paired bootstrap that says whether two systems differ by more than the noise between rounds."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,3 +34,54 @@ class Summary:
 
     def scaled(self, factor: float) -> Summary:
         return Summary(self.mean * factor, self.p50 * factor, self.p90 * factor, self.p99 * factor)
+
+
+def ratio_of_means(ours: Sequence[float], theirs: Sequence[float]) -> float:
+    """mean(ours) / mean(theirs); NaN where the denominator is zero rather than an exception mid-report."""
+    theirs_total = sum(theirs)
+    if not ours or not theirs or theirs_total == 0:
+        return math.nan
+    return (sum(ours) / len(ours)) / (theirs_total / len(theirs))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with the low and high ends of its confidence interval."""
+
+    estimate: float
+    low: float
+    high: float
+
+
+def paired_bootstrap_ratio(ours: Sequence[float], theirs: Sequence[float], *, resamples: int = 4000,
+                           confidence: float = 0.95, seed: int = 0) -> Interval:
+    """The ratio of the means of two paired samples, and its percentile-bootstrap interval.
+
+    `ours[i]` and `theirs[i]` were measured in the same round, so a resample draws round indices with
+    replacement and takes both systems' figures of the drawn rounds: drift between rounds then moves
+    numerator and denominator together instead of widening the interval. The seed is fixed so that the
+    same figures always give the same interval."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired samples need the same, non-zero length (got {len(ours)} and {len(theirs)})")
+    if not all(math.isfinite(value) for value in (*ours, *theirs)):
+        return Interval(math.nan, math.nan, math.nan)  # a round with no figure (all failed): no claim either way
+    rng = random.Random(seed)
+    rounds = len(ours)
+    estimates = []
+    for _ in range(resamples):
+        picks = [rng.randrange(rounds) for _ in range(rounds)]
+        estimates.append(ratio_of_means([ours[i] for i in picks], [theirs[i] for i in picks]))
+    tail = (1 - confidence) / 2 * 100
+    return Interval(ratio_of_means(ours, theirs), percentile(estimates, tail), percentile(estimates, 100 - tail))
+
+
+LEAD, LOSS, LEVEL = "lead", "loss", "level (within noise)"
+
+
+def verdict(ratio: Interval, higher_is_better: bool) -> str:
+    """`lead` or `loss` only when the interval leaves out 1.0 (no difference); otherwise `level`."""
+    if ratio.low > 1.0:
+        return LEAD if higher_is_better else LOSS
+    if ratio.high < 1.0:
+        return LOSS if higher_is_better else LEAD
+    return LEVEL
