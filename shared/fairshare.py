@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from shared import bus, keys
 from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
 from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
+from shared.rawpipe import PipelineLike
 from shared.settings import Settings
 
 Arg = bytes | str | int | float
@@ -144,7 +144,7 @@ class Scheduler:
         """How long the job may wait for a worker: until its deadline, and no longer than the queue timeout."""
         return max(0, min(job.deadline_ms - bus.now_ms(), int(self.settings.queue_timeout_s * 1000)))
 
-    def enqueue(self, pipe: Pipeline, job: bus.Job, encoded: bytes) -> None:
+    def enqueue(self, pipe: PipelineLike, job: bus.Job, encoded: bytes) -> None:
         """Adds the job's admission and enqueue to a pipeline; its result goes through `outcome`."""
         args: list[Arg] = [encoded, self.settings.max_queued_jobs, self.affordable_ms(job), keys.WORKER_GROUP]
         _pipelined(pipe, self._enqueue_fifo, job.model, args)
@@ -153,14 +153,14 @@ class Scheduler:
         """Offers a worker's slots (if any) and fills the room on the request stream; returns the jobs moved."""
         return int(await self._dispatch(keys=keys.fair_keys(model), args=offer.args()))
 
-    def settle(self, pipe: Pipeline, model: str, settlements: list[Settlement]) -> None:
+    def settle(self, pipe: PipelineLike, model: str, settlements: list[Settlement]) -> None:
         """Adds to a pipeline the correction of finished jobs' counters, then a dispatch into their slots."""
         args: list[Arg] = [*NO_OFFER.args()]
         for done in settlements:
             args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}"]
         _pipelined(pipe, self._dispatch, model, args)
 
-    def withdraw(self, pipe: Pipeline, model: str, member: bytes) -> None:
+    def withdraw(self, pipe: PipelineLike, model: str, member: bytes) -> None:
         """Adds to a pipeline taking a job whose client left off its backlog, if it is still there."""
         if member:
             _pipelined(pipe, self._withdraw, model, [member])
@@ -180,7 +180,7 @@ class Scheduler:
 class FairShare(Scheduler):
     fair = True
 
-    def enqueue(self, pipe: Pipeline, job: bus.Job, encoded: bytes) -> None:
+    def enqueue(self, pipe: PipelineLike, job: bus.Job, encoded: bytes) -> None:
         weight = max(job.weight, 1e-3)
         input_price = self.settings.fair_input_weight / weight
         output_price = self.settings.fair_output_weight / weight
@@ -192,7 +192,7 @@ class FairShare(Scheduler):
         _pipelined(pipe, self._enqueue, job.model, args)
 
 
-def _pipelined(pipe: Pipeline, script: Any, model: str, args: list[Arg]) -> None:
+def _pipelined(pipe: PipelineLike, script: Any, model: str, args: list[Arg]) -> None:
     """Adds a call of a fair-share script on the model's keys, by its hash, as a raw EVALSHA: a Redis
     Cluster's pipeline routes that by its keys, and refuses its `evalsha` method."""
     pipe.execute_command("EVALSHA", script.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), *args)

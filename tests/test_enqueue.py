@@ -17,6 +17,7 @@ from services.edge.enqueue import JobQueue
 from services.supervisor import RedisServer, free_port
 from shared import bus, fairshare, keys, redis_clients
 from shared.errors import QueueFull
+from shared.rawpipe import PipelineLike, Pipelines
 from shared.settings import Settings
 
 
@@ -28,16 +29,16 @@ def queue_of(client: aioredis.Redis, scheduler: str = "fair", **settings: Any) -
     return JobQueue(client, fairshare.for_settings(client, Settings(scheduler=scheduler, **settings)))
 
 
-def counting_writes(client: aioredis.Redis) -> list[int]:
-    """Counts the pipelines the client makes (one round trip each)."""
+def counting_writes(pipelines: Pipelines) -> list[int]:
+    """Counts the pipelines executed (one round trip each)."""
     writes = [0]
-    pipeline = client.pipeline
+    pipeline = pipelines.pipeline
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
+    def counted() -> PipelineLike:
         writes[0] += 1
-        return pipeline(*args, **kwargs)
+        return pipeline()
 
-    client.pipeline = counted  # type: ignore[method-assign]
+    pipelines.pipeline = counted  # type: ignore[method-assign]
     return writes
 
 
@@ -45,7 +46,7 @@ async def test_a_burst_of_jobs_lands_in_order_in_one_round_trip(redis_url: str, 
     client = redis_clients.pooled(redis_url, "test-enqueue", 2)
     queue = queue_of(client, "fifo")
     await queue.scheduler.load()
-    writes = counting_writes(client)
+    writes = counting_writes(queue.pipelines)
     model = f"test-{uuid.uuid4().hex}"
     try:
         await asyncio.gather(*(queue.put(job(model, i)) for i in range(50)))
@@ -63,7 +64,7 @@ async def test_the_fair_queue_takes_a_burst_in_one_round_trip_after_redis_lost_i
     redis_client.script_flush()
     queue = queue_of(client)
     model = f"test-{uuid.uuid4().hex}"
-    writes = counting_writes(client)
+    writes = counting_writes(queue.pipelines)
     try:
         admitted = await asyncio.gather(*(queue.put(job(model, i)) for i in range(50)))
         await asyncio.gather(*(queue.put(job(model, i)) for i in range(50, 60)))

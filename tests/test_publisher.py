@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from services.worker.publisher import EventPublisher
 from shared import bus, keys, redis_clients
+from shared.rawpipe import PipelineLike
 from tests.test_enqueue import counting_writes
 
 
@@ -26,12 +26,12 @@ class Followup:
         self.notes: list[Any] = []
         self.results: list[Any] = []
 
-    def queue(self, pipe: Pipeline, notes: list[Any]) -> None:
+    def queue(self, pipe: PipelineLike, notes: list[Any]) -> None:
         self.notes += notes
         if self.fail:
-            pipe.evalsha("0" * 40, 0)
+            pipe.execute_command("EVALSHA", "0" * 40, 0)
         else:
-            pipe.set(self.key, len(notes))
+            pipe.execute_command("SET", self.key, len(notes))
 
     def done(self, results: list[Any]) -> None:
         self.results += results
@@ -58,7 +58,7 @@ async def test_acknowledgements_and_their_followup_leave_in_one_write(
     entry_id = await queued_entry(redis_client, stream)
     followup = Followup(f"followup-{uuid.uuid4().hex}", fail=fail)
     publisher = EventPublisher(client, 100, after_acks=followup)
-    writes = counting_writes(client)
+    writes = counting_writes(publisher.pipelines)
     publisher.publish(events, bus.Final(job="j", prompt_tokens=1, completion_tokens=1))
     publisher.ack_after(stream, keys.WORKER_GROUP, entry_id, note="settle j")
     publisher.ack_after(stream, keys.WORKER_GROUP, entry_id)  # no note: nothing to settle

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import bus, keys, metrics
+from shared.rawpipe import PipelineLike, Pipelines
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class AckFollowup(Protocol):
     """Commands that go in the same write as, and after, a batch's acknowledgements (the scheduler's settlement
     of the jobs that ended, and a dispatch into the slots they freed)."""
 
-    def queue(self, pipe: aioredis.client.Pipeline, notes: list[Any]) -> None:
+    def queue(self, pipe: PipelineLike, notes: list[Any]) -> None:
         """Adds its commands; `notes` are those given to ack_after."""
 
     def done(self, results: list[Any]) -> None:
@@ -54,6 +55,7 @@ class EventPublisher:
 
     def __init__(self, redis: aioredis.Redis, log_max_events: int, after_acks: AckFollowup | None = None) -> None:
         self.redis = redis
+        self.pipelines = Pipelines(redis)
         self.log_max_events = log_max_events
         self.after_acks = after_acks
         self.batch = _Batch()
@@ -95,19 +97,19 @@ class EventPublisher:
         if not self.batch:
             self.idle.set()
 
-    def _pipeline(self, batch: _Batch) -> aioredis.client.Pipeline:
-        pipe = self.redis.pipeline(transaction=False)
+    def _pipeline(self, batch: _Batch) -> PipelineLike:
+        pipe = self.pipelines.pipeline()
         for job_id, events in batch.logs.items():
-            pipe.xadd(keys.job_log(job_id), {bus.EVENTS_FIELD: bus.encode_events(events)},
-                      maxlen=self.log_max_events, approximate=True)
+            pipe.execute_command("XADD", keys.job_log(job_id), "MAXLEN", "~", self.log_max_events, "*",
+                                 bus.EVENTS_FIELD, bus.encode_events(events))
             if ttl_ms := batch.expiries.get(job_id):
-                pipe.pexpire(keys.job_log(job_id), ttl_ms)
+                pipe.execute_command("PEXPIRE", keys.job_log(job_id), ttl_ms)
         for stream, events in batch.live.items():
-            pipe.xadd(stream, {bus.EVENTS_FIELD: bus.encode_events(events)}, maxlen=STREAM_MAXLEN,
-                      approximate=True)
+            pipe.execute_command("XADD", stream, "MAXLEN", "~", STREAM_MAXLEN, "*", bus.EVENTS_FIELD,
+                                 bus.encode_events(events))
         for stream, group, entry_id in batch.acks:
-            pipe.xack(stream, group, entry_id)
-            pipe.xdel(stream, entry_id)
+            pipe.execute_command("XACK", stream, group, entry_id)
+            pipe.execute_command("XDEL", stream, entry_id)
         return pipe
 
     async def _write(self, batch: _Batch) -> None:

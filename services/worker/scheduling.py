@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from shared import fairshare, keys, metrics
+from shared.rawpipe import PipelineLike
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class SchedulerLink:
         """Takes the worker's offer back (it stops taking jobs)."""
         await self.scheduler.redis.hdel(keys.fair_key(self.model, "slots"), self.offer.worker)
 
-    def queue(self, pipe: Pipeline, notes: list[Any]) -> None:
+    def queue(self, pipe: PipelineLike, notes: list[Any]) -> None:
         self.scheduler.settle(pipe, self.model, notes)
 
     def done(self, results: list[Any]) -> None:
