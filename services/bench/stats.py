@@ -46,11 +46,12 @@ def ratio_of_means(ours: Sequence[float], theirs: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate with the low and high ends of its confidence interval."""
+    """A point estimate with the low and high ends of its confidence interval, from `rounds` paired samples."""
 
     estimate: float
     low: float
     high: float
+    rounds: int
 
 
 def paired_bootstrap_ratio(ours: Sequence[float], theirs: Sequence[float], *, resamples: int = 4000,
@@ -63,23 +64,30 @@ def paired_bootstrap_ratio(ours: Sequence[float], theirs: Sequence[float], *, re
     same figures always give the same interval."""
     if len(ours) != len(theirs) or not ours:
         raise ValueError(f"paired samples need the same, non-zero length (got {len(ours)} and {len(theirs)})")
-    if not all(math.isfinite(value) for value in (*ours, *theirs)):
-        return Interval(math.nan, math.nan, math.nan)  # a round with no figure (all failed): no claim either way
-    rng = random.Random(seed)
     rounds = len(ours)
+    if not all(math.isfinite(value) for value in (*ours, *theirs)):
+        return Interval(math.nan, math.nan, math.nan, rounds)  # a round without a figure (all failed): no claim
+    rng = random.Random(seed)
     estimates = []
     for _ in range(resamples):
         picks = [rng.randrange(rounds) for _ in range(rounds)]
         estimates.append(ratio_of_means([ours[i] for i in picks], [theirs[i] for i in picks]))
     tail = (1 - confidence) / 2 * 100
-    return Interval(ratio_of_means(ours, theirs), percentile(estimates, tail), percentile(estimates, 100 - tail))
+    low, high = percentile(estimates, tail), percentile(estimates, 100 - tail)
+    return Interval(ratio_of_means(ours, theirs), low, high, rounds)
 
 
+MIN_ROUNDS = 5
+"""Fewer rounds give too few distinct resamples (2 rounds give 3) for the interval's ends to mean anything."""
 LEAD, LOSS, LEVEL = "lead", "loss", "level (within noise)"
+UNJUDGED = f"not judged (fewer than {MIN_ROUNDS} rounds)"
 
 
 def verdict(ratio: Interval, higher_is_better: bool) -> str:
-    """`lead` or `loss` only when the interval leaves out 1.0 (no difference); otherwise `level`."""
+    """`lead` or `loss` only when the interval leaves out 1.0 (no difference); otherwise `level`; no verdict at
+    all from fewer than `MIN_ROUNDS` rounds."""
+    if ratio.rounds < MIN_ROUNDS:
+        return UNJUDGED
     if ratio.low > 1.0:
         return LEAD if higher_is_better else LOSS
     if ratio.high < 1.0:

@@ -142,6 +142,25 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children...), from the parent ids in /proc/*/stat."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, IndexError, ValueError):  # a process that ended while we read
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = parents.get(todo.pop(), [])
+        found += below
+        todo += below
+    return sorted(found)
+
+
+def command_name(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

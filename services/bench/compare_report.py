@@ -1,0 +1,188 @@
+"""The tokenbus-against-`vllm serve` section of docs/benchmarks.md: mean figures per system, and the ratios
+with their bootstrap intervals and verdicts, from what `compare.compare` measured."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from services.bench.compare import VLLM_SERVE, Cell, Comparison, Shape
+from services.bench.stats import LEAD, LOSS, MIN_ROUNDS, Interval, paired_bootstrap_ratio, verdict
+from services.bench.workload import Distribution
+
+HEADING = "## tokenbus against `vllm serve`"
+RESAMPLES = 4000
+
+
+@dataclass(frozen=True)
+class Metric:
+    label: str
+    of: Callable[[Cell], float]
+    higher_is_better: bool
+
+
+RATIO_METRICS = (
+    Metric("output throughput", lambda c: c.result.output_throughput, True),
+    Metric("TTFT p50", lambda c: c.result.ttft_ms.p50, False),
+    Metric("TPOT p50", lambda c: c.result.tpot_ms.p50, False),
+    Metric("front-end CPU per token", lambda c: c.front_cpu_us_per_token, False),
+)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One system's figure over `vllm serve`'s in the same shape, over the rounds."""
+
+    metric: Metric
+    interval: Interval
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.interval, self.metric.higher_is_better)
+
+
+RatioRow = tuple[Shape, str, list[Ratio]]
+
+
+def ratios(comparison: Comparison) -> list[RatioRow]:
+    """Every tokenbus variant against `vllm serve`, shape by shape, each metric's ratio."""
+    rows = []
+    for shape, by_system in comparison.items():
+        theirs = by_system[VLLM_SERVE]
+        for system, ours in by_system.items():
+            if system != VLLM_SERVE:
+                rows.append((shape, system, [Ratio(metric, paired_bootstrap_ratio(
+                    [metric.of(c) for c in ours], [metric.of(c) for c in theirs], resamples=RESAMPLES))
+                    for metric in RATIO_METRICS]))
+    return rows
+
+
+def _mean(cells: list[Cell], of: Callable[[Cell], float]) -> float:
+    return statistics.mean(of(cell) for cell in cells)
+
+
+MEAN_COLUMNS: tuple[tuple[str, Callable[[Cell], float], str], ...] = (
+    ("output tok/s", lambda c: c.result.output_throughput, "{:.1f}"),
+    ("req/s", lambda c: c.result.request_throughput, "{:.2f}"),
+    ("TTFT p50", lambda c: c.result.ttft_ms.p50, "{:.0f} ms"),
+    ("TTFT p99", lambda c: c.result.ttft_ms.p99, "{:.0f} ms"),
+    ("ITL p50", lambda c: c.result.itl_ms.p50, "{:.1f} ms"),
+    ("ITL p99", lambda c: c.result.itl_ms.p99, "{:.1f} ms"),
+    ("TPOT p50", lambda c: c.result.tpot_ms.p50, "{:.1f} ms"),
+    ("E2E p50", lambda c: c.result.e2e_ms.p50, "{:.0f} ms"),
+    ("goodput req/s", lambda c: c.result.goodput, "{:.2f}"),
+    ("front-end CPU per token", lambda c: c.front_cpu_us_per_token, "{:.0f} us"),
+    ("engine CPU per token", lambda c: c.engine_cpu_us_per_token, "{:.0f} us"),
+)
+"""The per-system table: each column's heading, figure of one cell, and format of its mean over the rounds."""
+
+
+def means_table(comparison: Comparison) -> list[str]:
+    lines = ["| shape | streams | system | " + " | ".join(c[0] for c in MEAN_COLUMNS) + " | failed |",
+             "|---|---|---|" + "---|" * (len(MEAN_COLUMNS) + 1)]
+    for shape, by_system in comparison.items():
+        for system, cells in by_system.items():
+            figures = " | ".join(fmt.format(_mean(cells, of)) for _, of, fmt in MEAN_COLUMNS)
+            lines.append(f"| {shape.name} | {shape.concurrency} | {system} | {figures} "
+                         f"| {sum(c.result.failed for c in cells)} |")
+    return lines
+
+
+def _ratio_text(ratio: Ratio) -> str:
+    i = ratio.interval
+    word = f"**{ratio.verdict}**" if ratio.verdict in (LEAD, LOSS) else ratio.verdict
+    return f"{i.estimate:.3f}x [{i.low:.3f}, {i.high:.3f}] {word}"
+
+
+def ratio_table(comparison: Comparison) -> list[str]:
+    lines = ["| shape | streams | system | " + " | ".join(m.label for m in RATIO_METRICS) + " |",
+             "|---|---|---|" + "---|" * len(RATIO_METRICS)]
+    for shape, system, row in ratios(comparison):
+        lines.append(f"| {shape.name} | {shape.concurrency} | {system} / {VLLM_SERVE} | "
+                     + " | ".join(_ratio_text(ratio) for ratio in row) + " |")
+    return lines
+
+
+def _lengths(d: Distribution) -> str:
+    return {"fixed": f"{d.a:.0f}", "uniform": f"{d.a:.0f}-{d.b:.0f}"}.get(d.kind, f"{d.a:.0f} +- {d.b:.0f}")
+
+
+def _shapes_text(comparison: Comparison) -> list[str]:
+    lines = []
+    for name in dict.fromkeys(shape.name for shape in comparison):
+        shapes = [shape for shape in comparison if shape.name == name]
+        first = shapes[0]
+        levels = ", ".join(f"{s.requests} requests at {s.concurrency} at once" for s in shapes)
+        lines.append(f"- *{name}*: prompts of {_lengths(first.prompt_len)} words, {_lengths(first.output_len)} output "
+                     f"tokens; {levels}, per round and system; on {', '.join(f'*{n}*' for n in first.systems)}.")
+    return lines
+
+
+def section(comparison: Comparison, images: list[str], made_by: str = "") -> list[str]:
+    """The whole section; `made_by` names the command when the section is written on its own."""
+    rounds = len(next(iter(next(iter(comparison.values())).values())))
+    return [
+        HEADING, "",
+        *([f"Made by `{made_by}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, on the machine above.", ""]
+          if made_by else []),
+        "Both systems run SmolLM2-135M-Instruct with the same engine settings (float32, max-model-len 2048, "
+        "max-num-seqs 32, 2 GiB KV cache, eager mode) and are up at the same time: tokenbus as one Redis, one vLLM "
+        "worker and two edges, `vllm serve` as vLLM's OpenAI server. Each is warmed up first; then come "
+        f"{rounds} rounds, in which every cell (a load shape on a system) runs once, the order reversed every other "
+        "round, a second or two apart, with the same requests for every system (one seed per round and shape). "
+        "*tokenbus* sends the load to its first edge; *tokenbus, 2 edges* deals it round-robin over both. The load "
+        "is streamed chat requests with `ignore_eos`, greedy:", "",
+        *_shapes_text(comparison), "",
+        "Figures are means over the rounds. TTFT is the time to the first content token; ITL the time between "
+        "content chunks; TPOT (latency - TTFT) / (tokens - 1), which does not depend on how tokens are grouped into "
+        "chunks; goodput counts requests with TTFT <= 2 s and TPOT <= 200 ms. *Front-end CPU* is the CPU time "
+        "(user + system, each process's own from /proc/<pid>/stat, children not included) of everything the system "
+        "runs beside vLLM's engine core, per output token streamed in the cell: for tokenbus both edges, the worker "
+        "process (which also holds vLLM's AsyncLLM: tokenizing, detokenizing, output processing) and redis-server; "
+        "for `vllm serve` its API-server process (the same AsyncLLM work, and the HTTP). *Engine CPU* is every "
+        "process below the worker or the API server, found from /proc's parent ids: vLLM's engine core, its model "
+        "executor and a multiprocessing resource tracker. The load generator runs on the same cores.", "",
+        *means_table(comparison), "",
+        f"Ratios are tokenbus / `vllm serve`: the ratio of the means over the {rounds} rounds, and in brackets a 95% "
+        f"percentile-bootstrap interval ({RESAMPLES} resamples of the round indices, the same indices for both "
+        "systems, since a round's cells ran side by side). The verdict is **lead** or **loss** only where the "
+        "interval leaves out 1.0 (more throughput is better; less latency and CPU are better), otherwise level "
+        f"(within noise). From fewer than {MIN_ROUNDS} rounds no verdict is given; with few rounds a bootstrap "
+        "interval is, if anything, too narrow.", "",
+        *ratio_table(comparison), "",
+        *[f"![{name}]({name})" for name in images],
+        "",
+    ]
+
+
+def plots(comparison: Comparison, out_dir: Path) -> list[str]:
+    """Throughput and TTFT p50 against concurrency for the long shape, one line per system (none without it)."""
+    longs = [shape for shape in comparison if shape.name == "long"]
+    if not longs:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for of, label, file in ((lambda c: c.result.output_throughput, "output tokens/s", "bench-throughput.png"),
+                            (lambda c: c.result.ttft_ms.p50, "time to first token p50 (ms)", "bench-ttft.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for system in dict.fromkeys(s for shape in longs for s in shape.systems):
+            ax.plot([shape.concurrency for shape in longs], [_mean(comparison[shape][system], of) for shape in longs],
+                    marker="o", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams (long requests)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} against concurrency")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / file, dpi=100)
+        plt.close(fig)
+        names.append(file)
+    return names
