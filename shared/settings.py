@@ -19,6 +19,7 @@ AUTH_MODES = ("keys", "none")
 REDIS_DOWN_POLICIES = ("closed", "open", "local")
 SCHEDULERS = ("fair", "fifo")
 LOG_FORMATS = ("text", "json")
+EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def cache_dir() -> Path:
@@ -94,6 +95,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Logging level of every process."""
     log_format: str = "text"
     """text, or json: one JSON object per line with the request id (x-request-id) of what it is about."""
+    event_loop: str = "uvloop"
+    """uvloop (libuv's loop: fewer system calls and cheaper wake-ups per streamed token), or asyncio's own."""
     resume_window_s: float = 10.0
     """How long a job keeps running after its client (or its edge) went away, so that the client can resume
     it on any edge with Last-Event-ID; 0 aborts it within a second of the disconnect."""
@@ -194,7 +197,7 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     settings = Settings(**values)
     if settings.task not in TASKS:
         raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
-    for name, allowed in (("auth", AUTH_MODES), ("log_format", LOG_FORMATS),
+    for name, allowed in (("auth", AUTH_MODES), ("log_format", LOG_FORMATS), ("event_loop", EVENT_LOOPS),
                           ("admission_when_redis_down", REDIS_DOWN_POLICIES), ("scheduler", SCHEDULERS)):
         if getattr(settings, name) not in allowed:
             raise SystemExit(f"invalid setting {name}={getattr(settings, name)!r}: choose one of {', '.join(allowed)}")

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from services.edge import routes
 from services.edge.admission import Admitter, renewing
-from services.edge.auth import CALLER, KeyCache, listening
+from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
 from services.edge.directory import ModelDirectory
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
@@ -79,6 +79,7 @@ async def _admit(request: web.Request, route: Route) -> None:
     if route.needs_redis:
         request.app[GATEWAY].check_redis()
     if not route.needs_key or request.app[SETTINGS].auth != "keys":
+        request[CALLER] = ANONYMOUS  # set, not left to a default: a missing key costs aiohttp an exception
         return
     caller = await request.app[KEYS].authenticate(request)
     request[CALLER] = caller

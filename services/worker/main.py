@@ -14,6 +14,7 @@ from services.worker.parsing.formats import tool_format
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
+from shared import eventloop
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def run_worker(settings: Settings) -> None:
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
         log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-    if not asyncio.run(_serve(settings, engine)):
+    if not eventloop.run(_serve(settings, engine), settings.event_loop):
         raise SystemExit(1)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -64,7 +65,12 @@ def decode(body: bytes, kind: type[T]) -> T:
 def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
     """Top-level fields of a (valid) body that the struct does not know."""
     keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-    return [key for key in keys if key not in kind.__struct_fields__]
+    return [key for key in keys if key not in _field_names(kind)]
+
+
+@functools.cache
+def _field_names(kind: type[msgspec.Struct]) -> frozenset[str]:
+    return frozenset(kind.__struct_fields__)
 
 
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
