@@ -125,7 +125,7 @@ def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Pa
     assert "kept" in text and "old" not in text and text.count("## Fair share") == 1
     assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text and "| fair | 9990 | 20010 | 2.00 | 66.7% |" in text
     assert (tmp_path / "bench-fairness.png").stat().st_size > 0
-    report.write(report.Report(command="test", comparison={}, hop=None, throughput=None, many=None,
+    report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
                                vllm_bench=None), out)  # `bench all` writes its sections anew
     assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in out.read_text()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -38,18 +39,21 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     many = edge_bench.many_streams(engine, tmp_path / "sim.log", streams=100, tokens=5, itl_ms=50.0)
     assert many.completed == 100
     assert 1 <= many.edge_redis_connections_max <= 5
+    cores = os.sched_getaffinity(0)
     hop = edge_bench.hop_overhead(engine, tmp_path / "sim.log", streams=4, ttft_ms=SIM_TTFT_MS, itl_ms=SIM_ITL_MS,
-                                  tokens=8)
+                                  tokens=8, pin=True)
+    assert hop.pinned == (len(cores) >= 2) and os.sched_getaffinity(0) == cores  # the generator's core is given back
     for overhead in (hop.ttft_overhead_ms, hop.first_wave_ttft_overhead_ms):
         assert 0 <= overhead.p50 <= overhead.p99 < 100  # the simulator's timings are a floor
     streamed = edge_bench.edge_throughput(engine, tmp_path / "sim.log", streams=8, tokens=16)
     assert streamed.tokens == 8 * 16
     assert 0 <= streamed.edge_kernel_share <= 1 and streamed.edge_cpu_us_per_token >= 0  # 10 ms CPU clock ticks
     out = tmp_path / "benchmarks.md"
-    report.write(report.Report(command="test", comparison={}, hop=hop, throughput=streamed, many=many,
+    report.write(report.Report(command="test", comparison={}, hops=(hop,), throughput=streamed, many=many,
                                vllm_bench=None), out)
     text = out.read_text()
     assert "100 concurrent streams" in text and f"{many.edge_redis_connections_max} Redis connections" in text
+    assert ("| own core |" in text) == hop.pinned
     assert f"first wave of {hop.streams}" in text and f"{streamed.edge_cpu_us_per_token:.1f} us" in text
 
 

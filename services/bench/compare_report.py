@@ -140,8 +140,9 @@ def section(comparison: Comparison, images: list[str], made_by: str = "") -> lis
         "content chunks; TPOT (latency - TTFT) / (tokens - 1), which does not depend on how tokens are grouped into "
         "chunks; goodput counts requests with TTFT <= 2 s and TPOT <= 200 ms. *Front-end CPU* is the CPU time "
         "(user + system, each process's own from /proc/<pid>/stat, children not included) of everything the system "
-        "runs beside vLLM's engine core, per output token streamed in the cell: for tokenbus both edges, the worker "
-        "process (which also holds vLLM's AsyncLLM: tokenizing, detokenizing, output processing) and redis-server; "
+        "runs beside vLLM's engine core, per output token streamed in the cell: for tokenbus its edge (both, for "
+        "two edges), the worker process (which also holds vLLM's AsyncLLM: tokenizing, detokenizing, output "
+        "processing) and redis-server; "
         "for `vllm serve` its API-server process (the same AsyncLLM work, and the HTTP). *Engine CPU* is every "
         "process below the worker or the API server, found from /proc's parent ids: vLLM's engine core, its model "
         "executor and a multiprocessing resource tracker. The load generator runs on the same cores.", "",

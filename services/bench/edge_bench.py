@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,8 @@ class HopResult:
     itl_overhead_ms: Summary
     first_wave_ttft_overhead_ms: Summary
     """Over the first `streams` requests, which all arrive in the same instant."""
+    pinned: bool = False
+    """The load generator had a core of its own, the system the others (see `pinned_apart`)."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,31 @@ def _edge_connections(redis_url: str) -> int:
         client.close()
 
 
+def can_pin() -> bool:
+    return len(os.sched_getaffinity(0)) >= 2
+
+
+@contextlib.contextmanager
+def pinned_apart(pin: bool) -> Iterator[Callable[[], None]]:
+    """With `pin`, everything started in the block runs on every core but the last, and the calling process (the
+    load generator) moves to the last once it calls the function the block gets: so the generator's HTTP
+    client is not counted as the bus, and does not take the system's CPU. Affinity is put back after."""
+    cores = sorted(os.sched_getaffinity(0))
+    if pin:
+        os.sched_setaffinity(0, cores[:-1])  # processes started now inherit it
+    try:
+        yield (lambda: os.sched_setaffinity(0, cores[-1:])) if pin else (lambda: None)
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: float = 50.0,
-                 itl_ms: float = 20.0, tokens: int = 64) -> HopResult:
-    """What edge -> Redis -> worker -> Redis -> edge adds to the simulator's own timings."""
-    with systems.tokenbus(engine, log, sim=(ttft_ms, itl_ms)) as running:
+                 itl_ms: float = 20.0, tokens: int = 64, pin: bool = False) -> HopResult:
+    """What edge -> Redis -> worker -> Redis -> edge adds to the simulator's own timings; with `pin`, the load
+    generator runs on a core of its own."""
+    pin = pin and can_pin()
+    with pinned_apart(pin) as move_load, systems.tokenbus(engine, log, sim=(ttft_ms, itl_ms)) as running:
+        move_load()
         shape = load.Load(running.base_url, engine.model, concurrency=streams)
         # varied lengths, so that streams do not all start in the same instant as fixed lengths would make them
         work = requests(streams * 4, Distribution("fixed", 32), Distribution("uniform", tokens // 2, tokens * 3 // 2),
@@ -70,7 +96,7 @@ def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: 
     return HopResult(streams, ttft_ms, itl_ms,
                      ttft_overhead_ms=_overhead([t.ttft for t in steady], ttft_ms),
                      itl_overhead_ms=_overhead([i for t in steady for i in t.itls], itl_ms),
-                     first_wave_ttft_overhead_ms=_overhead([t.ttft for t in first_wave], ttft_ms))
+                     first_wave_ttft_overhead_ms=_overhead([t.ttft for t in first_wave], ttft_ms), pinned=pin)
 
 
 def _overhead(seconds: list[float], base_ms: float) -> Summary:
