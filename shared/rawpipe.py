@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
+from shared.redis_clients import COMMAND_TIMEOUT_S
+
 Arg = bytes | str | int | float
 _pack = cast(Callable[[tuple[Arg, ...]], bytes], hiredis.pack_command)  # its stub takes 1-tuples only
 
@@ -68,7 +70,7 @@ class HeldConnection:
     async def run(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
         if not commands:
             return []
-        async with self.lock:
+        async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):  # TimeoutError is an OSError, as callers expect
             return await self._run(commands)
 
     async def _run(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
@@ -80,7 +82,7 @@ class HeldConnection:
             replies: list[Any] = []
             for _ in commands:
                 try:
-                    # no per-read timer: the caller bounds the whole call
+                    # no timer per read: `run` bounds the whole call
                     replies.append(await connection.read_response(timeout=math.inf))
                 except ResponseError as exc:  # read whole: the next reply follows on the same connection
                     replies.append(exc)
@@ -90,11 +92,6 @@ class HeldConnection:
             await connection.disconnect(nowait=True)
             await self.client.connection_pool.release(connection)
             raise
-
-    async def close(self) -> None:
-        if self.connection is not None:
-            connection, self.connection = self.connection, None
-            await self.client.connection_pool.release(connection)
 
 
 class Pipelines:
@@ -109,7 +106,3 @@ class Pipelines:
         if self.held is None:
             return self.client.pipeline(transaction=False)
         return RawPipeline(self.held)
-
-    async def close(self) -> None:
-        if self.held is not None:
-            await self.held.close()

@@ -4,6 +4,7 @@ callers."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from redis.exceptions import RedisError
 
 from services.edge.enqueue import JobQueue
 from services.supervisor import RedisServer, free_port
-from shared import bus, fairshare, keys, redis_clients
+from shared import bus, fairshare, keys, rawpipe, redis_clients
 from shared.errors import QueueFull
 from shared.rawpipe import PipelineLike, Pipelines
 from shared.settings import Settings
@@ -116,3 +117,25 @@ async def test_jobs_fail_fast_when_redis_dies_under_held_connections(tmp_path: P
         await client.aclose()
         server.stop()
     assert all(isinstance(result, RedisError) for result in results), results
+
+
+async def test_a_redis_that_never_answers_fails_the_put_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung Redis (the connection is open, nothing comes back) is an error after the command bound, not a wait
+    without end: the job queue's held connection has no socket timeout of its own."""
+    monkeypatch.setattr(rawpipe, "COMMAND_TIMEOUT_S", 0.5)
+    accepted: list[asyncio.StreamWriter] = []
+    silent = await asyncio.start_server(lambda _reader, writer: accepted.append(writer), "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    client = redis_clients.pooled(f"redis://127.0.0.1:{port}", "test-hung", 2)
+    queue = queue_of(client, "fifo")
+    started = time.monotonic()
+    try:
+        with pytest.raises(RedisError):
+            await queue.put(job(f"test-{uuid.uuid4().hex}"))
+    finally:
+        await client.aclose()
+        for writer in accepted:  # it accepted, and never answered
+            writer.close()
+        silent.close()
+        await silent.wait_closed()
+    assert time.monotonic() - started < 5
