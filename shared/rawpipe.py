@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from shared.redis_clients import COMMAND_TIMEOUT_S
@@ -71,7 +72,12 @@ class HeldConnection:
         if not commands:
             return []
         async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):  # TimeoutError is an OSError, as callers expect
-            return await self._run(commands)
+            try:
+                return await self._run(commands)
+            except RedisConnectionError:
+                # a held connection can die while idle (Redis restarted): once more on a fresh one, as redis-py's
+                # own pipeline retries a connection error
+                return await self._run(commands)
 
     async def _run(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
         if self.connection is None:

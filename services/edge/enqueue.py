@@ -14,7 +14,6 @@ from redis.exceptions import NoScriptError, RedisError
 
 from shared import bus, fairshare, metrics
 from shared.errors import TokenbusError
-from shared.rawpipe import Pipelines
 
 Record = tuple[str, bytes, int]
 """A key written with a job: (key, value, time to live in ms)."""
@@ -38,8 +37,6 @@ class JobQueue:
 
     def __init__(self, redis: aioredis.Redis, scheduler: fairshare.Scheduler) -> None:
         self.redis = redis
-        self.pipelines = Pipelines(redis)
-        """On a connection of the pool held for good: the jobs' write is on every request's path."""
         self.scheduler = scheduler
         self.batch: list[_Put] = []
         self.writer: asyncio.Task[None] | None = None
@@ -71,10 +68,10 @@ class JobQueue:
 
     async def _write(self, batch: list[_Put]) -> list[Outcome]:
         """One pipeline for the batch; per job, its outcome (the first failure of its commands, if any)."""
-        pipe = self.pipelines.pipeline()
+        pipe = self.redis.pipeline(transaction=False)
         for put in batch:
             if put.record is not None:
-                pipe.execute_command("SET", put.record[0], put.record[1], "PX", put.record[2])
+                pipe.set(put.record[0], put.record[1], px=put.record[2])
             self.scheduler.enqueue(pipe, put.job, put.encoded)
         commands = len(pipe)  # a failed execute empties the pipeline
         try:
@@ -118,7 +115,7 @@ class JobQueue:
     async def _forget(self, records: list[str]) -> None:
         """Removes the resume records of refused jobs: there is nothing to resume."""
         with contextlib.suppress(RedisError, OSError):
-            pipe = self.pipelines.pipeline()
+            pipe = self.redis.pipeline(transaction=False)
             for key in records:
-                pipe.execute_command("DEL", key)
+                pipe.delete(key)
             await pipe.execute()
