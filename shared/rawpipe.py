@@ -1,7 +1,7 @@
-"""The hot paths' Redis pipeline: commands packed by hiredis in C and sent in one write on a connection held for
-good, their replies read back raw. redis-py's own pipeline checks and converts every argument and reply in
-Python and checks a connection out of its pool per call: in a profile of the worker at 64 streams that was a
-third of its CPU, most of it per streamed token.
+"""The worker publisher's Redis pipeline (its per-token write): commands packed by hiredis in C and sent in one
+write on a connection held for good, their replies read back raw. redis-py's own pipeline checks and converts
+every argument and reply in Python and checks a connection out of its pool per call: in a profile of the worker
+at 64 streams that was a third of its CPU, most of it per streamed token.
 
 A Redis Cluster client keeps redis-py's pipeline (it routes each command to its slot's node); both are used
 through the same few methods, `PipelineLike`.
