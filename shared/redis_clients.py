@@ -7,6 +7,9 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 CHECKOUT_TIMEOUT_S = 30.0
 """How long a caller waits for a free connection of a full pool."""
@@ -15,13 +18,20 @@ COMMAND_TIMEOUT_S = 10.0
 """Longer than any blocking read made on a pooled connection (those block for a second)."""
 
 
+def _reconnect_once() -> Retry:
+    """A command whose connection turns out dead (it died idle, as when Redis restarts) runs once more on a
+    fresh one, at once: else the first request after a restart fails. A timeout is not retried (the command
+    may still run), nor is a second connection failure (Redis is down: callers fail fast)."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
 def pooled(url: str, name: str, size: int, cluster: bool = False) -> aioredis.Redis:
     """A client over at most `size` connections (per node of a cluster); every command is bounded by
     redis-py's socket timeout. A cluster client has the same commands, routed by key."""
     if cluster:
         return _cluster(url, name, size, COMMAND_TIMEOUT_S)
     return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(  # closing the client closes the pool
-        url, max_connections=size, timeout=CHECKOUT_TIMEOUT_S, client_name=name,
+        url, max_connections=size, timeout=CHECKOUT_TIMEOUT_S, client_name=name, retry=_reconnect_once(),
         socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S))
 
 
@@ -33,7 +43,7 @@ def dedicated(url: str, name: str, cluster: bool = False) -> aioredis.Redis:
         return _cluster(url, name, 1, None)
     return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
         url, max_connections=1, timeout=CHECKOUT_TIMEOUT_S, client_name=name, socket_timeout=None,
-        socket_connect_timeout=CONNECT_TIMEOUT_S))
+        retry=_reconnect_once(), socket_connect_timeout=CONNECT_TIMEOUT_S))
 
 
 def _cluster(url: str, name: str, size: int, timeout_s: float | None) -> aioredis.Redis:

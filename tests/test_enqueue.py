@@ -85,6 +85,8 @@ async def test_a_refused_job_raises_and_leaves_neither_job_nor_resume_record(
         await queue.put(job(model, 0))
         with pytest.raises(QueueFull):
             await queue.put(job(model, 1), (f"record-{model}", b"body", 60_000))
+        assert queue.writer is not None
+        await queue.writer  # it removes the refused job's record after the refusal reached its caller
     finally:
         await client.aclose()
     assert redis_client.zcard(keys.fair_key(model, "backlog")) == 1
@@ -116,3 +118,25 @@ async def test_jobs_fail_fast_when_redis_dies_under_held_connections(tmp_path: P
         server.stop()
     assert all(isinstance(result, RedisError) for result in results), results
 
+
+
+async def test_the_first_job_after_a_redis_restart_is_queued(tmp_path: Path) -> None:
+    """Every pooled connection died idle with the old Redis, which also took the scripts: the put reconnects,
+    reloads them and lands, rather than failing the first request after a restart."""
+    server = RedisServer(str(tmp_path))
+    url = server.start()
+    client = redis_clients.pooled(url, "test-enqueue-restart", 2)
+    queue = queue_of(client)
+    try:
+        await queue.scheduler.load()
+        await asyncio.gather(client.ping(), client.ping())  # the pool now holds two live connections
+        await queue.put(job("m", 0))
+        server.kill()
+        server.start()  # on the same port, with the queued job (its append-only file) but without the scripts
+        admitted = await asyncio.wait_for(queue.put(job("m", 1)), 15)
+        queued = await client.hvals(keys.fair_key("m", "jobs"))
+    finally:
+        await client.aclose()
+        server.stop()
+    assert isinstance(admitted, fairshare.Admitted)
+    assert sorted(bus.decode_job(data).id for data in queued) == ["job-0", "job-1"]
