@@ -38,7 +38,9 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PULL_BLOCK_MS = 1000
+PULL_BLOCK_MS = 5000
+"""A job's arrival ends the read at once; the block only sets how often an idle worker asks again (within the
+pooled connection's 10 s socket timeout)."""
 STOP_WAIT_S = 5.0
 """How long a stopping worker waits for each of its loops and clients to close after the drain."""
 HANDOVER_WAIT_S = 5.0
@@ -251,13 +253,16 @@ class Worker:
         return self.settings.max_num_seqs - len(self.tasks_by_job)
 
     async def _pull(self) -> None:
+        """Reads jobs into free slots. The scheduler's dispatch fills the request stream at the first read (this
+        worker's slots join the offer); after that an edge's enqueue, the settle written with each finished job's
+        ack and the heartbeat's offer renewal dispatch, so an idle read costs no script call."""
+        await self.scheduler.dispatch()
         while True:
             free = self._free_slots()
             if free <= 0:
                 self.slot_freed.clear()
                 await self.slot_freed.wait()
                 continue
-            await self.scheduler.dispatch()
             try:
                 reply: Any = await self.redis.xreadgroup(
                     keys.WORKER_GROUP, self.id, {self.stream: ">"}, count=free, block=PULL_BLOCK_MS
