@@ -290,6 +290,30 @@ async def test_a_stopped_edge_drains_its_streams_and_exits(stack: Stack) -> None
     await stack.settled()
 
 
+async def test_a_request_whose_body_arrives_as_its_edge_begins_to_drain_is_answered(stack: Stack) -> None:
+    """A drain that begins between a request's head and the rest of its body: the request is still served
+    (aiohttp drops what arrives after its close, and the request waited out its body deadline for a 400)."""
+    edge = stack.edge(shutdown_grace_s=30, read_timeout_s=5)
+    stack.worker()
+    body = orjson.dumps({**chat_body(stack.model, 5), "stream": True})
+    host, port = edge.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(body), body[:10]))
+    await writer.drain()
+    await asyncio.sleep(0.3)  # the head is parsed and its handler waits for the body
+    edge.process.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.5)
+    writer.write(body[10:])
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 20)  # the edge closes the connection after it
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert b" t5" in answer and b"data: [DONE]" in answer
+    assert await asyncio.to_thread(edge.process.wait, 10) == 0
+    await stack.settled()
+
+
 async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothing(stack: Stack) -> None:
     """Each edge and worker is replaced in turn (SIGTERM, as an orchestrator does) while clients stream; a
     client whose edge is gone before it connects tries another, as behind a load balancer."""

@@ -79,15 +79,27 @@ class _Connection(RequestHandler):
         self.head_timer: asyncio.TimerHandle | None = None
         self.handling = False
         """From the parsed head until the response is written: bytes that arrive then are the body."""
+        self.body: StreamReader | None = None
+        """The body of the request being handled."""
 
     def data_received(self, data: bytes) -> None:
         if self.head_timer is None and not self.handling:  # the first bytes of a request start its clock
             self.head_timer = self.clock.call_later(self.read_timeout_s, self._head_late)
+        closing = self._close, self._force_close
+        if any(closing) and self.body is not None and not self.body.is_eof():
+            # a drain began while this request's body was on its way: aiohttp drops whatever arrives once it
+            # closes, and the request would wait out its body deadline for a 400; the body is still taken
+            self._close = self._force_close = False
+            try:
+                super().data_received(data)
+            finally:
+                self._close, self._force_close = closing
+            return
         super().data_received(data)
 
     def request_started(self, payload: StreamReader) -> None:
         """The head is parsed: its clock stops and the body's starts."""
-        self.handling = True
+        self.handling, self.body = True, payload
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
@@ -112,7 +124,7 @@ class _Connection(RequestHandler):
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
-            self.handling = False
+            self.handling, self.body = False, None
             if request.content.exception() is not None:
                 # the rest of a late or broken body is not worth waiting for (aiohttp would linger on it)
                 self.force_close()
