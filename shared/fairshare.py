@@ -103,6 +103,20 @@ class Admitted:
     """Jobs (of any tenant) the enqueue moved onto the request stream."""
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """A model's queue as the gauges show it."""
+
+    queued: int
+    """Jobs waiting for a worker: in the backlogs, and on the request stream not yet read."""
+    length: int
+    """Entries on the request stream, read or not."""
+    pending: int
+    """Entries read by a worker and not yet acknowledged."""
+    lag: int
+    """Entries on the request stream that no worker has read yet."""
+
+
 def refusal(code: str, retry_ms: int) -> TokenbusError:
     """The error a refused enqueue raises, telling the client when to try again."""
     retry_after_s = max(1, min(MAX_RETRY_AFTER_S, math.ceil(retry_ms / 1000)))
@@ -153,6 +167,10 @@ class Scheduler:
         """Offers a worker's slots (if any) and fills the room on the request stream; returns the jobs moved."""
         return int(await self._dispatch(keys=keys.fair_keys(model), args=offer.args()))
 
+    def offer(self, pipe: PipelineLike, model: str, offer: Offer) -> None:
+        """Adds `dispatch` to a pipeline; its result is the jobs moved, or NoScriptError (call `dispatch`)."""
+        _pipelined(pipe, self._dispatch, model, offer.args())
+
     def settle(self, pipe: PipelineLike, model: str, settlements: list[Settlement]) -> None:
         """Adds to a pipeline the correction of finished jobs' counters, then a dispatch into their slots."""
         args: list[Arg] = [*NO_OFFER.args()]
@@ -165,16 +183,25 @@ class Scheduler:
         if member:
             _pipelined(pipe, self._withdraw, model, [member])
 
-    async def queued(self, model: str) -> int:
-        """Jobs of the model waiting for a worker: in the backlogs, and on the request stream not yet read."""
+    async def backlog(self, model: str) -> Backlog:
+        """The model's queue, in one round trip: what waits in the backlogs and on the request stream."""
         stream = keys.requests_stream(model)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hget(keys.fair_key(model, "state"), "queued")
         pipe.xlen(stream)
-        pipe.xpending(stream, keys.WORKER_GROUP)
-        backlog, length, pending = await pipe.execute(raise_on_error=False)
-        delivered = pending["pending"] if isinstance(pending, dict) else 0
-        return int(backlog or 0) + max(0, int(length) - delivered)
+        pipe.xinfo_groups(stream)
+        waiting, length, groups = await pipe.execute(raise_on_error=False)
+        names = (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())
+        group: dict[Any, Any] = {} if isinstance(groups, Exception) else next(
+            (g for g in groups if g.get("name") in names), {})
+        pending, lag = int(group.get("pending") or 0), int(group.get("lag") or 0)
+        length = 0 if isinstance(length, Exception) else int(length)
+        waiting = 0 if isinstance(waiting, Exception) else int(waiting or 0)
+        return Backlog(waiting + max(0, length - pending), length, pending, lag)
+
+    async def queued(self, model: str) -> int:
+        """Jobs of the model waiting for a worker: in the backlogs, and on the request stream not yet read."""
+        return (await self.backlog(model)).queued
 
 
 class FairShare(Scheduler):

@@ -146,7 +146,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size, settings.redis_cluster)
     # the relay bounds each of its reads itself
     reader = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster)
-    directory = ModelDirectory(commands, expected_models(settings))
+    directory = ModelDirectory(commands, expected_models(settings), settings.heartbeat_interval_s)
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
     relay = EventRelay(reader, commands, keys.events_stream(edge_id), timing, directory.alive)

@@ -16,7 +16,6 @@ from shared.background import looping
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 1.0
 PRUNE_AFTER_S = 300.0
 """A worker missing from the registry this long after its heartbeat expired is dropped from it."""
 
@@ -24,10 +23,12 @@ PRUNE_AFTER_S = 300.0
 class ModelDirectory:
     """The models of live workers, and one worker's heartbeat for each."""
 
-    def __init__(self, redis: aioredis.Redis, expected: list[str] | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, expected: list[str] | None = None, refresh_s: float = 2.0) -> None:
         self.redis = redis
         self.pipelines = rawpipe.Pipelines(redis, keep=False)
-        """Its reads, once a second: raw pipelines cost a third of redis-py's in the edge's CPU."""
+        """Its reads, every `refresh_s`: raw pipelines cost a third of redis-py's in the edge's CPU."""
+        self.refresh_s = refresh_s
+        """The workers' heartbeat interval: reading more often learns nothing new."""
         self.expected = list(expected or [])
         """The models this deployment serves: their live-worker gauge shows 0 until a worker beats."""
         self.counted: set[str] = set(self.expected)
@@ -39,6 +40,8 @@ class ModelDirectory:
         self.models: dict[str, bus.WorkerInfo] = {}
         self.workers: set[str] = set()
         """Ids of the workers whose heartbeat was alive at the last read."""
+        self.names: list[bytes] = []
+        """The registry's heartbeat keys at the last read: read with it next time, in the same round trip."""
         self.loaded = False
         self._reading: asyncio.Task[dict[str, bus.WorkerInfo]] | None = None
 
@@ -60,18 +63,27 @@ class ModelDirectory:
         return self.models.get(model)
 
     async def _read(self) -> dict[str, bus.WorkerInfo]:
+        """One round trip while the registry keeps its members: their heartbeats are read with it (not MGET: on
+        a Redis Cluster they lie in many slots); a second one for the heartbeats of workers new to it."""
+        known = self.names
         pipe = self.pipelines.pipeline()
         pipe.execute_command("ZREMRANGEBYSCORE", keys.WORKERS, "-inf", time.time() - PRUNE_AFTER_S)
         pipe.execute_command("ZRANGE", keys.WORKERS, 0, -1)
-        _pruned, names = await pipe.execute()
+        for name in known:
+            pipe.execute_command("GET", name)
+        _pruned, names, *bodies = await pipe.execute()
+        heartbeats = dict(zip(known, bodies, strict=True))
+        if new := [name for name in names if name not in heartbeats]:
+            reads = self.pipelines.pipeline()
+            for name in new:
+                reads.execute_command("GET", name)
+            heartbeats.update(zip(new, await reads.execute(), strict=True))
+        self.names = names
         found: dict[str, bus.WorkerInfo] = {}
         workers: set[str] = set()
         live: dict[str, int] = {}
         free: dict[str, int] = {}
-        reads = self.pipelines.pipeline()  # not MGET: on a Redis Cluster they lie in many slots
-        for name in names:
-            reads.execute_command("GET", name)
-        for raw in await reads.execute() if names else ():
+        for raw in map(heartbeats.__getitem__, names):
             if isinstance(raw, bytes):  # None: that heartbeat expired
                 info = bus.decode_info(raw)
                 found.setdefault(info.model, info)
@@ -93,7 +105,7 @@ class ModelDirectory:
             except (RedisError, OSError) as exc:
                 metrics.READY.set(0)
                 log.warning("reading the worker registry failed (%s); keeping the last answer", exc)
-            await asyncio.sleep(REFRESH_S)
+            await asyncio.sleep(self.refresh_s)
 
     def running(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Keeps the directory fresh for the lifetime of the block."""

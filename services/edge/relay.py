@@ -29,7 +29,8 @@ from shared.errors import Unavailable, WorkerLost
 
 log = logging.getLogger(__name__)
 
-READ_BLOCK_MS = 1000
+READ_BLOCK_MS = 2000
+"""An idle edge's read ends this often; each costs the edge and Redis a wake-up."""
 READ_COUNT = 512
 READ_GRACE_S = 2.0
 """How much longer than its BLOCK an XREAD may take before its connection counts as lost."""
@@ -65,7 +66,7 @@ class EventRelay:
         """A connection of its own: it spends its life blocked in XREAD."""
         self.commands = commands
         self.pipelines = rawpipe.Pipelines(commands, keep=False)
-        """The heartbeat's and the housekeeping's writes."""
+        """The heartbeat's writes (the stream's trimming with them)."""
         self.stream = stream
         self.timing = timing or Timing()
         self.worker_alive = worker_alive
@@ -201,23 +202,16 @@ class EventRelay:
             metrics.WORKERS_LOST.inc()
             events.fail(WorkerLost("The worker running this request died and no other worker took it over."))
 
-    async def housekeep(self, interval_s: float = 5.0) -> None:
-        """Trims what was read and keeps the stream alive while the edge lives."""
-        while True:
-            await asyncio.sleep(interval_s)
-            with contextlib.suppress(RedisError, OSError):
-                pipe = self.pipelines.pipeline()
-                pipe.execute_command("XTRIM", self.stream, "MINID", "~", self.last_id)
-                pipe.execute_command("EXPIRE", self.stream, STREAM_TTL_S)
-                await pipe.execute()
-
     async def heartbeat(self) -> None:
-        """Tells workers this edge still reads its stream, and learns how many edges are alive."""
+        """Tells workers this edge still reads its stream, learns how many edges are alive, and trims what was
+        read from its stream (which it keeps alive while the edge lives): one round trip a beat."""
         ttl_ms = int(self.timing.heartbeat_ttl_s * 1000)
         while True:
             now = time.time()
             with contextlib.suppress(RedisError, OSError):
                 pipe = self.pipelines.pipeline()
+                pipe.execute_command("XTRIM", self.stream, "MINID", "~", self.last_id)
+                pipe.execute_command("EXPIRE", self.stream, STREAM_TTL_S)
                 pipe.execute_command("SET", keys.edges_alive(self.stream), 1, "PX", ttl_ms)
                 pipe.execute_command("ZADD", keys.EDGES, now + self.timing.heartbeat_ttl_s, self.stream)
                 pipe.execute_command("ZREMRANGEBYSCORE", keys.EDGES, "-inf", now)
@@ -236,11 +230,10 @@ class EventRelay:
 
 @contextlib.asynccontextmanager
 async def running(relay: EventRelay) -> AsyncIterator[None]:
-    """Runs the relay's reader, ticker, heartbeat and housekeeping for the lifetime of the block."""
+    """Runs the relay's reader, ticker and heartbeat for the lifetime of the block."""
     metrics.REDIS_UP.set(1)
     try:
-        async with looping(event_relay=relay.run(), event_housekeeping=relay.housekeep(),
-                           event_ticker=relay.tick(), edge_heartbeat=relay.heartbeat()):
+        async with looping(event_relay=relay.run(), event_ticker=relay.tick(), edge_heartbeat=relay.heartbeat()):
             yield
     finally:
         await relay.say_goodbye()

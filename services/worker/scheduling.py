@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from shared import fairshare, keys, metrics
 from shared.rawpipe import PipelineLike
@@ -31,16 +31,40 @@ class SchedulerLink:
         try:
             moved = await self.scheduler.dispatch(self.model, self.offer)
         except (RedisError, OSError) as exc:
-            if not self.failing:
-                log.warning("the scheduler's dispatch failed (%s); the worker keeps trying", exc)
-            self.failing = True
+            self._failed(exc)
             return
+        self._dispatched(moved)
+
+    def renew(self, pipe: PipelineLike) -> None:
+        """Adds the dispatch (the offer's renewal) to another write, such as the worker's heartbeat."""
+        self.scheduler.offer(pipe, self.model, self.offer)
+
+    async def renewed(self, result: Any) -> None:
+        """Takes the result of `renew`'s command; a Redis that lost the scripts gets a dispatch that loads them."""
+        if isinstance(result, NoScriptError):
+            await self.dispatch()
+        elif isinstance(result, Exception):
+            self._failed(result)
+        else:
+            self._dispatched(int(result))
+
+    def _failed(self, exc: Exception) -> None:
+        if not self.failing:
+            log.warning("the scheduler's dispatch failed (%s); the worker keeps trying", exc)
+        self.failing = True
+
+    def _dispatched(self, moved: int) -> None:
         self.failing = False
         metrics.DISPATCHES.labels(self.model).inc(moved)
 
-    async def count_queued(self) -> None:
-        """Updates the gauge of the model's queued jobs."""
-        metrics.QUEUED_JOBS.labels(self.model).set(await self.scheduler.queued(self.model))
+    async def count(self) -> None:
+        """Updates the gauges of the model's queue: its queued jobs, and its request stream's length, lag and
+        entries pending with workers."""
+        backlog = await self.scheduler.backlog(self.model)
+        metrics.QUEUED_JOBS.labels(self.model).set(backlog.queued)
+        metrics.STREAM_LENGTH.labels(self.model).set(backlog.length)
+        metrics.STREAM_PENDING.labels(self.model).set(backlog.pending)
+        metrics.STREAM_LAG.labels(self.model).set(backlog.lag)
 
     async def withdraw(self) -> None:
         """Takes the worker's offer back (it stops taking jobs)."""

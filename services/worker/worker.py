@@ -22,7 +22,7 @@ from services.worker.parsing.output import JobOutput, for_job
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from shared import bus, fairshare, keys, logs, metrics, redis_clients
+from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
 from shared.errors import (
     EngineError,
     QueueTimeout,
@@ -158,6 +158,8 @@ class Worker:
             fairshare.Offer(self.id, settings.max_num_seqs, int(settings.heartbeat_ttl_s * 1000)))
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
                                         settings.replay_max_events, after_acks=self.scheduler)
+        self.beats = rawpipe.Pipelines(self.redis, keep=False)
+        """The heartbeat's write, with the offer's renewal: one round trip a beat."""
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.settlements = Settlements(self.redis)
         self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
@@ -544,29 +546,21 @@ class Worker:
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
                 slots=self.settings.max_num_seqs, running=len(self.tasks_by_job),
             ))
+            pipe = self.beats.pipeline()
+            pipe.execute_command("SET", key, info, "PX", ttl_ms)
+            pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
+            if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
+                self.scheduler.renew(pipe)
             try:
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.set(key, info, px=ttl_ms)
-                pipe.zadd(keys.WORKERS, {key: time.time() + self.settings.heartbeat_ttl_s})
-                await pipe.execute()
+                results = await pipe.execute(raise_on_error=False)
+                if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
+                    raise failed
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
-            if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
-                await self.scheduler.dispatch()
+            else:
+                if len(results) > 2:
+                    await self.scheduler.renewed(results[2])
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-
-    async def _count_stream(self) -> None:
-        """The request stream's length, and its consumer group's lag and pending entries, for the gauges."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(self.stream)
-        pipe.xinfo_groups(self.stream)
-        length, groups = await pipe.execute()
-        names = (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())
-        group = next((g for g in groups if g.get("name") in names), None)
-        metrics.STREAM_LENGTH.labels(self.model).set(length)
-        if group is not None:
-            metrics.STREAM_PENDING.labels(self.model).set(group.get("pending") or 0)
-            metrics.STREAM_LAG.labels(self.model).set(group.get("lag") or 0)
 
     async def _supervise(self) -> None:
         """Every heartbeat: keep our claims, notice gone edges and clients, take over dead workers' jobs."""
@@ -576,8 +570,7 @@ class Worker:
             rounds += 1
             try:
                 await self._keep_claims()
-                await self.scheduler.count_queued()
-                await self._count_stream()
+                await self.scheduler.count()
                 await self._watch_edges()
                 await self._expire_detached()
                 if not self.stopping:
