@@ -150,7 +150,9 @@ def _comparison() -> compare.Comparison:
 def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Path) -> None:
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## tokenbus against `vllm serve`\n\nstale figures\n")
-    report.write_comparison(_comparison(), out, "tokenbus bench compare")
+    idle = {compare.TOKENBUS: [4.0, 4.5, 3.5, 4.0, 4.5, 3.5], compare.TWO_EDGES: [5.0] * 6,
+            compare.VLLM_SERVE: [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]}
+    report.write_comparison(_comparison(), out, "tokenbus bench compare", idle)
     text = out.read_text()
     assert "kept" in text and "stale" not in text and text.count(compare_report.HEADING) == 1
     assert "| short | 64 | vllm serve | 102.5 | 8.00 | 50 ms |" in text
@@ -161,6 +163,8 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
     assert ttft.endswith("level (within noise)")
     assert cpu.startswith("0.500x [0.500, 0.500] **lead**")
     assert rows["tokenbus, 2 edges / vllm serve"].count("1.000x [1.000, 1.000] level (within noise)") == 3
+    assert "| tokenbus | 4.00 ms/s | 2.000x [" in text and "| vllm serve | 2.00 ms/s |  |" in text
+    assert "| tokenbus, 2 edges | 5.00 ms/s | 2.500x [2.500, 2.500] **loss** |" in text
 
 
 def test_the_load_is_dealt_over_every_edge() -> None:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -116,16 +117,17 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"logs in {log_dir}", file=sys.stderr)
     comparison: compare.Comparison = {}
+    idle: compare.Idle = {}
     vllm_bench = None
     if args.bench_command == "all":
-        comparison = _comparison(args, engine, log_dir)
+        comparison, idle = _comparison(args, engine, log_dir)
         vllm_bench = compare.vllm_bench_serve(engine, log_dir, prompts=8 if args.quick else 16)
         print(vllm_bench[1])
     parts = _edge_parts(engine, log_dir, args.quick)
     for part in parts.values():
         print(part)
     document = report.Report(command="tokenbus bench " + " ".join(sys.argv[2:]), comparison=comparison,
-                             vllm_bench=vllm_bench, **parts)  # type: ignore[arg-type]
+                             vllm_bench=vllm_bench, idle=idle, **parts)  # type: ignore[arg-type]
     report.write(document, args.out)
     print(f"wrote {args.out}")
     if args.bench_command != "all":
@@ -133,23 +135,26 @@ def run(args: argparse.Namespace) -> int:
     return max(_fairness(args), _scale(args))
 
 
-def _comparison(args: argparse.Namespace, engine: systems.Engine, log_dir: Path) -> compare.Comparison:
+def _comparison(args: argparse.Namespace, engine: systems.Engine,
+                log_dir: Path) -> tuple[compare.Comparison, compare.Idle]:
     plan = compare.Plan.quick() if args.quick else compare.Plan.full()
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
-    comparison = compare.compare(engine, plan, log_dir)
+    comparison, idle = compare.compare(engine, plan, log_dir)
+    for system, ms_per_s in idle.items():
+        print(f"idle {system}: {statistics.mean(ms_per_s):.2f} ms of front-end CPU per s")
     for shape, system, row in compare_report.ratios(comparison):
         print(f"{shape.name} c={shape.concurrency} {system}: " + ", ".join(
             f"{r.metric.label} {r.interval.estimate:.3f}x [{r.interval.low:.3f}, {r.interval.high:.3f}] {r.verdict}"
             for r in row))
-    return comparison
+    return comparison, idle
 
 
 def _compare(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"compare: logs in {log_dir}", file=sys.stderr)
-    comparison = _comparison(args, _engine(args.model_dir), log_dir)
-    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    comparison, idle = _comparison(args, _engine(args.model_dir), log_dir)
+    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), idle)
     print(f"wrote the comparison section of {args.out}")
     failed = sum(cell.result.failed for by_system in comparison.values() for cells in by_system.values()
                  for cell in cells)

@@ -53,6 +53,8 @@ class Plan:
     pause_s: float = 1.5
     """Between cells, so that one cell's stragglers (and the kernel's socket clean-up) miss the next."""
     api: str = "chat"
+    idle_s: float = 15.0
+    """How long every system sits idle at the start of each round, its front end's CPU measured."""
 
     @classmethod
     def full(cls, rounds: int = 6) -> Plan:
@@ -62,7 +64,7 @@ class Plan:
     @classmethod
     def quick(cls, rounds: int = 2) -> Plan:
         longs = tuple(long_shape(c, max(2, c)) for c in (1, 4))
-        return cls((*longs, short_shape(8, 16)), rounds, pause_s=1.0)
+        return cls((*longs, short_shape(8, 16)), rounds, pause_s=1.0, idle_s=2.0)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Cell:
 Comparison = dict[Shape, dict[str, list[Cell]]]
 """Per shape and system, one cell per round, in round order (so round i of one system pairs with round i of
 another)."""
+Idle = dict[str, list[float]]
+"""Per system, its front end's CPU while nothing is asked of it, in ms per second, one figure per round."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: 
                 engine_after - engine_before)
 
 
-def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> Comparison:
+def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:
     """Starts tokenbus (two edges, one worker) and `vllm serve`, warms both, then measures `plan.rounds`
     interleaved rounds; each round's requests are the same for every system (one seed per round and shape)."""
     with ExitStack() as stack:
@@ -171,10 +175,23 @@ def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> Comparison:
         return _rounds(deployments, engine.model, plan)
 
 
-def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> Comparison:
+def idle_cpu(deployments: dict[str, Deployment], seconds: float) -> dict[str, float]:
+    """Each system's front-end CPU in ms per second over the same quiet `seconds` (all of them idle at once)."""
+    before = {name: d.cpu_s()[0] for name, d in deployments.items()}
+    time.sleep(seconds)
+    return {name: (d.cpu_s()[0] - before[name]) * 1000 / seconds for name, d in deployments.items()}
+
+
+def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> tuple[Comparison, Idle]:
     cells = [(number, shape, system) for number, shape in enumerate(plan.shapes) for system in shape.systems]
     out: Comparison = {shape: {system: [] for system in shape.systems} for shape in plan.shapes}
+    idle: Idle = {name: [] for name in deployments}
     for round_no in range(plan.rounds):
+        time.sleep(plan.pause_s)
+        for name, ms_per_s in idle_cpu(deployments, plan.idle_s).items():
+            idle[name].append(ms_per_s)
+            print(f"  round {round_no + 1}/{plan.rounds} idle {name}: {ms_per_s:.2f} ms of front-end CPU per s",
+                  file=sys.stderr)
         for number, shape, system in cells if round_no % 2 == 0 else cells[::-1]:
             time.sleep(plan.pause_s)
             cell = measure(deployments[system], shape, system, model, plan.api, seed=1000 * round_no + number)
@@ -183,7 +200,7 @@ def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> Compa
                   f"{r.output_throughput:.1f} tok/s, TTFT p50 {r.ttft_ms.p50:.0f} ms, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
                   f"front-end CPU {cell.front_cpu_us_per_token:.0f} us/token, failed {r.failed}", file=sys.stderr)
             out[shape][system].append(cell)
-    return out
+    return out, idle
 
 
 def vllm_bench_serve(engine: systems.Engine, log_dir: Path, prompts: int = 16) -> tuple[int, str]:

