@@ -127,7 +127,12 @@ def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Pa
     assert (tmp_path / "bench-fairness.png").stat().st_size > 0
     report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
                                vllm_bench=None), out)  # `bench all` writes its sections anew
-    assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in out.read_text()
+    text = out.read_text()
+    assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text
+    assert text.count("kept") == 1 and text.count(report.KEPT) == 1  # "## Other" says so; fairness names its run
+    report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
+                               vllm_bench=None), out)
+    assert out.read_text().count(report.KEPT) == 1
 
 
 def _cell(throughput: float, ttft_ms: float, cpu_s: float) -> compare.Cell:

@@ -120,7 +120,17 @@ def write(report: Report, path: Path) -> None:
     new = path.read_text().splitlines()
     for heading, section in _sections(old.splitlines()):
         if heading not in new:
-            splice(path, heading, section)
+            splice(path, heading, _dated(section))
+
+
+KEPT = "Kept from an earlier run of the harness: the run named above did not remake this section."
+
+
+def _dated(section: list[str]) -> list[str]:
+    """A section kept from an earlier run says so, unless it names the run that made it."""
+    if any(line.startswith(("Made by", KEPT)) for line in section):
+        return section
+    return [section[0], "", KEPT, *section[1:]]
 
 
 def write_comparison(comparison: Comparison, path: Path, command: str, idle: Idle | None = None) -> None:
