@@ -43,6 +43,13 @@ def _bound_send_buffer(transport: asyncio.BaseTransport | None) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
 
+class _EventStream(web.StreamResponse):
+    """A stream response whose headers leave with its first frame, in one write: the client wakes once for
+    both (aiohttp's plain Response defers its headers the same way)."""
+
+    _send_headers_immediately = False
+
+
 class ClientGone(Exception):
     """The client closed its connection before the stream ended."""
 
@@ -60,17 +67,19 @@ class SSEWriter:
         self.transport = transport if response.chunked else None
         """Set when chunks may be framed and written here directly (HTTP/1.1 chunked encoding)."""
         self.last_write = time.monotonic()
+        self.headers_sent = False
+        """Whether a write went out through the response (with the headers): `write_now` must wait for it."""
 
     @classmethod
     async def open(cls, request: web.Request, headers: dict[str, str] | None = None) -> SSEWriter:
-        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
+        response = _EventStream(status=200, headers={**SSE_HEADERS, **(headers or {})})
         if request.version >= HttpVersion11:
             response.enable_chunked_encoding()
         else:
             response.force_close()  # HTTP/1.0 has no chunks: the stream ends when the connection closes
         _bound_send_buffer(request.transport)
         try:
-            await response.prepare(request)  # sends the headers now
+            await response.prepare(request)  # the headers go with the first write
         except ConnectionError as exc:
             raise ClientGone from exc
         return cls(response, request.transport)
@@ -78,7 +87,8 @@ class SSEWriter:
     def writable(self) -> bool:
         """True when `write_now` can hand bytes to the kernel without queueing behind earlier ones."""
         transport = self.transport
-        return transport is not None and not transport.is_closing() and not transport.get_write_buffer_size()
+        return (transport is not None and self.headers_sent and not transport.is_closing()
+                and not transport.get_write_buffer_size())
 
     def write_now(self, frames: list[bytes]) -> None:
         """Writes frames as one HTTP chunk without waiting; only call it while `writable()`."""
@@ -102,6 +112,7 @@ class SSEWriter:
             await self.response.write(data)
         except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
             raise ClientGone from exc
+        self.headers_sent = True
         self.last_write = time.monotonic()
 
     async def send(self, frames: list[bytes]) -> None:
