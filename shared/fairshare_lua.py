@@ -135,6 +135,19 @@ local total = tonumber(redis.call('HGET', STATE, 'queued') or '0')
 if total >= max_jobs then
   return {'queue_full', math.ceil((total - max_jobs + 1) * interval)}
 end
+local room = slots - redis.call('XLEN', REQUESTS)
+if total == 0 and room > 0 and max_mine > 0 and affordable >= 0 then
+  -- nobody is backlogged and a slot is free: the job goes straight onto the request stream (no backlog entry,
+  -- so no member to withdraw), its tenant's counter moving exactly as the way through the backlog would move it
+  local charge = tonumber(string.match(cost, '^(%S+)'))
+  local own = tonumber(redis.call('HGET', COUNTERS, entity) or '0')
+  local lifted = tonumber(counter_text(math.max(own, tonumber(redis.call('HGET', STATE, 'last:' .. band) or '0'))))
+  local served = counter_text(lifted + charge)
+  redis.call('HSET', COUNTERS, entity, served)
+  redis.call('HSET', STATE, 'last:' .. band, served)
+  redis.call('XADD', REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
+  return {'ok', '', 1}
+end
 local backlogged = oldest(entity) ~= nil
 local rivals = redis.call('ZLEXCOUNT', READY, band_range(band)) - (backlogged and 1 or 0)
 local mine = tonumber(redis.call('HGET', QUEUED, tenant) or '0')
@@ -152,7 +165,6 @@ end
 local queued_here = redis.call('ZLEXCOUNT', BACKLOG, '[' .. entity .. '\0', '(' .. entity .. '\1')
 local in_band = tonumber(redis.call('HGET', STATE, 'band:' .. band) or '0')
 ahead = ahead + queued_here + math.min(in_band - queued_here, (queued_here + 1) * rivals)
-local room = slots - redis.call('XLEN', REQUESTS)
 local wait = math.max(0, ahead + 1 - room) * interval
 if wait > affordable then
   return {'wait_exceeds_deadline', math.ceil(wait - affordable)}

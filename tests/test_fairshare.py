@@ -160,6 +160,33 @@ async def test_a_tenant_back_from_idle_gets_no_burst(redis: aioredis.Redis) -> N
     assert served["b"] <= 11, served
 
 
+async def test_a_job_that_finds_a_free_slot_and_no_backlog_is_charged_as_through_the_backlog(
+        redis: aioredis.Redis) -> None:
+    """With a slot free and nobody waiting, a job goes straight onto the request stream (there is no backlog entry
+    to withdraw); its tenant's counter and its band's last-served mark end exactly where the way through the
+    backlog (the same jobs queued first, then dispatched by an offer) leaves them."""
+    straight, through = await pool(redis, slots=1), await pool(redis, slots=1)
+    await straight.offer()
+    for tenant, weight in (("a", 1.0), ("b", 2.0), ("a", 1.0)):
+        admitted = await straight.enqueue(make_job(straight.model, tenant, weight=weight))
+        assert isinstance(admitted, fairshare.Admitted) and (admitted.member, admitted.dispatched) == (b"", 1)
+        await through.offer(slots=0)  # no room: the job waits in its tenant's backlog until the offer below
+        queued = await through.enqueue(make_job(through.model, tenant, weight=weight))
+        assert isinstance(queued, fairshare.Admitted) and queued.member and queued.dispatched == 0
+        await through.offer()
+        for pool_ in (straight, through):
+            taken = await pool_.take()
+            assert [job.tenant for _id, job, _ticket in taken] == [tenant]
+            await pool_.finish(taken, completion_tokens=OUTPUT // 2)
+    for name in ("counters", "state"):
+        mine = await redis.hgetall(keys.fair_key(straight.model, name))
+        theirs = await redis.hgetall(keys.fair_key(through.model, name))
+        if name == "state":  # the backlog's sequence numbers its members; the straight way needs none
+            theirs.pop(b"seq")
+            mine.setdefault(b"queued", b"0")  # nothing was ever queued: the count is absent, read as 0
+        assert mine == theirs and mine
+
+
 async def test_a_tenant_alone_gets_every_slot(redis: aioredis.Redis) -> None:
     """Work conservation: as many jobs as the workers have slots are on their way at once, and each job that
     ends brings the next in the same write."""
