@@ -41,9 +41,10 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     assert 1 <= many.edge_redis_connections_max <= 6  # reader, key-change listener, pool of 4
     cores = os.sched_getaffinity(0)
     hop = edge_bench.hop_overhead(engine, tmp_path / "sim.log", streams=4, ttft_ms=SIM_TTFT_MS, itl_ms=SIM_ITL_MS,
-                                  tokens=8, pin=True)
+                                  tokens=8, pin=True, rounds=2)
     assert hop.pinned == (len(cores) >= 2) and os.sched_getaffinity(0) == cores  # the generator's core is given back
-    for overhead in (hop.ttft_overhead_ms, hop.first_wave_ttft_overhead_ms):
+    for overhead in (hop.tokenbus.ttft_ms, hop.tokenbus.first_wave_ttft_ms, hop.bare.ttft_ms,
+                     hop.bare.first_wave_ttft_ms):
         assert 0 <= overhead.p50 <= overhead.p99 < 100  # the simulator's timings are a floor
     streamed = edge_bench.edge_throughput(engine, tmp_path / "sim.log", streams=8, tokens=16)
     assert streamed.tokens == 8 * 16
@@ -55,6 +56,8 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     assert "100 concurrent streams" in text and f"{many.edge_redis_connections_max} Redis connections" in text
     assert ("| own core |" in text) == hop.pinned
     assert f"first wave of {hop.streams}" in text and f"{streamed.edge_cpu_us_per_token:.1f} us" in text
+    steady = hop.tokenbus.ttft_ms.p50 - hop.bare.ttft_ms.p50
+    assert f"| {hop.bare.ttft_ms.p50:.2f} ms |" in text and f"| {steady:.2f} ms |" in text
 
 
 def test_a_scale_cell_spreads_the_load_over_every_edge_and_worker(engine: systems.Engine, tmp_path: Path) -> None:

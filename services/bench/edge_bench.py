@@ -12,9 +12,22 @@ from pathlib import Path
 
 import redis
 
+from services.bench import bare as bare_server
 from services.bench import load, systems
+from services.bench.client import Timing
 from services.bench.stats import Summary
 from services.bench.workload import Distribution, requests
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What one system adds to the simulator's own timings, as the load generator sees it."""
+
+    ttft_ms: Summary
+    """Over the requests after each round's first wave: `streams` in flight, arriving as others finish."""
+    itl_ms: Summary
+    first_wave_ttft_ms: Summary
+    """Over each round's first `streams` requests, which all arrive in the same instant."""
 
 
 @dataclass(frozen=True)
@@ -22,13 +35,13 @@ class HopResult:
     streams: int
     sim_ttft_ms: float
     sim_itl_ms: float
-    ttft_overhead_ms: Summary
-    """Over the requests after the first wave: `streams` in flight, arriving as others finish."""
-    itl_overhead_ms: Summary
-    first_wave_ttft_overhead_ms: Summary
-    """Over the first `streams` requests, which all arrive in the same instant."""
+    tokenbus: Overheads
+    bare: Overheads
+    """The bus-less reference (services.bench.bare): the simulator inside a bare aiohttp handler, the floor
+    that the load generator, HTTP and the timer grain set on this machine."""
+    rounds: int
     pinned: bool = False
-    """The load generator had a core of its own, the system the others (see `pinned_apart`)."""
+    """The load generator had a core of its own, the systems the others (see `pinned_apart`)."""
 
 
 @dataclass(frozen=True)
@@ -79,24 +92,38 @@ def pinned_apart(pin: bool) -> Iterator[Callable[[], None]]:
 
 
 def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: float = 50.0,
-                 itl_ms: float = 20.0, tokens: int = 64, pin: bool = False) -> HopResult:
-    """What edge -> Redis -> worker -> Redis -> edge adds to the simulator's own timings; with `pin`, the load
-    generator runs on a core of its own."""
+                 itl_ms: float = 20.0, tokens: int = 64, pin: bool = False, rounds: int = 3) -> HopResult:
+    """What edge -> Redis -> worker -> Redis -> edge adds to the simulator's own timings, side by side with the
+    bus-less reference over the same simulator: both up at once, in `rounds` rounds that alternate their order,
+    each a first wave of `streams` requests sent in the same instant and then 3 x `streams` more. With `pin`, the
+    load generator runs on a core of its own."""
     pin = pin and can_pin()
-    with pinned_apart(pin) as move_load, systems.tokenbus(engine, log, sim=(ttft_ms, itl_ms)) as running:
+    # varied lengths, so that streams do not all start in the same instant as fixed lengths would make them
+    work = requests(streams * 4, Distribution("fixed", 32), Distribution("uniform", tokens // 2, tokens * 3 // 2),
+                    seed=1)
+    timings: dict[str, list[tuple[list[Timing], list[Timing]]]] = {"tokenbus": [], "bare": []}
+    with pinned_apart(pin) as move_load, systems.tokenbus(engine, log, sim=(ttft_ms, itl_ms)) as running, \
+            systems.bare(log, sim=(ttft_ms, itl_ms)) as bare:
         move_load()
-        shape = load.Load(running.base_url, engine.model, concurrency=streams)
-        # varied lengths, so that streams do not all start in the same instant as fixed lengths would make them
-        work = requests(streams * 4, Distribution("fixed", 32), Distribution("uniform", tokens // 2, tokens * 3 // 2),
-                        seed=1)
-        asyncio.run(load.run(shape, work[:streams], system="warm-up", quiet=True))
-        timings, _duration = asyncio.run(load.collect(shape, work, system="tokenbus+sim"))
-    ok = sorted((t for t in timings if t.ok), key=lambda t: t.start)
-    first_wave, steady = ok[:streams], ok[streams:]
-    return HopResult(streams, ttft_ms, itl_ms,
-                     ttft_overhead_ms=_overhead([t.ttft for t in steady], ttft_ms),
-                     itl_overhead_ms=_overhead([i for t in steady for i in t.itls], itl_ms),
-                     first_wave_ttft_overhead_ms=_overhead([t.ttft for t in first_wave], ttft_ms), pinned=pin)
+        shapes = {"tokenbus": load.Load(running.base_url, engine.model, concurrency=streams),
+                  "bare": load.Load(bare.base_url, bare_server.MODEL, concurrency=streams)}
+        for shape in shapes.values():
+            asyncio.run(load.run(shape, work[:streams], system="warm-up", quiet=True))
+        for number in range(rounds):
+            for system in sorted(shapes, reverse=number % 2 == 1):
+                measured, _duration = asyncio.run(load.collect(shapes[system], work, system=system, quiet=True))
+                ok = sorted((t for t in measured if t.ok), key=lambda t: t.start)
+                timings[system].append((ok[:streams], ok[streams:]))
+    return HopResult(streams, ttft_ms, itl_ms, rounds=rounds, pinned=pin,
+                     **{system: _overheads(runs, ttft_ms, itl_ms) for system, runs in timings.items()})
+
+
+def _overheads(runs: list[tuple[list[Timing], list[Timing]]], ttft_ms: float, itl_ms: float) -> Overheads:
+    first_wave = [t for wave, _steady in runs for t in wave]
+    steady = [t for _wave, rest in runs for t in rest]
+    return Overheads(ttft_ms=_overhead([t.ttft for t in steady], ttft_ms),
+                     itl_ms=_overhead([i for t in steady for i in t.itls], itl_ms),
+                     first_wave_ttft_ms=_overhead([t.ttft for t in first_wave], ttft_ms))
 
 
 def _overhead(seconds: list[float], base_ms: float) -> Summary:

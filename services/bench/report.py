@@ -81,18 +81,28 @@ def _edge_section(report: Report) -> list[str]:
     if report.hops:
         h = report.hops[0]
         lines += [f"Hop overhead at {h.streams} concurrent streams over the simulator's own timings "
-                  f"(TTFT {h.sim_ttft_ms:.0f} ms, ITL {h.sim_itl_ms:.0f} ms), as the load generator sees it (its "
-                  "HTTP client and the simulator's timer grain included). Steady state: each new request arrives as "
-                  f"another finishes. First wave: the first {h.streams} requests, all sent in the same instant. "
-                  "Measured twice: with the load generator on a core of its own (edge, worker and Redis share the "
-                  "other), and with every process on every core.", "",
-                  "| load generator | | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+                  f"(TTFT {h.sim_ttft_ms:.0f} ms, ITL {h.sim_itl_ms:.0f} ms), as the load generator sees it. Side by "
+                  "side with the same simulator inside a bare aiohttp handler (`services/bench/bare.py`: no Redis, no "
+                  "worker, no validation), whose figures are this machine's floor: the load generator's HTTP client, "
+                  "aiohttp, loopback TCP and the simulator's timer grain. What tokenbus measures above the bare server "
+                  "is the edge's and the bus's own share (tokenbus - bare below: a difference of percentiles). Both "
+                  f"run at once, in {h.rounds} rounds that alternate their order; each round sends a first wave of "
+                  f"{h.streams} requests in the same instant, then keeps {h.streams} in flight, each new request "
+                  "arriving as another finishes (steady state). Measured twice: with the load generator on a core of "
+                  "its own (the systems share the other), and with every process on every core.", "",
+                  "| load generator | added to | tokenbus p50 | p90 | p99 | bare p50 | p90 | p99 "
+                  "| tokenbus - bare p50 | p99 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for hop in report.hops:
             where = "own core" if hop.pinned else "shares the cores"
-            lines += [f"| {where} | {name} | {s.p50:.2f} ms | {s.p90:.2f} ms | {s.p99:.2f} ms |" for name, s in (
-                ("added to time to first token, steady state", hop.ttft_overhead_ms),
-                ("added to inter-token latency, steady state", hop.itl_overhead_ms),
-                (f"added to time to first token, first wave of {hop.streams}", hop.first_wave_ttft_overhead_ms))]
+            for name, mine, floor in (
+                    ("time to first token, steady state", hop.tokenbus.ttft_ms, hop.bare.ttft_ms),
+                    ("inter-token latency, steady state", hop.tokenbus.itl_ms, hop.bare.itl_ms),
+                    (f"time to first token, first wave of {hop.streams}", hop.tokenbus.first_wave_ttft_ms,
+                     hop.bare.first_wave_ttft_ms)):
+                lines.append(f"| {where} | {name} | {mine.p50:.2f} ms | {mine.p90:.2f} ms | {mine.p99:.2f} ms "
+                             f"| {floor.p50:.2f} ms | {floor.p90:.2f} ms | {floor.p99:.2f} ms "
+                             f"| {mine.p50 - floor.p50:.2f} ms | {mine.p99 - floor.p99:.2f} ms |")
         lines += [""]
     if report.throughput is not None:
         t = report.throughput

