@@ -9,7 +9,7 @@ from aiohttp import web
 
 from services.edge.formats.base import Renderer
 from services.edge.jobevents import JobEvents, Sink
-from services.edge.sse import ClientGone, SSEWriter
+from services.edge.sse import ClientGone, SSEWriter, bound_send_buffer
 from shared import bus, metrics
 from shared.errors import EngineError, TokenbusError
 
@@ -86,6 +86,8 @@ async def respond(
     label, the model) also counts the time to first token per tenant.
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
+    if stream:
+        bound_send_buffer(request)
     first = await _next(request, events)
     if first is None:
         raise EngineError("The worker ended the job without a result.")

@@ -36,7 +36,10 @@ kernel's autotuning hides a stalled client behind megabytes before the edge can 
 JobEvents.max_buffered)."""
 
 
-def _bound_send_buffer(transport: asyncio.BaseTransport | None) -> None:
+def bound_send_buffer(request: web.Request) -> None:
+    """Bounds the send buffer of a connection that will stream (see SEND_BUFFER_BYTES); done while its request
+    waits for its first event, off the first token's way."""
+    transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is not None:
         with contextlib.suppress(OSError):
@@ -77,7 +80,6 @@ class SSEWriter:
             response.enable_chunked_encoding()
         else:
             response.force_close()  # HTTP/1.0 has no chunks: the stream ends when the connection closes
-        _bound_send_buffer(request.transport)
         try:
             await response.prepare(request)  # the headers go with the first write
         except ConnectionError as exc:
