@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 PULL_BLOCK_MS = 5000
 """A job's arrival ends the read at once; the block only sets how often an idle worker asks again (within the
-pooled connection's 10 s socket timeout)."""
+10 s deadline of a Redis call)."""
 STOP_WAIT_S = 5.0
 """How long a stopping worker waits for each of its loops and clients to close after the drain."""
 HANDOVER_WAIT_S = 5.0
@@ -66,6 +66,17 @@ class Engine(Protocol):
     def decode(self, job: bus.Job, token_ids: list[int]) -> str:
         """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
         ...
+
+
+def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The entries of an XREADGROUP reply, raw (RESP2 or RESP3, fields as a flat list) or parsed by redis-py (a
+    cluster's pipeline), as (id, fields)."""
+    entries = []
+    for _stream, found in (reply.items() if isinstance(reply, dict) else reply or ()):
+        for entry_id, fields in found:
+            entries.append((entry_id, fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2],
+                                                                                     strict=True))))
+    return entries
 
 
 def error_event(job_id: str, error: TokenbusError) -> bus.Error:
@@ -160,6 +171,11 @@ class Worker:
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.beats = rawpipe.Pipelines(self.redis, keep=False)
         """The heartbeat's write, with the offer's renewal: one round trip a beat."""
+        self.pulls = rawpipe.Pipelines(self.redis)
+        """The pull's blocking read, raw on a connection it holds for good: it is on every job's way to the
+        engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
+        self.lookups = rawpipe.Pipelines(self.redis, keep=False)
+        """The cancel and resume check of each batch of fresh jobs."""
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.settlements = Settlements(self.redis)
         self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
@@ -266,9 +282,10 @@ class Worker:
                 await self.slot_freed.wait()
                 continue
             try:
-                reply: Any = await self.redis.xreadgroup(
-                    keys.WORKER_GROUP, self.id, {self.stream: ">"}, count=free, block=PULL_BLOCK_MS
-                )
+                pipe = self.pulls.pipeline()
+                pipe.execute_command("XREADGROUP", "GROUP", keys.WORKER_GROUP, self.id, "COUNT", free,
+                                     "BLOCK", PULL_BLOCK_MS, "STREAMS", self.stream, ">")
+                reply = (await pipe.execute())[0]
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -278,7 +295,7 @@ class Worker:
                 log.warning("reading jobs failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _stream, entries in reply or ():
+            if entries := stream_entries(reply):
                 self._accept(entries)
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
@@ -302,10 +319,12 @@ class Worker:
                 self._start(run, self._take_over(run, reclaimed=False))
         if not fresh:
             return
-        # registered before the check, so that a cancel published meanwhile finds them
-        checks = self._in_background(self._check([run.job.id for run in fresh]))
+        # registered before the check, so that a cancel published meanwhile finds them; their tasks, made first,
+        # reach the engine before the check's runs
+        checks: asyncio.Future[list[_Check]] = asyncio.get_running_loop().create_future()
         for i, run in enumerate(fresh):
             self._start(run, self._run_fresh(run, checks, i))
+        self._in_background(self._check([run.job.id for run in fresh], checks))
 
     def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         self.runs[run.job.id] = run
@@ -317,14 +336,21 @@ class Worker:
         task.add_done_callback(self.background.discard)
         return task
 
-    async def _check(self, job_ids: list[str]) -> list[_Check]:
-        pipe = self.redis.pipeline(transaction=False)
+    async def _check(self, job_ids: list[str], checks: asyncio.Future[list[_Check]]) -> None:
+        pipe = self.lookups.pipeline()
         for job_id in job_ids:
-            pipe.exists(keys.cancelled(job_id))
-            pipe.get(keys.job_reply_to(job_id))
-        found = await pipe.execute()
-        return [_Check(bool(found[i]), found[i + 1].decode() if found[i + 1] else None)
-                for i in range(0, len(found), 2)]
+            pipe.execute_command("EXISTS", keys.cancelled(job_id))
+            pipe.execute_command("GET", keys.job_reply_to(job_id))
+        try:
+            found = await pipe.execute()
+        except (RedisError, OSError) as exc:  # the runs waiting on it see the failure
+            checks.set_exception(exc)
+            return
+        except asyncio.CancelledError:
+            checks.cancel()
+            raise
+        checks.set_result([_Check(bool(found[i]), found[i + 1].decode() if found[i + 1] else None)
+                           for i in range(0, len(found), 2)])
 
     def _apply_check(self, run: Run, index: int, checks: asyncio.Future[list[_Check]]) -> None:
         if checks.cancelled() or checks.exception() is not None:
@@ -350,7 +376,7 @@ class Worker:
             if not run.muted:  # this owner ended the job: settle what it cost its key
                 self._in_background(self._settle(run))
 
-    async def _run_fresh(self, run: Run, checks: asyncio.Task[list[_Check]], index: int) -> None:
+    async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
         waited_ms = bus.now_ms() - job.created_ms
         if job.id in self.aborted or (waited_ms > CHECK_FIRST_AFTER_MS and (await checks)[index].cancelled):
