@@ -45,7 +45,7 @@ async def test_a_burst_of_jobs_lands_in_order_in_one_round_trip(redis_url: str, 
     client = redis_clients.pooled(redis_url, "test-enqueue", 2)
     queue = queue_of(client, "fifo")
     await queue.scheduler.load()
-    writes = counting_writes(client)
+    writes = counting_writes(queue.pipelines)
     model = f"test-{uuid.uuid4().hex}"
     try:
         await asyncio.gather(*(queue.put(job(model, i)) for i in range(50)))
@@ -63,7 +63,7 @@ async def test_the_fair_queue_takes_a_burst_in_one_round_trip_after_redis_lost_i
     redis_client.script_flush()
     queue = queue_of(client)
     model = f"test-{uuid.uuid4().hex}"
-    writes = counting_writes(client)
+    writes = counting_writes(queue.pipelines)
     try:
         admitted = await asyncio.gather(*(queue.put(job(model, i)) for i in range(50)))
         await asyncio.gather(*(queue.put(job(model, i)) for i in range(50, 60)))

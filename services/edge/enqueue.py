@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from shared import bus, fairshare, metrics
+from shared import bus, fairshare, metrics, rawpipe
 from shared.errors import TokenbusError
 
 Record = tuple[str, bytes, int]
@@ -37,6 +37,9 @@ class JobQueue:
 
     def __init__(self, redis: aioredis.Redis, scheduler: fairshare.Scheduler) -> None:
         self.redis = redis
+        self.pipelines = rawpipe.Pipelines(redis, keep=False)
+        """Raw writes, on one of the pool's connections per batch: the enqueue is on every request's way to its
+        first token."""
         self.scheduler = scheduler
         self.batch: list[_Put] = []
         self.writer: asyncio.Task[None] | None = None
@@ -68,10 +71,10 @@ class JobQueue:
 
     async def _write(self, batch: list[_Put]) -> list[Outcome]:
         """One pipeline for the batch; per job, its outcome (the first failure of its commands, if any)."""
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.pipelines.pipeline()
         for put in batch:
             if put.record is not None:
-                pipe.set(put.record[0], put.record[1], px=put.record[2])
+                pipe.execute_command("SET", put.record[0], put.record[1], "PX", put.record[2])
             self.scheduler.enqueue(pipe, put.job, put.encoded)
         commands = len(pipe)  # a failed execute empties the pipeline
         try:
