@@ -149,6 +149,8 @@ class Worker:
         self.tool_format = tool_format(settings.tool_parser)
         self.reasoning = reasoning_format(settings.reasoning_parser)
         metrics.worker_series(self.model)
+        self.generated_tokens = metrics.GENERATED_TOKENS.labels(self.model)
+        """Counted per engine output: the labelled child is looked up once, not per token."""
         self.stream = keys.requests_stream(settings.model)
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
@@ -512,7 +514,7 @@ class Worker:
                     if isinstance(event, bus.Final):
                         event.completion_tokens += carried
                     if isinstance(event, bus.Tokens):
-                        metrics.GENERATED_TOKENS.labels(self.model).inc(len(event.token_ids))
+                        self.generated_tokens.inc(len(event.token_ids))
                     for out in [event] if run.output is None else run.output.rewrite(event):
                         self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
         except TimeoutError:
