@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from shared import bus, keys
 from shared.apikeys import KeyRecord
+from shared.rawpipe import Arg
 
 WINDOW_MS = 60_000
 USAGE_TTL_S = 400 * 24 * 3600
@@ -223,16 +224,32 @@ class Settlements:
         """Gives back all a job's charge, its request included: it never ran, and never will."""
         return await self._run(job, 0, 0, refund_request=True)
 
+    def command(self, job: bus.Job, prompt_tokens: int, completion_tokens: int) -> tuple[Arg, ...] | None:
+        """`settle` as one raw command (EVALSHA), to ride in another write; None when the job has no charge. Its
+        reply is the same; NoScriptError when Redis lost the script (`settle` loads it)."""
+        found = self._keys_args(job, prompt_tokens, completion_tokens, refund_request=False)
+        if found is None:
+            return None
+        script_keys, args = found
+        return ("EVALSHA", self._settle.sha, len(script_keys), *script_keys, *args)
+
     async def _run(self, job: bus.Job, prompt_tokens: int, completion_tokens: int, refund_request: bool) -> bool:
+        found = self._keys_args(job, prompt_tokens, completion_tokens, refund_request)
+        if found is None:
+            return False
+        script_keys, args = found
+        return bool(await self._settle(keys=script_keys, args=args))
+
+    @staticmethod
+    def _keys_args(job: bus.Job, prompt_tokens: int, completion_tokens: int,
+                   refund_request: bool) -> tuple[list[str], list[Arg]] | None:
         charge = job.charge
         if charge is None:
-            return False
+            return None
         now = time.time()
         day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-        reply = await self._settle(
-            keys=[keys.rate_tokens(charge.key), keys.quota(charge.key, charge.quota_window or "-"),
-                  keys.usage(charge.key, day), keys.settled(charge.key, job.id), keys.rate_requests(charge.key)],
-            args=[int(now * 1000), charge.tokens, prompt_tokens + completion_tokens, charge.tpm, job.tenant,
-                  job.model, prompt_tokens, completion_tokens, USAGE_TTL_S, SETTLED_TTL_MS,
-                  int(bool(charge.quota_window)), charge.rpm, int(refund_request)])
-        return bool(reply)
+        return ([keys.rate_tokens(charge.key), keys.quota(charge.key, charge.quota_window or "-"),
+                 keys.usage(charge.key, day), keys.settled(charge.key, job.id), keys.rate_requests(charge.key)],
+                [int(now * 1000), charge.tokens, prompt_tokens + completion_tokens, charge.tpm, job.tenant,
+                 job.model, prompt_tokens, completion_tokens, USAGE_TTL_S, SETTLED_TTL_MS,
+                 int(bool(charge.quota_window)), charge.rpm, int(refund_request)])

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from tests.conftest import ROOT, metric_value
 from tests.stack import Stack
@@ -293,6 +294,29 @@ async def test_usage_is_accounted_per_tenant_and_model(stack: Stack) -> None:
     assert metric_value(metrics, "tokenbus_worker_tenant_tokens_total",
                         {"tenant": "accounted", "kind": "completion"}) == expected["completion"]
     assert metric_value(metrics, "tokenbus_worker_queue_wait_seconds_count", {"tenant": "accounted"}) == 2
+
+
+async def test_usage_is_accounted_when_redis_lost_its_scripts(stack: Stack) -> None:
+    """Redis restarted without its scripts: the settle that rides in the worker's write of the job's last events
+    finds none, and the worker settles on its own, which loads it; the usage is counted once."""
+    key = create_key(stack, "--tenant", "unscripted")
+    admin = redis.Redis.from_url(stack.url)
+    try:
+        admin.script_flush()
+        async with openai.AsyncOpenAI(base_url=stack.edges[0].url + "/v1", api_key=key["key"],
+                                      max_retries=0) as client:
+            answer = await client.chat.completions.create(
+                model=stack.model, messages=[{"role": "user", "content": "one two"}], max_tokens=3)
+    finally:
+        admin.close()
+    assert answer.usage is not None
+    deadline = time.monotonic() + 5
+    while True:
+        rows = json.loads(tokenbus(stack, "usage", "--json", "--tenant", "unscripted").stdout or "[]")
+        if rows or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert [(r["requests"], r["completion"]) for r in rows] == [(1, answer.usage.completion_tokens)]
 
 
 def test_make_run_serves_without_keys_and_says_so() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import bus, keys, metrics
-from shared.rawpipe import PipelineLike, Pipelines
+from shared.rawpipe import Arg, PipelineLike, Pipelines
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,10 @@ class _Batch:
     expiries: dict[str, int] = field(default_factory=dict)
     acks: list[tuple[str, str, bytes]] = field(default_factory=list)
     notes: list[Any] = field(default_factory=list)
+    followups: list[tuple[tuple[Arg, ...], Callable[[Any], None]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.live or self.acks)
+        return bool(self.live or self.acks or self.followups)
 
 
 class EventPublisher:
@@ -77,6 +79,12 @@ class EventPublisher:
         self.batch.acks.append((stream, group, entry_id))
         if note is not None:
             self.batch.notes.append(note)
+        self._wake()
+
+    def then(self, command: tuple[Arg, ...], on_reply: Callable[[Any], None]) -> None:
+        """Sends a command in the next write, after the events and acknowledgements published so far; its reply
+        (an error included, never retried with the events) goes to `on_reply`."""
+        self.batch.followups.append((command, on_reply))
         self._wake()
 
     def _wake(self) -> None:
@@ -118,6 +126,9 @@ class EventPublisher:
             essential = len(pipe)
             if batch.acks and self.after_acks is not None:
                 self.after_acks.queue(pipe, batch.notes)
+            acked = len(pipe)
+            for command, _on_reply in batch.followups:
+                pipe.execute_command(*command)
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):  # its connection has no socket timeout of its own
                     results = await pipe.execute(raise_on_error=False)
@@ -127,8 +138,10 @@ class EventPublisher:
             except (RedisError, OSError, TimeoutError) as exc:  # keep the events: a short outage must not lose them
                 log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
-        if self.after_acks is not None and len(results) > essential:
-            self.after_acks.done(results[essential:])
+        if self.after_acks is not None and acked > essential:
+            self.after_acks.done(results[essential:acked])
+        for (_command, on_reply), reply in zip(batch.followups, results[acked:], strict=True):
+            on_reply(reply)
         metrics.EVENT_FLUSHES.inc()
         metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 

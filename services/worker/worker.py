@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from services.worker.ownership import Ownership
 from services.worker.parsing.formats import tool_format
@@ -376,7 +376,7 @@ class Worker:
             if not run.released:  # the run that ends the job settles its fair-share charge with the ack
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
             if not run.muted:  # this owner ended the job: settle what it cost its key
-                self._in_background(self._settle(run))
+                self._settle(run)
 
     async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
@@ -437,16 +437,32 @@ class Worker:
             return False
         return True
 
-    async def _settle(self, run: Run) -> None:
-        """Settles the job's reservation with what it used; a job that ended early counts its estimate."""
+    def _settle(self, run: Run) -> None:
+        """Settles the job's reservation with what it used (a job that ended early counts its estimate), in the
+        write that carries its last events."""
         job = run.job
         prompt, completion = run.used()
+        command = self.settlements.command(job, prompt, completion)
+        if command is not None:
+            self.publisher.then(command, lambda reply: self._settled(job, prompt, completion, reply))
+
+    def _settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
+        """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)
+        when Redis had lost it."""
+        if isinstance(reply, NoScriptError) and not alone:
+            self._in_background(self._settle_alone(job, prompt, completion))
+        elif isinstance(reply, Exception):
+            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(reply).__name__)
+        elif reply:
+            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
+            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
+
+    async def _settle_alone(self, job: bus.Job, prompt: int, completion: int) -> None:
         try:
-            if await self.settlements.settle(job, prompt, completion):
-                metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
-                metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
+            reply: Any = await self.settlements.settle(job, prompt, completion)
         except (RedisError, OSError) as exc:
-            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(exc).__name__)
+            reply = exc
+        self._settled(job, prompt, completion, reply, alone=True)
 
     async def _dead_letter(self, run: Run, reason: str) -> None:
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
