@@ -222,7 +222,8 @@ class FairShare(Scheduler):
 def _pipelined(pipe: PipelineLike, script: Any, model: str, args: list[Arg]) -> None:
     """Adds a call of a fair-share script on the model's keys, by its hash, as a raw EVALSHA: a Redis
     Cluster's pipeline routes that by its keys, and refuses its `evalsha` method."""
-    pipe.execute_command("EVALSHA", script.sha, len(keys.fair_keys(model)), *keys.fair_keys(model), *args)
+    script_keys = keys.fair_keys(model)
+    pipe.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
 
 
 def for_settings(redis: aioredis.Redis, settings: Settings) -> Scheduler:

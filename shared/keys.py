@@ -1,5 +1,7 @@
 """Every Redis key, stream, group and channel name tokenbus uses, in one place."""
 
+import functools
+
 PREFIX = "tokenbus"
 
 WORKER_GROUP = "workers"
@@ -146,6 +148,8 @@ def fair_key(model: str, name: str) -> str:
     return f"{PREFIX}:fair:{{{model}}}:{name}"
 
 
-def fair_keys(model: str) -> list[str]:
-    """Every key a fair-share script takes, in its order: FAIR_KEY_NAMES, then the model's request stream."""
-    return [fair_key(model, name) for name in FAIR_KEY_NAMES] + [requests_stream(model)]
+@functools.lru_cache(maxsize=1024)
+def fair_keys(model: str) -> tuple[str, ...]:
+    """Every key a fair-share script takes, in its order: FAIR_KEY_NAMES, then the model's request stream (made
+    once per model: every request's enqueue names them)."""
+    return (*(fair_key(model, name) for name in FAIR_KEY_NAMES), requests_stream(model))

@@ -81,6 +81,8 @@ class _Connection(RequestHandler):
         """From the parsed head until the response is written: bytes that arrive then are the body."""
         self.body: StreamReader | None = None
         """The body of the request being handled."""
+        self.send_buffer_bounded = False
+        """Set by the first stream on this connection (services.edge.sse.bound_send_buffer)."""
 
     def data_received(self, data: bytes) -> None:
         if self.head_timer is None and not self.handling:  # the first bytes of a request start its clock

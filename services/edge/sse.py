@@ -37,13 +37,18 @@ JobEvents.max_buffered)."""
 
 
 def bound_send_buffer(request: web.Request) -> None:
-    """Bounds the send buffer of a connection that will stream (see SEND_BUFFER_BYTES); done while its request
-    waits for its first event, off the first token's way."""
+    """Bounds the send buffer of a connection that will stream (see SEND_BUFFER_BYTES), once per connection;
+    done while its request waits for its first event, off the first token's way."""
+    connection = request.protocol
+    if getattr(connection, "send_buffer_bounded", False):  # an earlier stream on this keep-alive connection
+        return
     transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None  # costly on uvloop: a new object
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            with contextlib.suppress(AttributeError):  # a connection class without the mark
+                connection.send_buffer_bounded = True  # type: ignore[attr-defined]
 
 
 class _EventStream(web.StreamResponse):
