@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
 import hiredis
@@ -27,6 +27,13 @@ from shared.redis_clients import COMMAND_TIMEOUT_S
 Arg = bytes | str | int | float
 pack = cast(Callable[[tuple[Arg, ...]], bytes], hiredis.pack_command)  # its stub takes 1-tuples only
 """One command in Redis's protocol, packed in C (redis-py packs in Python, converting every argument)."""
+
+
+def stream_entries(reply: Any) -> Iterator[tuple[bytes, Any]]:
+    """The (id, fields) of each entry of an XREAD or XREADGROUP reply: RESP3 answers {stream: entries}, RESP2
+    [[stream, entries]]; fields come as Redis sent them (a flat list) or as redis-py parsed them (a dict)."""
+    for _stream, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
+        yield from entries
 
 
 class PipelineLike(Protocol):

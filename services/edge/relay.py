@@ -78,7 +78,7 @@ class EventRelay:
         self.jobs: dict[str, JobEvents] = {}
         self.busy = asyncio.Event()
         """Set while jobs are registered: the ticker sleeps without them."""
-        self.last_id = "0-0"
+        self.last_id: bytes | str = "0-0"
         self.down_since: float | None = None
         """When reading from Redis began to fail; None while it answers."""
 
@@ -125,11 +125,9 @@ class EventRelay:
                 log.info("reading %s again after an outage", self.stream)
                 self.down_since = None
                 metrics.REDIS_UP.set(1)
-            # RESP3 answers {stream: entries}, RESP2 [[stream, entries]]; entries are [id, [field, payload]]
-            for _stream, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
-                for entry_id, fields in entries:
-                    self.last_id = entry_id
-                    self.dispatch(fields[1])
+            for entry_id, fields in rawpipe.stream_entries(reply):  # fields: [field, payload]
+                self.last_id = entry_id
+                self.dispatch(fields[1])
 
     def _failed(self, exc: Exception) -> None:
         if isinstance(exc, RedisError | OSError | TimeoutError):

@@ -68,17 +68,6 @@ class Engine(Protocol):
         ...
 
 
-def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """The entries of an XREADGROUP reply, raw (RESP2 or RESP3, fields as a flat list) or parsed by redis-py (a
-    cluster's pipeline), as (id, fields)."""
-    entries = []
-    for _stream, found in (reply.items() if isinstance(reply, dict) else reply or ()):
-        for entry_id, fields in found:
-            entries.append((entry_id, fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2],
-                                                                                     strict=True))))
-    return entries
-
-
 def error_event(job_id: str, error: TokenbusError) -> bus.Error:
     return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
                      code=error.code)
@@ -297,7 +286,10 @@ class Worker:
                 log.warning("reading jobs failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            if entries := stream_entries(reply):
+            # raw fields are a flat list; a cluster's pipeline (redis-py) parses them into a dict already
+            if entries := [(entry_id, fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2],
+                                                                                       strict=True)))
+                           for entry_id, fields in rawpipe.stream_entries(reply)]:
                 self._accept(entries)
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
