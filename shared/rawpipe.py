@@ -24,6 +24,11 @@ from redis.exceptions import ResponseError
 
 from shared.redis_clients import COMMAND_TIMEOUT_S
 
+try:
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA  # what its hiredis reader answers for a partial reply
+except ImportError:  # pragma: no cover - a redis-py that moved it: its own reads are used
+    NOT_ENOUGH_DATA = None
+
 Arg = bytes | str | int | float
 pack = cast(Callable[[tuple[Arg, ...]], bytes], hiredis.pack_command)  # its stub takes 1-tuples only
 """One command in Redis's protocol, packed in C (redis-py packs in Python, converting every argument)."""
@@ -98,13 +103,7 @@ class HeldConnection:
         connection = self.connection
         try:
             await connection.send_packed_command(b"".join(map(pack, commands)), check_health=False)
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    # no timer per read: `run` bounds the whole call
-                    replies.append(await connection.read_response(timeout=math.inf))
-                except ResponseError as exc:  # read whole: the next reply follows on the same connection
-                    replies.append(exc)
+            replies = await read_replies(connection, len(commands))
         except BaseException:  # replies may be left unread: the connection cannot be used again
             self.connection = None
             await connection.disconnect(nowait=True)
@@ -114,6 +113,38 @@ class HeldConnection:
             self.connection = None
             await self.client.connection_pool.release(connection)
         return replies
+
+
+async def read_replies(connection: Any, count: int) -> list[Any]:
+    """The next `count` replies on a connection, an error reply as the exception in its place. With hiredis
+    (always installed: redis[hiredis]) they are taken from its reader as each socket read completes them, in C;
+    redis-py's read_response costs a few Python calls and a timer check per reply, which a step's write of
+    dozens of commands pays dozens of times. No timer per read: the caller bounds the whole call."""
+    parser = connection._parser
+    reader = getattr(parser, "_reader", None)
+    if reader is None or NOT_ENOUGH_DATA is None:  # redis-py's Python parser, or a redis-py that changed
+        return [await _read_one(connection) for _ in range(count)]
+    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    replies: list[Any] = []
+    while len(replies) < count:
+        reply = reader.gets()
+        if reply is NOT_ENOUGH_DATA:
+            try:
+                await parser.read_from_socket()
+            except OSError as exc:
+                raise RedisConnectionError(f"Error while reading from Redis: {exc}") from exc
+        elif isinstance(reply, RedisConnectionError):
+            raise reply
+        elif push is None or not isinstance(reply, push):  # a push (RESP3 only) is nobody's reply here
+            replies.append(reply)
+    return replies
+
+
+async def _read_one(connection: Any) -> Any:
+    try:
+        return await connection.read_response(timeout=math.inf)
+    except ResponseError as exc:  # read whole: the next reply follows on the same connection
+        return exc
 
 
 class Pipelines:
