@@ -135,11 +135,13 @@ def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Pa
     assert out.read_text().count(report.KEPT) == 1
 
 
-def _cell(throughput: float, ttft_ms: float, cpu_s: float) -> compare.Cell:
+def _cell(throughput: float, ttft_ms: float, cpu_s: float, vllm: bool = False) -> compare.Cell:
     flat = Summary(ttft_ms, ttft_ms, ttft_ms, ttft_ms)
     step = Summary(10.0, 10.0, 10.0, 10.0)
     result = Result("x", 8, 8, 0, 1.0, 8.0, throughput, 8.0, flat, flat, step, step, flat)
-    return compare.Cell(result, tokens=1000, front_cpu_s=cpu_s, engine_cpu_s=1.0)
+    parts = {compare.API_SERVER: cpu_s} if vllm else {compare.EDGE: cpu_s * 0.4, compare.WORKER: cpu_s * 0.4,
+                                                       compare.REDIS: cpu_s * 0.2}
+    return compare.Cell(result, tokens=1000, front_cpu_s=cpu_s, engine_cpu_s=1.0, front_cpu_by_part=parts)
 
 
 def _comparison() -> compare.Comparison:
@@ -149,14 +151,16 @@ def _comparison() -> compare.Comparison:
     return {shape: {
         compare.TOKENBUS: [_cell(120.0 + r, 50.0 + (r % 2), 0.05) for r in rounds],
         compare.TWO_EDGES: [_cell(100.0 + r, 50.0, 0.1) for r in rounds],
-        compare.VLLM_SERVE: [_cell(100.0 + r, 50.5 - (r % 2), 0.1) for r in rounds]}}
+        compare.VLLM_SERVE: [_cell(100.0 + r, 50.5 - (r % 2), 0.1, vllm=True) for r in rounds]}}
 
 
 def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Path) -> None:
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## tokenbus against `vllm serve`\n\nstale figures\n")
-    idle = {compare.TOKENBUS: [4.0, 4.5, 3.5, 4.0, 4.5, 3.5], compare.TWO_EDGES: [5.0] * 6,
-            compare.VLLM_SERVE: [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]}
+    idle = {compare.TOKENBUS: [{compare.EDGE: ms - 3.0, compare.WORKER: 1.0, compare.REDIS: 2.0}
+                               for ms in (4.0, 4.5, 3.5, 4.0, 4.5, 3.5)],
+            compare.TWO_EDGES: [{"edge 1": 1.0, "edge 2": 1.0, compare.WORKER: 1.0, compare.REDIS: 2.0}] * 6,
+            compare.VLLM_SERVE: [{compare.API_SERVER: 2.0}] * 6}
     report.write_comparison(_comparison(), out, "tokenbus bench compare", idle)
     text = out.read_text()
     assert "kept" in text and "stale" not in text and text.count(compare_report.HEADING) == 1
@@ -170,6 +174,10 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
     assert rows["tokenbus, 2 edges / vllm serve"].count("1.000x [1.000, 1.000] level (within noise)") == 3
     assert "| tokenbus | 4.00 ms/s | 2.000x [" in text and "| vllm serve | 2.00 ms/s |  |" in text
     assert "| tokenbus, 2 edges | 5.00 ms/s | 2.500x [2.500, 2.500] **loss** |" in text
+    # the breakdown: per token by process in the shape (0.05 CPU-s over 1000 tokens: 50 us), and while idle
+    assert ("| tokenbus | edge 20 + worker 20 + redis-server 10 = 50 | edge 1.00 + worker 1.00 + redis-server 2.00 "
+            "= 4.00 |") in text
+    assert "| vllm serve | API server 100 | API server 2.00 |" in text
 
 
 def test_the_load_is_dealt_over_every_edge() -> None:

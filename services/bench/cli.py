@@ -141,8 +141,8 @@ def _comparison(args: argparse.Namespace, engine: systems.Engine,
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
     comparison, idle = compare.compare(engine, plan, log_dir)
-    for system, ms_per_s in idle.items():
-        print(f"idle {system}: {statistics.mean(ms_per_s):.2f} ms of front-end CPU per s")
+    for system, rounds in idle.items():
+        print(f"idle {system}: {statistics.mean(compare.idle_totals(rounds)):.2f} ms of front-end CPU per s")
     for shape, system, row in compare_report.ratios(comparison):
         print(f"{shape.name} c={shape.concurrency} {system}: " + ", ".join(
             f"{r.metric.label} {r.interval.estimate:.3f}x [{r.interval.low:.3f}, {r.interval.high:.3f}] {r.verdict}"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -20,6 +20,8 @@ from services.bench.workload import Distribution, requests
 TOKENBUS, TWO_EDGES, VLLM_SERVE = "tokenbus", "tokenbus, 2 edges", "vllm serve"
 """The systems compared: tokenbus with the load on its first edge, the same deployment with the load dealt
 over both of its edges, and vLLM's own OpenAI server."""
+EDGE, WORKER, REDIS, API_SERVER = "edge", "worker", "redis-server", "API server"
+"""The parts of the front ends, as the CPU breakdown names them."""
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,15 @@ class Cell:
     """Output tokens streamed by the requests that succeeded."""
     front_cpu_s: float
     engine_cpu_s: float
+    front_cpu_by_part: dict[str, float] = field(default_factory=dict)
+    """The front-end CPU seconds split by process: its part in the system (edge, worker, redis-server...)."""
 
     @property
     def front_cpu_us_per_token(self) -> float:
         return self.front_cpu_s / max(self.tokens, 1) * 1e6
+
+    def part_cpu_us_per_token(self, part: str) -> float:
+        return self.front_cpu_by_part.get(part, 0.0) / max(self.tokens, 1) * 1e6
 
     @property
     def engine_cpu_us_per_token(self) -> float:
@@ -89,8 +96,13 @@ class Cell:
 Comparison = dict[Shape, dict[str, list[Cell]]]
 """Per shape and system, one cell per round, in round order (so round i of one system pairs with round i of
 another)."""
-Idle = dict[str, list[float]]
-"""Per system, its front end's CPU while nothing is asked of it, in ms per second, one figure per round."""
+Idle = dict[str, list[dict[str, float]]]
+"""Per system, its front end's CPU while nothing is asked of it, in ms per second by part, one per round."""
+
+
+def idle_totals(rounds: list[dict[str, float]]) -> list[float]:
+    """A system's whole front end's idle CPU (ms per second), one figure per round."""
+    return [sum(parts.values()) for parts in rounds]
 
 
 @dataclass(frozen=True)
@@ -106,15 +118,24 @@ class Deployment:
     Each process's own user + system time from /proc/<pid>/stat, its children's excluded."""
 
     base_urls: tuple[str, ...]
-    front_pids: tuple[int, ...]
+    front: tuple[tuple[str, int], ...]
+    """The front end's processes, each with its part in the system (two edges are two parts)."""
     engine_pids: tuple[int, ...]
+
+    @property
+    def front_pids(self) -> tuple[int, ...]:
+        return tuple(pid for _part, pid in self.front)
 
     def cpu_s(self) -> tuple[float, float]:
         """Front-end and engine CPU seconds so far."""
         return _cpu_s(self.front_pids), _cpu_s(self.engine_pids)
 
+    def cpu_by_part(self) -> dict[str, float]:
+        """Each front-end process's CPU seconds so far, by its part."""
+        return {part: _cpu_s((pid,)) for part, pid in self.front}
+
     def describe(self) -> str:
-        names = ", ".join(f"{systems.command_name(p)} ({p})" for p in self.front_pids)
+        names = ", ".join(f"{part}: {systems.command_name(p)} ({p})" for part, p in self.front)
         engine = ", ".join(f"{systems.command_name(p)} ({p})" for p in self.engine_pids)
         return f"front end: {names}; engine: {engine}"
 
@@ -130,13 +151,15 @@ def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
         redis_pid = int(client.info("server")["process_id"])
     engine = tuple(systems.descendants(worker))
     # the one-edge system is counted as deployed alone: the second edge's idle loops are not its cost
-    return {TOKENBUS: Deployment(running.base_urls[:1], (edges[0], worker, redis_pid), engine),
-            TWO_EDGES: Deployment(running.base_urls, (*edges, worker, redis_pid), engine)}
+    shared = ((WORKER, worker), (REDIS, redis_pid))
+    return {TOKENBUS: Deployment(running.base_urls[:1], ((EDGE, edges[0]), *shared), engine),
+            TWO_EDGES: Deployment(running.base_urls, (*((f"{EDGE} {i + 1}", pid) for i, pid in enumerate(edges)),
+                                                      *shared), engine)}
 
 
 def vllm_serve_deployment(running: systems.Running) -> Deployment:
     server = running.pids["server"]
-    return Deployment((running.base_url,), (server,), tuple(systems.descendants(server)))
+    return Deployment((running.base_url,), ((API_SERVER, server),), tuple(systems.descendants(server)))
 
 
 def _load(deployment: Deployment, model: str, api: str, concurrency: int) -> load.Load:
@@ -154,12 +177,12 @@ def warm_up(deployment: Deployment, model: str, api: str) -> None:
 def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: str, seed: int) -> Cell:
     work = requests(shape.requests, shape.prompt_len, shape.output_len, seed=seed)
     spec = _load(deployment, model, api, shape.concurrency)
-    front_before, engine_before = deployment.cpu_s()
+    (front_before, engine_before), parts_before = deployment.cpu_s(), deployment.cpu_by_part()
     timings, duration_s = asyncio.run(load.collect(spec, work, system=system, quiet=True))
-    front_after, engine_after = deployment.cpu_s()
+    (front_after, engine_after), parts_after = deployment.cpu_s(), deployment.cpu_by_part()
     tokens = sum(t.output_tokens for t in timings if t.ok)
     return Cell(load.summarize(system, spec, timings, duration_s), tokens, front_after - front_before,
-                engine_after - engine_before)
+                engine_after - engine_before, {part: parts_after[part] - parts_before[part] for part in parts_after})
 
 
 def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:
@@ -175,11 +198,13 @@ def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparis
         return _rounds(deployments, engine.model, plan)
 
 
-def idle_cpu(deployments: dict[str, Deployment], seconds: float) -> dict[str, float]:
-    """Each system's front-end CPU in ms per second over the same quiet `seconds` (all of them idle at once)."""
-    before = {name: d.cpu_s()[0] for name, d in deployments.items()}
+def idle_cpu(deployments: dict[str, Deployment], seconds: float) -> dict[str, dict[str, float]]:
+    """Each system's front-end CPU in ms per second by part over the same quiet `seconds` (all of them idle at
+    once)."""
+    before = {name: d.cpu_by_part() for name, d in deployments.items()}
     time.sleep(seconds)
-    return {name: (d.cpu_s()[0] - before[name]) * 1000 / seconds for name, d in deployments.items()}
+    return {name: {part: (cpu_s - before[name][part]) * 1000 / seconds for part, cpu_s in d.cpu_by_part().items()}
+            for name, d in deployments.items()}
 
 
 def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> tuple[Comparison, Idle]:
@@ -188,10 +213,10 @@ def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> tuple
     idle: Idle = {name: [] for name in deployments}
     for round_no in range(plan.rounds):
         time.sleep(plan.pause_s)
-        for name, ms_per_s in idle_cpu(deployments, plan.idle_s).items():
-            idle[name].append(ms_per_s)
-            print(f"  round {round_no + 1}/{plan.rounds} idle {name}: {ms_per_s:.2f} ms of front-end CPU per s",
-                  file=sys.stderr)
+        for name, parts in idle_cpu(deployments, plan.idle_s).items():
+            idle[name].append(parts)
+            print(f"  round {round_no + 1}/{plan.rounds} idle {name}: {sum(parts.values()):.2f} ms of front-end CPU "
+                  f"per s ({', '.join(f'{part} {ms:.2f}' for part, ms in parts.items())})", file=sys.stderr)
         for number, shape, system in cells if round_no % 2 == 0 else cells[::-1]:
             time.sleep(plan.pause_s)
             cell = measure(deployments[system], shape, system, model, plan.api, seed=1000 * round_no + number)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench.compare import VLLM_SERVE, Cell, Comparison, Idle, Shape
+from services.bench.compare import VLLM_SERVE, Cell, Comparison, Idle, Shape, idle_totals
 from services.bench.stats import LEAD, LOSS, MIN_ROUNDS, Interval, paired_bootstrap_ratio, verdict
 from services.bench.workload import Distribution
 
@@ -113,13 +113,50 @@ def idle_table(idle: Idle) -> list[str]:
     """Each system's front-end CPU while idle, and its ratio to `vllm serve`'s with its interval."""
     theirs = idle.get(VLLM_SERVE)
     lines = ["| system | front-end CPU while idle | / vllm serve |", "|---|---|---|"]
-    for system, ours in idle.items():
-        ratio = ""
+    for system, rounds in idle.items():
+        ours, ratio = idle_totals(rounds), ""
         if theirs is not None and system != VLLM_SERVE:
-            interval = paired_bootstrap_ratio(ours, theirs, resamples=RESAMPLES)
+            interval = paired_bootstrap_ratio(ours, idle_totals(theirs), resamples=RESAMPLES)
             ratio = _interval_text(interval, verdict(interval, higher_is_better=False))
         lines.append(f"| {system} | {statistics.mean(ours):.2f} ms/s | {ratio} |")
     return lines
+
+
+def _parts_text(figures: dict[str, float], fmt: str) -> str:
+    parts = [f"{part} {fmt.format(value)}" for part, value in figures.items()]
+    return " + ".join(parts) + (f" = {fmt.format(sum(figures.values()))}" if len(parts) > 1 else "")
+
+
+def breakdown_table(comparison: Comparison, idle: Idle) -> list[str]:
+    """Each system's front-end CPU per token by process (mean over the rounds) in every shape, and while idle."""
+    shapes = list(comparison)
+    systems = list(dict.fromkeys(system for by_system in comparison.values() for system in by_system))
+    lines = ["| system | " + " | ".join(f"{shape.name} c={shape.concurrency}, us/token" for shape in shapes)
+             + (" | idle, ms/s |" if idle else " |"),
+             "|---|" + "---|" * (len(shapes) + bool(idle))]
+    for system in systems:
+        cells = [comparison[shape].get(system, []) for shape in shapes]
+        row = [_parts_text({part: statistics.mean(c.part_cpu_us_per_token(part) for c in by_round)
+                            for part in by_round[0].front_cpu_by_part}, "{:.0f}") if by_round else ""
+               for by_round in cells]
+        if idle:
+            rounds = idle.get(system, [])
+            row.append(_parts_text({part: statistics.mean(r[part] for r in rounds) for part in rounds[0]}, "{:.2f}")
+                       if rounds else "")
+        lines.append(f"| {system} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _breakdown_text(comparison: Comparison, idle: Idle) -> list[str]:
+    if not any(c.front_cpu_by_part for by_system in comparison.values() for cells in by_system.values()
+               for c in cells):
+        return []
+    return [
+        "*Where the front-end CPU goes*: the same figures split by process (per output token in each shape, and "
+        "per second while idle). The worker holds the AsyncLLM work that `vllm serve`'s API server also does; "
+        "the edge does the HTTP that the API server also does; redis-server is the bus, which `vllm serve` has "
+        "no counterpart of, and its idle figure includes its own timer (`hz`, 10 by default).", "",
+        *breakdown_table(comparison, idle), ""]
 
 
 def _idle_text(idle: Idle) -> list[str]:
@@ -183,6 +220,7 @@ def section(comparison: Comparison, images: list[str], made_by: str = "", idle: 
         "interval is, if anything, too narrow.", "",
         *ratio_table(comparison), "",
         *_idle_text(idle or {}),
+        *_breakdown_text(comparison, idle or {}),
         *[f"![{name}]({name})" for name in images],
         "",
     ]
