@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
+from services.supervisor import REDIS_ARGS
 from tests.conftest import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -38,10 +40,16 @@ def test_the_compose_file_follows_the_compose_specification() -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def test_the_redis_tokenbus_starts_runs_as_the_manifests_say(redis_client: redis.Redis) -> None:
+    """`tokenbus run`, the tests and the benchmarks run the Redis the compose file and k8s run."""
+    config = redis_client.config_get("*")
+    flags = dict(zip(REDIS_ARGS[::2], REDIS_ARGS[1::2], strict=True))
+    assert {name: config[name.removeprefix("--")] for name in flags} == flags
+
+
 def test_the_compose_stack_is_ready_for_production() -> None:
     services = compose()["services"]
-    redis_command = " ".join(services["redis"]["command"])
-    assert "--appendonly yes" in redis_command and "--appendfsync everysec" in redis_command
+    assert services["redis"]["command"] == ["redis-server", *REDIS_ARGS]  # durable, and run as the tests run it
     assert services["edge"]["deploy"]["replicas"] >= 2
     assert "/ready" in " ".join(services["edge"]["healthcheck"]["test"])
     grace = int(services["edge"]["environment"]["TOKENBUS_SHUTDOWN_GRACE_S"])
@@ -142,8 +150,8 @@ def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None
     assert ("HorizontalPodAutoscaler", "tokenbus-edge") in docs and ("ScaledObject", "tokenbus-worker") in docs
     worker = docs[("Deployment", "tokenbus-worker")]["spec"]["template"]["spec"]["containers"][0]
     assert ("nvidia.com/gpu" in worker["resources"]["limits"]) == (overlay == "gpu")
-    redis_args = " ".join(docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]["containers"][0]["args"])
-    assert "--appendonly yes" in redis_args and "--appendfsync everysec" in redis_args
+    redis_container = docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert redis_container["args"] == ["redis-server", *REDIS_ARGS]
 
 
 def test_the_operator_rules_are_the_prometheus_rules() -> None:

@@ -155,7 +155,8 @@ def _breakdown_text(comparison: Comparison, idle: Idle) -> list[str]:
         "*Where the front-end CPU goes*: the same figures split by process (per output token in each shape, and "
         "per second while idle). The worker holds the AsyncLLM work that `vllm serve`'s API server also does; "
         "the edge does the HTTP that the API server also does; redis-server is the bus, which `vllm serve` has "
-        "no counterpart of, and its idle figure includes its own timer (`hz`, 10 by default).", "",
+        "no counterpart of, and its idle figure includes its own timer (`hz`: tokenbus runs Redis at 1 rather "
+        "than the default 10, for the reasons `services.supervisor.REDIS_ARGS` gives).", "",
         *breakdown_table(comparison, idle), ""]
 
 

@@ -33,7 +33,8 @@ READ_BLOCK_MS = 2000
 """An idle edge's read ends this often; each costs the edge and Redis a wake-up."""
 READ_COUNT = 512
 READ_GRACE_S = 2.0
-"""How much longer than its BLOCK an XREAD may take before its connection counts as lost."""
+"""How much longer than its BLOCK an XREAD may take before its connection counts as lost: more than a tick of
+Redis's timer, which ends a BLOCK (a second at the `hz 1` tokenbus runs Redis with)."""
 TICK_S = 0.25
 """How often a quiet request wakes to look at its deadline and its client."""
 STREAM_TTL_S = 120
