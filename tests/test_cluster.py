@@ -100,7 +100,8 @@ async def serve_everything(edges: list[Edge], worker_metrics: str, key: str, fir
     body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 30, "stream": True}
     async with httpx.AsyncClient(timeout=30) as http:
         last = ""
-        async with http.stream("POST", edges[0].url + "/v1/chat/completions", json=body, headers=headers) as cut:
+        async with http.stream("POST", edges[0].url + "/v1/chat/completions", json=body,
+                               headers={**headers, "Accept": "text/event-stream"}) as cut:
             async for line in cut.aiter_lines():
                 if line.startswith("id: "):
                     last = line[4:]

@@ -138,7 +138,8 @@ async def sse_frames(http: httpx.AsyncClient, method: str, url: str, limit: int 
     """(id, data) of each SSE event, at most `limit` of them (then the connection is dropped)."""
     frames: list[tuple[str, str]] = []
     event_id = ""
-    async with http.stream(method, url, **kwargs) as response:
+    headers = {"Accept": "text/event-stream", **kwargs.pop("headers", {})}  # type: ignore[dict-item]
+    async with http.stream(method, url, headers=headers, **kwargs) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
             if line.startswith("id: "):

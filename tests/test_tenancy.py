@@ -263,7 +263,7 @@ async def test_a_tenant_cannot_touch_another_tenants_work(stack: Stack) -> None:
         assert continued.status_code == 404
         assert (await http.get(f"{base}/v1/responses/{rid}", headers=bearer(owner))).status_code == 200
         async with http.stream("POST", base + "/v1/chat/completions", json=chat(stack.model, tokens=5, stream=True),
-                               headers=bearer(owner)) as streamed:
+                               headers={**bearer(owner), "Accept": "text/event-stream"}) as streamed:
             lines = [line async for line in streamed.aiter_lines()]
         first_id = next(line[4:] for line in lines if line.startswith("id:"))
         stream_id = first_id.rpartition(":")[0]

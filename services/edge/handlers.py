@@ -9,7 +9,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from services.edge import pump
+from services.edge import pump, sse
 from services.edge.auth import caller_of
 from services.edge.formats import responses, tgi
 from services.edge.formats.base import decode, encode
@@ -49,7 +49,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      tenant=tenant)
+                                      tenant=tenant, ids=sse.wants_ids(request))
     finally:
         in_flight.dec()
         metrics.REQUEST_DURATION.labels(plan.job.model).observe(time.monotonic() - arrival.started)

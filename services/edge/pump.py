@@ -15,23 +15,27 @@ from shared.errors import EngineError, TokenbusError
 
 
 class _Delivery:
-    """Renders one job's events, numbers the frames (the SSE `id:` a client resumes after) and counts the
+    """Renders one job's events, numbers the frames (the SSE `id:` a client resumes after, sent when `ids`) and
+    counts the
     tokens that reached the client (once, at the end), the gaps between token events, the prompt tokens and
     the finish reasons. A resumed stream renders everything again and sends only the frames after the
     client's last id."""
 
-    def __init__(self, renderer: Renderer, job_id: str, model: str, after: int = -1) -> None:
+    def __init__(self, renderer: Renderer, job_id: str, model: str, after: int = -1, ids: bool = True) -> None:
         self.renderer = renderer
         self.model = model
         self.tokens = 0
-        self.prefix = b"id: " + job_id.encode() + b":"
+        self.prefix = b"id: " + job_id.encode() + b":" if ids else b""
         self.numbered = 0
         self.after = after
         self.gaps = metrics.INTER_TOKEN_LATENCY.labels(model)
         self.last_tokens_at = 0.0
 
     def stamp(self, frames: list[bytes]) -> list[bytes]:
-        """Gives each frame its id; drops the frames the client already has."""
+        """Gives each frame its id (if ids are sent); drops the frames the client already has."""
+        if not self.prefix:  # a stream without ids is never a resumed one
+            self.numbered += len(frames)
+            return frames
         out: list[bytes] = []
         for frame in frames:
             number, self.numbered = self.numbered, self.numbered + 1
@@ -78,11 +82,13 @@ class _Delivery:
 async def respond(
     request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, model: str,
     keepalive_s: float, started: float, after: int = -1, tenant: tuple[str, str] | None = None,
+    ids: bool = True,
 ) -> web.StreamResponse:
     """Waits for the first event before committing to a status: errors before it are plain 4xx/5xx.
 
     A client that goes away raises ClientGone, which the caller turns into a cancel of the job (or keeps it
-    for a resume). A resumed stream sends only the frames numbered after `after`. `tenant` (its metrics
+    for a resume). A resumed stream sends only the frames numbered after `after`; frames carry their number
+    as an SSE `id:` when `ids`. `tenant` (its metrics
     label, the model) also counts the time to first token per tenant.
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
@@ -94,7 +100,7 @@ async def respond(
     metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(time.monotonic() - started)
     if tenant is not None:
         metrics.TENANT_TIME_TO_FIRST_TOKEN.labels(*tenant).observe(time.monotonic() - started)
-    delivery = _Delivery(renderer, events.job_id, model, after)
+    delivery = _Delivery(renderer, events.job_id, model, after, ids)
     try:
         if not stream:
             event: bus.Output | None = first

@@ -16,6 +16,15 @@ SSE_HEADERS = {
 }
 
 
+def wants_ids(request: web.Request) -> bool:
+    """Whether a stream's events carry an `id:` (what a resume starts after): for clients that say they speak
+    server-sent events (`Accept: text/event-stream`, as EventSource, httpx-sse and sseclient send) or resume
+    (`Last-Event-ID`). Others get the bare `data:` frames OpenAI, vLLM and TGI send: clients that parse
+    those by hand (vLLM's `vllm bench serve` among them) take a frame with an `id:` line for broken JSON."""
+    headers = request.headers
+    return "text/event-stream" in headers.get("Accept", "") or "Last-Event-ID" in headers
+
+
 def data_frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
