@@ -100,6 +100,15 @@ def test_the_vllm_bench_summary_is_cut_out_of_its_noise() -> None:
     assert result_block("warming up\n" + table + "\n 6%|| 1/16 progress\nleaked type") == table
 
 
+def test_a_vllm_bench_run_whose_requests_failed_says_so(tmp_path: Path) -> None:
+    summary = "============ Serving Benchmark Result ============\nSuccessful requests:   0\nFailed requests:   16\n"
+    assert compare.failed_requests(summary) == 16 and compare.failed_requests("no summary") is None
+    out = tmp_path / "bench.md"
+    report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
+                               vllm_bench=(0, summary)), out)
+    assert "exit status 0. **16 of its requests failed.**" in out.read_text()
+
+
 def _fairness_result() -> fairness.Result:
     def figures(tenant: str, ttft_ms: float, tokens: int, share: float) -> fairness.TenantFigures:
         return fairness.TenantFigures(tenant, 1.0, 10, 0, Summary(ttft_ms, ttft_ms, ttft_ms, ttft_ms), tokens, share)

@@ -5,6 +5,7 @@ so that drift of the machine over the run falls on both systems alike and the ro
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -238,6 +239,12 @@ def vllm_bench_serve(engine: systems.Engine, log_dir: Path, prompts: int = 16) -
         done = subprocess.run([sys.executable, "-m", "services.bench.vllm_bench", *args],
                               capture_output=True, text=True, timeout=600)
     return done.returncode, result_block(done.stdout + done.stderr)
+
+
+def failed_requests(summary: str) -> int | None:
+    """The `Failed requests:` count of a `vllm bench serve` summary (it exits 0 even when every request failed)."""
+    found = re.search(r"^Failed requests:\s+(\d+)", summary, re.MULTILINE)
+    return int(found.group(1)) if found else None
 
 
 def result_block(text: str) -> str:

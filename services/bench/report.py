@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench import compare_report, edge_bench
+from services.bench import compare, compare_report, edge_bench
 from services.bench.compare import Comparison, Idle
 
 
@@ -66,10 +66,13 @@ def markdown(report: Report, images: list[str]) -> str:
     lines += _edge_section(report)
     if report.vllm_bench is not None:
         status, text = report.vllm_bench
+        failed = compare.failed_requests(text)
+        verdict = ("" if failed == 0 else " **Its summary was not found.**" if failed is None
+                   else f" **{failed} of its requests failed.**")
         lines += ["## `vllm bench serve` pointed at tokenbus", "",
                   "vLLM's own benchmark (`python -m services.bench.vllm_bench`, the `vllm bench serve` code) "
-                  f"against a tokenbus edge (random dataset, 64 input and 32 output tokens): exit status {status}.", "",
-                  "```", text.strip(), "```", ""]
+                  f"against a tokenbus edge (random dataset, 64 input and 32 output tokens): exit status {status}."
+                  + verdict, "", "```", text.strip(), "```", ""]
     return "\n".join(lines)
 
 
