@@ -16,9 +16,8 @@ from shared.errors import EngineError, TokenbusError
 
 class _Delivery:
     """Renders one job's events, numbers the frames (the SSE `id:` a client resumes after, sent when `ids`) and
-    counts the
-    tokens that reached the client (once, at the end), the gaps between token events, the prompt tokens and
-    the finish reasons. A resumed stream renders everything again and sends only the frames after the
+    counts the tokens that reached the client (once, at the end), the gaps between token events, the prompt
+    tokens and the finish reasons. A resumed stream renders everything again and sends only the frames after the
     client's last id."""
 
     def __init__(self, renderer: Renderer, job_id: str, model: str, after: int = -1, ids: bool = True) -> None:
@@ -88,8 +87,8 @@ async def respond(
 
     A client that goes away raises ClientGone, which the caller turns into a cancel of the job (or keeps it
     for a resume). A resumed stream sends only the frames numbered after `after`; frames carry their number
-    as an SSE `id:` when `ids`. `tenant` (its metrics
-    label, the model) also counts the time to first token per tenant.
+    as an SSE `id:` when `ids`. `tenant` (its metrics label, the model) also counts the time to first token
+    per tenant.
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
     if stream:
