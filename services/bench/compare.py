@@ -123,13 +123,9 @@ class Deployment:
     """The front end's processes, each with its part in the system (two edges are two parts)."""
     engine_pids: tuple[int, ...]
 
-    @property
-    def front_pids(self) -> tuple[int, ...]:
-        return tuple(pid for _part, pid in self.front)
-
-    def cpu_s(self) -> tuple[float, float]:
-        """Front-end and engine CPU seconds so far."""
-        return _cpu_s(self.front_pids), _cpu_s(self.engine_pids)
+    def engine_cpu_s(self) -> float:
+        """The engine's CPU seconds so far."""
+        return _cpu_s(self.engine_pids)
 
     def cpu_by_part(self) -> dict[str, float]:
         """Each front-end process's CPU seconds so far, by its part."""
@@ -178,12 +174,13 @@ def warm_up(deployment: Deployment, model: str, api: str) -> None:
 def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: str, seed: int) -> Cell:
     work = requests(shape.requests, shape.prompt_len, shape.output_len, seed=seed)
     spec = _load(deployment, model, api, shape.concurrency)
-    (front_before, engine_before), parts_before = deployment.cpu_s(), deployment.cpu_by_part()
+    parts_before, engine_before = deployment.cpu_by_part(), deployment.engine_cpu_s()
     timings, duration_s = asyncio.run(load.collect(spec, work, system=system, quiet=True))
-    (front_after, engine_after), parts_after = deployment.cpu_s(), deployment.cpu_by_part()
+    parts_after, engine_after = deployment.cpu_by_part(), deployment.engine_cpu_s()
     tokens = sum(t.output_tokens for t in timings if t.ok)
-    return Cell(load.summarize(system, spec, timings, duration_s), tokens, front_after - front_before,
-                engine_after - engine_before, {part: parts_after[part] - parts_before[part] for part in parts_after})
+    front = {part: parts_after[part] - parts_before[part] for part in parts_after}
+    return Cell(load.summarize(system, spec, timings, duration_s), tokens, sum(front.values()),
+                engine_after - engine_before, front)
 
 
 def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:
