@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from services.bench import compare, compare_report, fairness, fairness_report, report
+from services.bench import compare, compare_report, fairness, fairness_report, report, systems
 from services.bench.client import Timing, read_frame
 from services.bench.load import Load, Result, summarize
 from services.bench.stats import Summary, percentile
@@ -192,3 +195,33 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
 def test_the_load_is_dealt_over_every_edge() -> None:
     shape = Load("http://a/", "m", concurrency=2, extra_base_urls=("http://b",))
     assert shape.urls == ["http://a/v1/chat/completions", "http://b/v1/chat/completions"]
+
+
+def test_cpu_readings_resolve_below_a_clock_tick() -> None:
+    """A few milliseconds of CPU show as such: the 10 ms ticks of /proc/<pid>/stat would read them as 0 or 10.
+    The process is read while it waits, as the bench reads systems between cells."""
+    script = ("import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+              "while time.process_time() - t < 0.003: pass\nprint(time.process_time() - t, flush=True)\n"
+              "sys.stdin.readline()")
+    with subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as burner:
+        assert burner.stdin is not None and burner.stdout is not None
+        time.sleep(0.3)  # past its start-up, waiting for its line
+        before = systems.cpu_reading(burner.pid)
+        burner.stdin.write("go\n")
+        burner.stdin.flush()
+        burnt = float(burner.stdout.readline())
+        time.sleep(0.05)  # back to waiting
+        spent = systems.cpu_reading(burner.pid).seconds_since(before)
+        burner.kill()
+    assert burnt <= spent < burnt + 0.005
+
+
+def test_a_thread_that_ended_keeps_its_time_in_the_reading() -> None:
+    """A thread gone from the second reading takes its count with it: the process's ticks count it instead,
+    rather than a sum over the threads left that would come out short, or negative."""
+    before = systems.CpuReading({1: 5_000_000_000, 2: 1_000_000_000}, ticks_s=6.0)
+    after = systems.CpuReading({1: 5_020_000_000}, ticks_s=6.03)
+    assert after.seconds_since(before) == pytest.approx(0.03)
+    grown = systems.CpuReading({1: 5_020_000_000, 2: 1_000_000_000, 3: 4_000_000}, ticks_s=6.03)
+    assert grown.seconds_since(before) == pytest.approx(0.024)

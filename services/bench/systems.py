@@ -156,6 +156,33 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+@dataclass(frozen=True)
+class CpuReading:
+    """A process's CPU time so far, read two ways: per thread in nanoseconds (the scheduler's own count, in
+    /proc/<pid>/task/<tid>/schedstat), and for the whole process in clock ticks (/proc/<pid>/stat: 10 ms each,
+    the time of threads that ended included)."""
+
+    thread_ns: dict[int, int]
+    ticks_s: float
+
+    def seconds_since(self, earlier: CpuReading) -> float:
+        """CPU seconds spent between `earlier` and this reading: to the nanosecond when every thread read then
+        is still there (a thread that started since counts in full); in ticks when one ended meanwhile, since
+        its last moments are in no thread's count."""
+        if not earlier.thread_ns.keys() <= self.thread_ns.keys():
+            return self.ticks_s - earlier.ticks_s
+        return sum(ns - earlier.thread_ns.get(tid, 0) for tid, ns in self.thread_ns.items()) / 1e9
+
+
+def cpu_reading(pid: int) -> CpuReading:
+    """The process's CPU time so far (see CpuReading); threads that end while it is read are left out."""
+    thread_ns = {}
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with suppress(OSError, ValueError):  # a thread that ended while we read
+            thread_ns[int(schedstat.parent.name)] = int(schedstat.read_text().split()[0])
+    return CpuReading(thread_ns, sum(cpu_times(pid)))
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (children, their children...), from the parent ids in /proc/*/stat."""
     parents: dict[int, list[int]] = {}
