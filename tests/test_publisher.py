@@ -80,3 +80,23 @@ async def test_a_write_without_acknowledgements_has_no_followup(
     publisher.publish(f"events-{uuid.uuid4().hex}", bus.Final(job="j", prompt_tokens=1, completion_tokens=1))
     await publisher.flush()
     assert followup.results == [] and not redis_client.exists(followup.key)
+
+
+async def test_lookups_ride_the_events_write_and_get_their_replies_together(
+        client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    """A fresh batch's cancel-and-resume check goes in the write that carries its first events: one round trip,
+    its replies in order, an error reply in its place."""
+    job, events = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    redis_client.set(keys.job_reply_to(job), "elsewhere", ex=60)
+    redis_client.set(f"list-{job}", "not a list", ex=60)
+    publisher = EventPublisher(client, 100)
+    writes = counting_writes(publisher.pipelines)
+    got: list[list[Any]] = []
+    publisher.publish(events, bus.Started(job=job, epoch=1, worker="w"))
+    publisher.then([("EXISTS", keys.cancelled(job)), ("GET", keys.job_reply_to(job)), ("LLEN", f"list-{job}")],
+                   got.append)
+    await publisher.flush()
+    assert writes == [1]
+    assert redis_client.xlen(events) == 1
+    assert len(got) == 1 and got[0][:2] == [0, b"elsewhere"]
+    assert isinstance(got[0][2], redis.exceptions.ResponseError)  # WRONGTYPE, in its place

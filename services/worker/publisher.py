@@ -46,7 +46,7 @@ class _Batch:
     expiries: dict[str, int] = field(default_factory=dict)
     acks: list[tuple[str, str, bytes]] = field(default_factory=list)
     notes: list[Any] = field(default_factory=list)
-    followups: list[tuple[tuple[Arg, ...], Callable[[Any], None]]] = field(default_factory=list)
+    followups: list[tuple[list[tuple[Arg, ...]], Callable[[list[Any]], None]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.live or self.acks or self.followups)
@@ -81,10 +81,12 @@ class EventPublisher:
             self.batch.notes.append(note)
         self._wake()
 
-    def then(self, command: tuple[Arg, ...], on_reply: Callable[[Any], None]) -> None:
-        """Sends a command in the next write, after the events and acknowledgements published so far; its reply
-        (an error included, never retried with the events) goes to `on_reply`."""
-        self.batch.followups.append((command, on_reply))
+    def then(self, commands: list[tuple[Arg, ...]], on_replies: Callable[[list[Any]], None]) -> None:
+        """Sends commands in the next write, after the events and acknowledgements published so far: a lookup or
+        a settlement rides a write that goes anyway instead of making a round trip of its own. Their replies (an
+        error reply as the exception in its place, never retried with the events) go to `on_replies`, together,
+        once the write succeeded."""
+        self.batch.followups.append((commands, on_replies))
         self._wake()
 
     def _wake(self) -> None:
@@ -127,8 +129,9 @@ class EventPublisher:
             if batch.acks and self.after_acks is not None:
                 self.after_acks.queue(pipe, batch.notes)
             acked = len(pipe)
-            for command, _on_reply in batch.followups:
-                pipe.execute_command(*command)
+            for commands, _on_replies in batch.followups:
+                for command in commands:
+                    pipe.execute_command(*command)
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):  # its connection has no socket timeout of its own
                     results = await pipe.execute(raise_on_error=False)
@@ -140,8 +143,10 @@ class EventPublisher:
                 await asyncio.sleep(RETRY_PAUSE_S)
         if self.after_acks is not None and acked > essential:
             self.after_acks.done(results[essential:acked])
-        for (_command, on_reply), reply in zip(batch.followups, results[acked:], strict=True):
-            on_reply(reply)
+        at = acked
+        for commands, on_replies in batch.followups:
+            on_replies(results[at:at + len(commands)])
+            at += len(commands)
         metrics.EVENT_FLUSHES.inc()
         metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 

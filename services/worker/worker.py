@@ -165,8 +165,6 @@ class Worker:
         self.pulls = rawpipe.Pipelines(self.redis)
         """The pull's blocking read, raw on a connection it holds for good: it is on every job's way to the
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
-        self.lookups = rawpipe.Pipelines(self.redis, keep=False)
-        """The cancel and resume check of each batch of fresh jobs."""
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.settlements = Settlements(self.redis)
         self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
@@ -305,7 +303,8 @@ class Worker:
         return jobs
 
     def _accept(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        """Starts a batch of jobs; one round trip tells which were cancelled or resumed while they waited."""
+        """Starts a batch of jobs; one lookup, in the publisher's next write, tells which were cancelled or resumed
+        while they waited."""
         runs = self._decode(entries)
         fresh = [run for run in runs if not run.job.handovers]
         for run in runs:
@@ -314,11 +313,11 @@ class Worker:
         if not fresh:
             return
         # registered before the check, so that a cancel published meanwhile finds them; their tasks, made first,
-        # reach the engine before the check's runs
+        # reach the engine (and publish their first events, which the check's write carries) before it is sent
         checks: asyncio.Future[list[_Check]] = asyncio.get_running_loop().create_future()
         for i, run in enumerate(fresh):
             self._start(run, self._run_fresh(run, checks, i))
-        self._in_background(self._check([run.job.id for run in fresh], checks))
+        self._check([run.job.id for run in fresh], checks)
 
     def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         self.runs[run.job.id] = run
@@ -330,21 +329,21 @@ class Worker:
         task.add_done_callback(self.background.discard)
         return task
 
-    async def _check(self, job_ids: list[str], checks: asyncio.Future[list[_Check]]) -> None:
-        pipe = self.lookups.pipeline()
-        for job_id in job_ids:
-            pipe.execute_command("EXISTS", keys.cancelled(job_id))
-            pipe.execute_command("GET", keys.job_reply_to(job_id))
-        try:
-            found = await pipe.execute()
-        except (RedisError, OSError) as exc:  # the runs waiting on it see the failure
-            checks.set_exception(exc)
-            return
-        except asyncio.CancelledError:
-            checks.cancel()
-            raise
-        checks.set_result([_Check(bool(found[i]), found[i + 1].decode() if found[i + 1] else None)
-                           for i in range(0, len(found), 2)])
+    def _check(self, job_ids: list[str], checks: asyncio.Future[list[_Check]]) -> None:
+        """Asks whether each job was cancelled, or resumed on another edge, while it waited: in the publisher's
+        next write (with the first events of the jobs), not in a round trip of its own."""
+        def found(replies: list[Any]) -> None:
+            if checks.done():
+                return
+            if failed := next((reply for reply in replies if isinstance(reply, Exception)), None):
+                checks.set_exception(failed)  # the runs waiting on it see the failure
+                return
+            checks.set_result([_Check(bool(replies[i]), replies[i + 1].decode() if replies[i + 1] else None)
+                               for i in range(0, len(replies), 2)])
+
+        self.publisher.then([command for job_id in job_ids
+                             for command in (("EXISTS", keys.cancelled(job_id)), ("GET", keys.job_reply_to(job_id)))],
+                            found)
 
     def _apply_check(self, run: Run, index: int, checks: asyncio.Future[list[_Check]]) -> None:
         if checks.cancelled() or checks.exception() is not None:
@@ -436,7 +435,7 @@ class Worker:
         prompt, completion = run.used()
         command = self.settlements.command(job, prompt, completion)
         if command is not None:
-            self.publisher.then(command, lambda reply: self._settled(job, prompt, completion, reply))
+            self.publisher.then([command], lambda replies: self._settled(job, prompt, completion, replies[0]))
 
     def _settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
         """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)
