@@ -27,7 +27,7 @@ from aiohttp.web_server import Server
 from services.edge.formats.base import openai_error
 from services.edge.sse import ClientGone
 from services.edge.state import DRAINING
-from shared import metrics
+from shared import gcheap, metrics
 from shared.errors import InvalidRequest, TokenbusError
 from shared.settings import Settings
 
@@ -195,6 +195,7 @@ async def serve(app: web.Application, settings: Settings, *, shutdown_timeout: f
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
+        gcheap.freeze_startup_heap()
         await web.TCPSite(runner, settings.host, settings.port).start()
         await stop.wait()
         # a drain: /ready turns 503, the listener closes, streams in flight get `shutdown_timeout` to end

@@ -17,7 +17,7 @@ from services.worker.parsing.formats import tool_format
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
-from shared import eventloop, metrics
+from shared import eventloop, gcheap, metrics
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ async def _run(worker: Worker, engine: VllmEngine | SimEngine) -> bool:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        gcheap.freeze_startup_heap()  # the engine is up; no job has arrived yet
         await worker.start()
         stopped, crashed = asyncio.create_task(stop.wait()), asyncio.create_task(worker.crashed.wait())
         await asyncio.wait([stopped, crashed], return_when=asyncio.FIRST_COMPLETED)
