@@ -51,6 +51,9 @@ CHECK_FIRST_AFTER_MS = 1000
 """A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
 starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
 sent while it waits also reaches the worker on the cancel channel."""
+CHECK_WAIT_S = 5.0
+"""How long an older job waits for that check (it rides the publisher's next write, which waits out a Redis
+outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
 
 
 class Engine(Protocol):
@@ -125,6 +128,13 @@ class _Check:
 
     cancelled: bool
     reply_to: str | None
+
+
+def _answer(checks: asyncio.Future[list[_Check]], index: int) -> _Check | None:
+    """What a batch's check found for one of its jobs; None while it has no answer (not written yet, or failed)."""
+    if not checks.done() or checks.cancelled() or checks.exception() is not None:
+        return None
+    return checks.result()[index]
 
 
 class Worker:
@@ -346,9 +356,8 @@ class Worker:
                             found)
 
     def _apply_check(self, run: Run, index: int, checks: asyncio.Future[list[_Check]]) -> None:
-        if checks.cancelled() or checks.exception() is not None:
+        if (check := _answer(checks, index)) is None:
             return
-        check = checks.result()[index]
         if check.reply_to:
             run.job.reply_to = check.reply_to
         if check.cancelled:
@@ -372,12 +381,16 @@ class Worker:
     async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
         waited_ms = bus.now_ms() - job.created_ms
-        if job.id in self.aborted or (waited_ms > CHECK_FIRST_AFTER_MS and (await checks)[index].cancelled):
+        cancelled = job.id in self.aborted
+        if not cancelled and waited_ms > CHECK_FIRST_AFTER_MS:
+            await asyncio.wait([checks], timeout=CHECK_WAIT_S)
+            cancelled = (answer := _answer(checks, index)) is not None and answer.cancelled
+        if cancelled:
             metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
             return
         metrics.QUEUE_WAIT.labels(self.model, self.tenants.label(run.job.tenant)).observe(max(0, waited_ms) / 1000)
         if job.created_ms and waited_ms > self.settings.queue_timeout_s * 1000:
-            await asyncio.wait([checks])  # it may have been resumed on another edge meanwhile
+            await asyncio.wait([checks], timeout=CHECK_WAIT_S)  # it may have been resumed on another edge meanwhile
             self._apply_check(run, index, checks)
             self._end_with(run, QueueTimeout(f"The request waited {waited_ms / 1000:.0f} s for a worker, longer than "
                                              f"the queue timeout ({self.settings.queue_timeout_s:g} s); it was not "
