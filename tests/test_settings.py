@@ -22,6 +22,8 @@ def test_environment_then_flags() -> None:
 def test_bad_value_is_refused() -> None:
     with pytest.raises(SystemExit, match="port"):
         load(environ={"TOKENBUS_PORT": "eighty"})
+    with pytest.raises(SystemExit, match="stream_interval"):
+        load(environ={"TOKENBUS_STREAM_INTERVAL": "0"})
 
 
 @pytest.mark.parametrize("command", ["run", "edge", "worker"])

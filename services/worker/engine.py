@@ -102,6 +102,7 @@ class VllmEngine:
             # an embedding model keeps its own (short) context; --max-model-len is for generation
             max_model_len=None if self.settings.task == "embed" else self.settings.max_model_len,
             max_num_seqs=self.settings.max_num_seqs,
+            stream_interval=self.settings.stream_interval,
             max_logprobs=20,
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
             enforce_eager=True,
