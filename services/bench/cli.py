@@ -62,6 +62,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         if name in ("compare", "all"):
             sub.add_argument("--rounds", type=int, default=None,
                              help="interleaved rounds of the comparison with vllm serve (default: 6, 2 with --quick)")
+        if name == "compare":
+            sub.add_argument("--stream-interval", type=int, default=1,
+                             help="tokens a stream gathers per event, on both systems (vLLM's --stream-interval)")
 
 
 def _print(result: load.Result) -> None:
@@ -153,8 +156,10 @@ def _comparison(args: argparse.Namespace, engine: systems.Engine,
 def _compare(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"compare: logs in {log_dir}", file=sys.stderr)
-    comparison, idle = _comparison(args, _engine(args.model_dir), log_dir)
-    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), idle)
+    engine = dataclasses.replace(_engine(args.model_dir), stream_interval=args.stream_interval)
+    comparison, idle = _comparison(args, engine, log_dir)
+    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), idle,
+                            engine.stream_interval)
     print(f"wrote the comparison section of {args.out}")
     failed = sum(cell.result.failed for by_system in comparison.values() for cells in by_system.values()
                  for cell in cells)

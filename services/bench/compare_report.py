@@ -186,16 +186,21 @@ def _shapes_text(comparison: Comparison) -> list[str]:
     return lines
 
 
-def section(comparison: Comparison, images: list[str], made_by: str = "", idle: Idle | None = None) -> list[str]:
+def section(comparison: Comparison, images: list[str], made_by: str = "", idle: Idle | None = None,
+            stream_interval: int = 1) -> list[str]:
     """The whole section; `made_by` names the command when the section is written on its own; `idle` adds the
-    systems' CPU while idle."""
+    systems' CPU while idle; `stream_interval` is the one both systems ran with."""
     rounds = len(next(iter(next(iter(comparison.values())).values())))
+    gathering = f", stream interval {stream_interval}: a stream gathers that many tokens per event" \
+        if stream_interval > 1 else ""
     return [
         HEADING, "",
         *([f"Made by `{made_by}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, on the machine above.", ""]
           if made_by else []),
         "Both systems run SmolLM2-135M-Instruct with the same engine settings (float32, max-model-len 2048, "
-        "max-num-seqs 32, 2 GiB KV cache, eager mode) and are up at the same time: tokenbus as one Redis, one vLLM "
+        "max-num-seqs 32, 2 GiB KV cache, eager mode"
+        f"{gathering}"
+        ") and are up at the same time: tokenbus as one Redis, one vLLM "
         "worker and two edges, `vllm serve` as vLLM's OpenAI server. Each is warmed up first; then come "
         f"{rounds} rounds, in which every cell (a load shape on a system) runs once, the order reversed every other "
         "round, a second or two apart, with the same requests for every system (one seed per round and shape). "

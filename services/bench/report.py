@@ -146,11 +146,13 @@ def _dated(section: list[str]) -> list[str]:
     return [section[0], "", KEPT, *section[1:]]
 
 
-def write_comparison(comparison: Comparison, path: Path, command: str, idle: Idle | None = None) -> None:
+def write_comparison(comparison: Comparison, path: Path, command: str, idle: Idle | None = None,
+                     stream_interval: int = 1) -> None:
     """Puts only the comparison with `vllm serve` (and its plots) into the document; the rest stays."""
     path.parent.mkdir(parents=True, exist_ok=True)
     images = compare_report.plots(comparison, path.parent)
-    splice(path, compare_report.HEADING, compare_report.section(comparison, images, made_by=command, idle=idle))
+    splice(path, compare_report.HEADING, compare_report.section(comparison, images, made_by=command, idle=idle,
+                                                                stream_interval=stream_interval))
 
 
 def _sections(lines: list[str]) -> list[tuple[str, list[str]]]:

@@ -30,6 +30,8 @@ class Engine:
     max_num_seqs: int = 32
     kv_cache_gib: int = 2
     dtype: str = "float32"
+    stream_interval: int = 1
+    """Tokens a stream gathers per event (vLLM's --stream-interval)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
         settings: dict[str, object] = dict(
             redis_url=redis_url, model=engine.model, model_dir=engine.model_dir,
             max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_cache_gib=engine.kv_cache_gib,
-            dtype=engine.dtype, log_level="WARNING")
+            dtype=engine.dtype, stream_interval=engine.stream_interval, log_level="WARNING")
         if sim is not None:
             settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
         settings.update(worker_settings or {})
@@ -138,7 +140,7 @@ def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine.model_dir),
             "--served-model-name", engine.model, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
-            "--dtype", engine.dtype, "--enforce-eager"]
+            "--dtype", engine.dtype, "--enforce-eager", "--stream-interval", str(engine.stream_interval)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib), HF_HUB_OFFLINE="1")
     process = _spawn(args, env, log)
     try:
