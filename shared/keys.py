@@ -20,8 +20,9 @@ def requests_stream(model: str) -> str:
     return f"{PREFIX}:requests:{{{model}}}"
 
 
-def events_stream(edge_id: str) -> str:
-    """The stream on which workers publish token events for the jobs of one edge process."""
+def events_channel(edge_id: str) -> str:
+    """The shard channel (SPUBLISH) on which workers publish token events for the jobs of one edge process,
+    after writing them to the jobs' logs."""
     return f"{PREFIX}:events:{{{edge_id}}}"
 
 
@@ -46,11 +47,11 @@ and an edge whose client left tells it how long to keep the job for a resume (se
 
 
 EDGES = f"{PREFIX}:edges"
-"""Sorted set of live edges' events streams, scored by when each edge's heartbeat expires (unix seconds)."""
+"""Sorted set of live edges' events channels, scored by when each edge's heartbeat expires (unix seconds)."""
 
 
 def edges_alive(reply_to: str) -> str:
-    """An edge's heartbeat, named after its events stream: workers abort (or keep for a resume) the jobs of
+    """An edge's heartbeat, named after its events channel: workers abort (or keep for a resume) the jobs of
     an edge whose heartbeat expired."""
     return f"{reply_to}:alive"
 
@@ -72,7 +73,7 @@ def job_owners(job_id: str) -> str:
 
 
 def job_reply_to(job_id: str) -> str:
-    """The events stream a resumed job now reports to, when an edge other than its first one took it."""
+    """The events channel a resumed job now reports to, when an edge other than its first one took it."""
     return f"{PREFIX}:replyto:{{{job_id}}}"
 
 

@@ -7,14 +7,13 @@ uninterrupted greedy answer, written as the owner would have written it. The rea
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any
 
 import pytest
 import redis
 
 from shared import bus, keys
+from tests.channel import listening
 from tests.conftest import MODEL, Worker
 
 pytestmark = pytest.mark.engine
@@ -29,15 +28,11 @@ def _job(reply_to: str, *, n: int = 1, handovers: int = 0) -> bus.Job:
 
 
 def _run(redis_client: redis.Redis, job: bus.Job) -> list[bus.Event]:
-    """Enqueues the job and returns its events up to the last one."""
-    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
-    deadline = time.monotonic() + 60
-    events: list[bus.Event] = []
-    while not any(isinstance(e, bus.Final | bus.Error) for e in events):
-        assert time.monotonic() < deadline
-        reply: Any = redis_client.xread({job.reply_to: "0-0"}, block=200)
-        events = [e for _key, entries in reply or [] for _id, f in entries
-                  for e in bus.decode_events(f[bus.EVENTS_FIELD])]
+    """Enqueues the job and returns the events published for it, up to the last one."""
+    with listening(redis_client, job.reply_to) as listener:
+        redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+        events = [e for _t, e in listener.events(wait_s=60)]
+    assert events and isinstance(events[-1], bus.Final | bus.Error), events
     return events
 
 
@@ -46,13 +41,13 @@ def _text(events: list[bus.Event], choice: int = 0) -> str:
 
 
 def test_a_job_continues_after_what_its_former_owner_sent(redis_client: redis.Redis, worker: Worker) -> None:
-    stream = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    stream = keys.events_channel(f"test-{uuid.uuid4().hex}")
     whole = _run(redis_client, _job(stream))
     tokens = [e for e in whole if isinstance(e, bus.Tokens)]
     final = whole[-1]
     assert isinstance(final, bus.Final) and len(tokens) > 10
 
-    job = _job(keys.events_stream(f"test-{uuid.uuid4().hex}"), handovers=1)
+    job = _job(keys.events_channel(f"test-{uuid.uuid4().hex}"), handovers=1)
     former: list[bus.Event] = [bus.Started(job=job.id, worker="a-dead-worker", seq=0, epoch=1)]
     former += [bus.Tokens(job=job.id, text=t.text, token_ids=t.token_ids, seq=i + 1, epoch=1)
                for i, t in enumerate(tokens[: len(tokens) // 2])]

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from services.worker.publisher import EventPublisher
 from shared import bus, keys, redis_clients
 from shared.rawpipe import PipelineLike
+from tests.channel import listening
 from tests.test_enqueue import counting_writes
 
 
@@ -54,18 +55,20 @@ async def queued_entry(redis_client: redis.Redis, stream: str) -> bytes:
 @pytest.mark.parametrize("fail", [False, True])
 async def test_acknowledgements_and_their_followup_leave_in_one_write(
         client: aioredis.Redis, redis_client: redis.Redis, fail: bool) -> None:
-    stream, events = f"jobs-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    stream, events, job = f"jobs-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}", f"job-{uuid.uuid4().hex}"
     entry_id = await queued_entry(redis_client, stream)
     followup = Followup(f"followup-{uuid.uuid4().hex}", fail=fail)
     publisher = EventPublisher(client, 100, after_acks=followup)
     writes = counting_writes(publisher.pipelines)
-    publisher.publish(events, bus.Final(job="j", prompt_tokens=1, completion_tokens=1))
-    publisher.ack_after(stream, keys.WORKER_GROUP, entry_id, note="settle j")
-    publisher.ack_after(stream, keys.WORKER_GROUP, entry_id)  # no note: nothing to settle
-    await publisher.flush()
+    with listening(redis_client, events) as edge:
+        publisher.publish(events, bus.Final(job=job, prompt_tokens=1, completion_tokens=1))
+        publisher.ack_after(stream, keys.WORKER_GROUP, entry_id, note="settle j")
+        publisher.ack_after(stream, keys.WORKER_GROUP, entry_id)  # no note: nothing to settle
+        await publisher.flush()
+        assert [type(e) for _t, e in edge.events(wait_s=2)] == [bus.Final]
     assert writes == [1]  # a failed follow-up is not retried with the events
     assert followup.notes == ["settle j"]
-    assert redis_client.xlen(events) == 1 and redis_client.xlen(stream) == 0
+    assert redis_client.xlen(keys.job_log(job)) == 1 and redis_client.xlen(stream) == 0
     assert len(followup.results) == 1
     if fail:
         assert isinstance(followup.results[0], redis.exceptions.NoScriptError)
@@ -92,11 +95,12 @@ async def test_lookups_ride_the_events_write_and_get_their_replies_together(
     publisher = EventPublisher(client, 100)
     writes = counting_writes(publisher.pipelines)
     got: list[list[Any]] = []
-    publisher.publish(events, bus.Started(job=job, epoch=1, worker="w"))
-    publisher.then([("EXISTS", keys.cancelled(job)), ("GET", keys.job_reply_to(job)), ("LLEN", f"list-{job}")],
-                   got.append)
-    await publisher.flush()
+    with listening(redis_client, events) as edge:
+        publisher.publish(events, bus.Started(job=job, epoch=1, worker="w"))
+        publisher.then([("EXISTS", keys.cancelled(job)), ("GET", keys.job_reply_to(job)), ("LLEN", f"list-{job}")],
+                       got.append)
+        await publisher.flush()
+        assert [type(e) for _t, e in edge.events(wait_s=0.5)] == [bus.Started]
     assert writes == [1]
-    assert redis_client.xlen(events) == 1
     assert len(got) == 1 and got[0][:2] == [0, b"elsewhere"]
     assert isinstance(got[0][2], redis.exceptions.ResponseError)  # WRONGTYPE, in its place

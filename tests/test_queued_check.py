@@ -19,6 +19,7 @@ from services.worker.sim import SimEngine
 from services.worker.worker import Worker
 from shared import bus, keys
 from shared.settings import Settings
+from tests.channel import listening
 
 CHECK_WAIT_S = 0.5
 TOKENS = 4
@@ -52,31 +53,18 @@ def _job(model: str, reply_to: str, queued_ms: int) -> bus.Job:
                    params=bus.SamplingParams(max_tokens=TOKENS, ignore_eos=True), created_ms=bus.now_ms() - queued_ms)
 
 
-async def _events(redis_client: redis.Redis, stream: str, wait_s: float) -> list[tuple[float, bus.Event]]:
-    """The events of a stream as they come, each with when it was read."""
-    deadline = time.monotonic() + wait_s
-    last: bytes | str = "0-0"
-    events: list[tuple[float, bus.Event]] = []
-    while time.monotonic() < deadline and not any(isinstance(e, bus.Final | bus.Error) for _t, e in events):
-        reply: Any = await asyncio.to_thread(redis_client.xread, {stream: last}, block=50)
-        for _key, entries in reply or []:
-            for entry_id, fields in entries:
-                last = entry_id
-                events += [(time.monotonic(), e) for e in bus.decode_events(fields[bus.EVENTS_FIELD])]
-    return events
-
-
 @pytest.mark.parametrize("queued_ms", [0, 3000])
 async def test_a_job_whose_cancel_check_is_never_answered_starts_after_a_bounded_wait(
     redis_client: redis.Redis, worker: Worker, queued_ms: int
 ) -> None:
     """A young job starts at once without the answer; one that waited longer than a second gives it CHECK_WAIT_S,
     then starts; both stream every token."""
-    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
-    sent = time.monotonic()
-    redis_client.xadd(keys.requests_stream(worker.model),
-                      {bus.JOB_FIELD: bus.encode_job(_job(worker.model, reply_to, queued_ms))})
-    events = await _events(redis_client, reply_to, wait_s=CHECK_WAIT_S + 10)
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
+    with listening(redis_client, reply_to) as listener:
+        sent = time.monotonic()
+        redis_client.xadd(keys.requests_stream(worker.model),
+                          {bus.JOB_FIELD: bus.encode_job(_job(worker.model, reply_to, queued_ms))})
+        events = await asyncio.to_thread(listener.events, CHECK_WAIT_S + 10)
     kinds = [type(e) for _t, e in events]
     assert kinds == [bus.Started] + [bus.Tokens] * TOKENS + [bus.Final], kinds
     started_after = events[0][0] - sent

@@ -6,7 +6,6 @@ import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ import pytest
 import redis
 
 from shared import bus, keys
+from tests.channel import listening
 from tests.conftest import MODEL, Edge, Worker, metric_value
 
 pytestmark = pytest.mark.engine
@@ -96,37 +96,29 @@ def _job(reply_to: str, deadline_ms: int, *, queued_ms: int = 5000, max_tokens: 
                    created_ms=bus.now_ms() - queued_ms)
 
 
-def _events(redis_client: redis.Redis, stream: str, wait_s: float) -> list[bus.Event]:
-    deadline = time.monotonic() + wait_s
-    events: list[bus.Event] = []
-    while time.monotonic() < deadline and not any(isinstance(e, bus.Final | bus.Error) for e in events):
-        reply: Any = redis_client.xread({stream: "0-0"}, block=200)
-        for _key, entries in reply or []:
-            events = [e for _id, fields in entries for e in bus.decode_events(fields[bus.EVENTS_FIELD])]
-    return events
-
-
 def test_a_job_expired_in_the_queue_never_starts(redis_client: redis.Redis, worker: Worker) -> None:
-    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
     job = _job(reply_to, deadline_ms=bus.now_ms() - 1)
-    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
-    events = _events(redis_client, reply_to, wait_s=10)
+    with listening(redis_client, reply_to) as listener:
+        redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+        events = [e for _t, e in listener.events(wait_s=10)]
     assert [type(e) for e in events] == [bus.Error]
     assert events[0].kind == "RequestTimeout"
 
 
 def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, worker: Worker) -> None:
-    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
     job = _job(reply_to, deadline_ms=bus.now_ms() + 60_000)
     cancelled = {"outcome": "cancelled"}
     before = metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", cancelled)
     redis_client.set(keys.cancelled(job.id), 1, ex=60)
-    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
-    deadline = time.monotonic() + 10
-    while metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", cancelled) == before:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert _events(redis_client, reply_to, wait_s=0.5) == []
+    with listening(redis_client, reply_to) as listener:
+        redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+        deadline = time.monotonic() + 10
+        while metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", cancelled) == before:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert listener.events(wait_s=0.5) == []
 
 
 def test_a_fresh_job_whose_cancel_the_channel_missed_is_aborted_at_once(
@@ -134,17 +126,18 @@ def test_a_fresh_job_whose_cancel_the_channel_missed_is_aborted_at_once(
 ) -> None:
     """Fresh jobs start without waiting for the cancel check (it is off the time-to-first-token path); a mark
     the cancel channel did not deliver still stops the job before it runs far."""
-    reply_to = keys.events_stream(f"test-{uuid.uuid4().hex}")
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
     job = _job(reply_to, deadline_ms=bus.now_ms() + 60_000, queued_ms=0, max_tokens=500)
     aborted = {"outcome": "aborted"}
     before = metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", aborted)
     redis_client.set(keys.cancelled(job.id), 1, ex=60)  # marked, but never published on the channel
-    redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
-    deadline = time.monotonic() + 10
-    while metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", aborted) == before:
-        assert time.monotonic() < deadline, "the job was not aborted"
-        time.sleep(0.05)
-    published = _events(redis_client, reply_to, wait_s=0.5)  # nobody listens after an abort: no Final
+    with listening(redis_client, reply_to) as listener:
+        redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(job)})
+        deadline = time.monotonic() + 10
+        while metric_value(httpx.get(worker.metrics_url).text, "tokenbus_worker_jobs_total", aborted) == before:
+            assert time.monotonic() < deadline, "the job was not aborted"
+            time.sleep(0.05)
+        published = [e for _t, e in listener.events(wait_s=0.5)]  # nobody listens after an abort: no Final
     assert sum(len(e.token_ids) for e in published if isinstance(e, bus.Tokens)) < 50
 
 

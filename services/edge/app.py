@@ -149,7 +149,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     directory = ModelDirectory(commands, expected_models(settings), settings.heartbeat_interval_s)
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
-    relay = EventRelay(reader, commands, keys.events_stream(edge_id), timing, directory.alive)
+    relay = EventRelay(reader, commands, keys.events_channel(edge_id), timing, directory.alive)
     app[REDIS] = commands
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
@@ -163,7 +163,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
         log.warning("serving without API keys (--auth none): anyone who reaches this port may use every model")
     async with running(relay), directory.running(), listening(app[KEYS]), \
             renewing(app[ADMITTER], settings.lease_ttl_s / 3):
-        log.info("edge %s reads its events from %s", edge_id, relay.stream)
+        log.info("edge %s listens for its events on %s", edge_id, relay.channel)
         yield
     await reader.aclose()
     await app[KEYS].channels.aclose()

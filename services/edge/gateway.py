@@ -77,11 +77,11 @@ class Gateway:
         events = self.relay.register(job_id, deadline)
         events.gap_at = 0
         try:
-            route = bus.Route(job=job_id, reply_to=self.relay.stream)
+            route = bus.Route(job=job_id, reply_to=self.relay.channel)
             ttl_ms = max(1000, int((deadline - time.monotonic()) * 1000))
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.set(keys.job_reply_to(job_id), self.relay.stream, px=ttl_ms)
+                pipe.set(keys.job_reply_to(job_id), self.relay.channel, px=ttl_ms)
                 pipe.execute_command("PUBLISH", keys.ROUTE_CHANNEL, bus.encode_route(route))  # see cancel
                 await pipe.execute()
             except RedisError as exc:

@@ -111,7 +111,7 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
         raise NotFound(f"No stream with id '{job_id}' can be resumed (unknown, or it ended too long ago).",
                        param="stream_id", code="stream_not_found")
     arrival = Arrival(job_id=job_id, started=time.monotonic(), deadline_ms=record.deadline_ms,
-                      reply_to=gateway.relay.stream, created=record.created, seed=record.seed)
+                      reply_to=gateway.relay.channel, created=record.created, seed=record.seed)
     plan = await PLANNERS[record.plan](request, record.body, arrival)
     deadline = arrival.started + (record.deadline_ms - bus.now_ms()) / 1000
     metrics.RESUMES.labels(plan.route).inc()

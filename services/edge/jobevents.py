@@ -131,10 +131,16 @@ class JobEvents:
         wanted, self.gap_at = self.gap_at or 0, None
         if self.log_reader is None:
             return
-        for event in await self.log_reader(self.job_id):
-            self.offer(event)
+        await self.catch_up()
         if self.sequencer.next_seq <= wanted and not self.finished:
             self.fail(WorkerLost("Events of this stream were lost with its worker."))
+
+    async def catch_up(self) -> None:
+        """Offers every event of the job's log (those already taken are dropped as repeats): what the edge may
+        have missed while it was not subscribed."""
+        if self.log_reader is not None:
+            for event in await self.log_reader(self.job_id):
+                self.offer(event)
 
     def ready(self) -> list[bus.Output]:
         """Every event already here, without waiting (stops after a Final; an Error waits for `next`)."""

@@ -90,7 +90,7 @@ def arrive(request: web.Request, prefix: str, seed: int | None = None) -> Arriva
     timeout_s = request.app[SETTINGS].request_timeout_s
     return Arrival(job_id=f"{prefix}{uuid.uuid4().hex}", started=time.monotonic(),
                    deadline_ms=bus.now_ms() + int(timeout_s * 1000),
-                   reply_to=request.app[GATEWAY].relay.stream, created=int(time.time()), seed=seed)
+                   reply_to=request.app[GATEWAY].relay.channel, created=int(time.time()), seed=seed)
 
 
 async def plan_chat(request: web.Request, body: bytes, given: Arrival | None) -> Plan:

@@ -1,10 +1,14 @@
-"""The edge's one reader of its events stream: fans token events out to the requests waiting for them.
+"""The edge's one subscriber to its events channel: fans token events out to the requests waiting for them.
 
-However many streams are in flight, an edge process blocks on a single XREAD of its own stream, so
-its Redis connection count stays fixed. The relay also keeps the edge's heartbeat (workers keep the jobs
-of a dead edge only for a resume), and it is where the edge learns that Redis is unreachable: past
-`redis_down_after_s` without an answer, every waiting request ends with an error instead of waiting for its
-deadline, and new requests are refused at once.
+However many streams are in flight, an edge process holds a single subscription (SSUBSCRIBE to its own
+channel), so its Redis connection count stays fixed. Workers write each event to its job's log first, then
+publish it to the channel of the job's edge: a subscription delivers it with no read to re-arm (a stream read
+by XREAD costs Redis and the edge one more wake per event), and what it missed while it was not subscribed
+is read from the logs of the waiting requests once it is again.
+
+The relay also keeps the edge's heartbeat (workers keep the jobs of a dead edge only for a resume), and it is
+where the edge learns that Redis is unreachable: past `redis_down_after_s` without an answer, every waiting
+request ends with an error instead of waiting for its deadline, and new requests are refused at once.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from services.edge.jobevents import JobEvents
@@ -29,16 +34,14 @@ from shared.errors import Unavailable, WorkerLost
 
 log = logging.getLogger(__name__)
 
-READ_BLOCK_MS = 2000
-"""An idle edge's read ends this often; each costs the edge and Redis a wake-up."""
-READ_COUNT = 512
-READ_GRACE_S = 2.0
-"""How much longer than its BLOCK an XREAD may take before its connection counts as lost: more than a tick of
-Redis's timer, which ends a BLOCK (a second at the `hz 1` tokenbus runs Redis with)."""
+PING_AFTER_S = 2.0
+"""A subscription quiet this long is asked for a PONG; each costs the edge and Redis a wake-up."""
+PONG_WAIT_S = 2.0
+"""How long the PONG may take before the subscription's connection counts as lost."""
+SUBSCRIBE_WAIT_S = 5.0
+"""How long connecting and subscribing may take."""
 TICK_S = 0.25
 """How often a quiet request wakes to look at its deadline and its client."""
-STREAM_TTL_S = 120
-"""An events stream outlives its edge by this much, then Redis drops it."""
 RETRY_PAUSE_S = 0.5
 
 
@@ -59,16 +62,16 @@ class Timing:
 
 
 class EventRelay:
-    """Reads the edge's events stream and routes each event to its job's queue."""
+    """Holds the edge's subscription and routes each event to its job's queue."""
 
-    def __init__(self, reader: aioredis.Redis, commands: aioredis.Redis, stream: str,
+    def __init__(self, reader: aioredis.Redis, commands: aioredis.Redis, channel: str,
                  timing: Timing | None = None, worker_alive: Callable[[str], bool] | None = None) -> None:
         self.reader = reader
-        """A connection of its own: it spends its life blocked in XREAD."""
+        """A connection of its own: it spends its life subscribed."""
         self.commands = commands
         self.pipelines = rawpipe.Pipelines(commands, keep=False)
-        """The heartbeat's writes (the stream's trimming with them)."""
-        self.stream = stream
+        """The heartbeat's writes."""
+        self.channel = channel
         self.timing = timing or Timing()
         self.worker_alive = worker_alive
         self.live_edges = 1
@@ -79,9 +82,9 @@ class EventRelay:
         self.jobs: dict[str, JobEvents] = {}
         self.busy = asyncio.Event()
         """Set while jobs are registered: the ticker sleeps without them."""
-        self.last_id: bytes | str = "0-0"
         self.down_since: float | None = None
         """When reading from Redis began to fail; None while it answers."""
+        self.catching_up: asyncio.Task[None] | None = None
 
     def register(self, job_id: str, deadline: float) -> JobEvents:
         events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
@@ -105,7 +108,7 @@ class EventRelay:
         try:
             events = bus.decode_events(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.error("skipping an undecodable event batch on %s: %s", self.stream, exc)
+            log.error("skipping an undecodable event batch on %s: %s", self.channel, exc)
             return
         for event in events:
             waiting = self.jobs.get(event.job)
@@ -113,50 +116,78 @@ class EventRelay:
                 waiting.offer(event)
 
     async def run(self) -> None:
-        """Reads until cancelled; Redis outages are retried with a short pause."""
+        """Listens until cancelled; Redis outages are retried with a short pause."""
         while True:
             try:
-                reply = await self._read()
+                await self._subscribe()
+                while True:
+                    await self._receive()
             except Exception as exc:  # never die quietly: every waiting request would hang until its deadline
                 self._failed(exc)
                 await self._drop_connection()
                 await asyncio.sleep(RETRY_PAUSE_S)
-                continue
-            if self.down_since is not None:
-                log.info("reading %s again after an outage", self.stream)
-                self.down_since = None
-                metrics.REDIS_UP.set(1)
-            for entry_id, fields in rawpipe.stream_entries(reply):  # fields: [field, payload]
-                self.last_id = entry_id
-                self.dispatch(fields[1])
 
     def _failed(self, exc: Exception) -> None:
         if isinstance(exc, RedisError | OSError | TimeoutError):
-            log.warning("reading %s failed (%s); retrying", self.stream, type(exc).__name__)
+            log.warning("listening on %s failed (%s); retrying", self.channel, type(exc).__name__)
         else:
-            log.exception("reading %s failed", self.stream)
+            log.exception("listening on %s failed", self.channel)
         if self.down_since is None:
             self.down_since = time.monotonic()
             metrics.REDIS_UP.set(0)
 
-    async def _read(self) -> Any:
-        """One XREAD on the reader's own connection, held for good: redis-py's per-call argument checks
-        and pool checkout cost a fifth of the edge's CPU in a profile; hiredis packs the command, in C.
-        Its deadline is an asyncio.timeout
-        here, not the connection's socket timeout, which costs redis-py a task per command."""
-        async with asyncio.timeout(READ_BLOCK_MS / 1000 + READ_GRACE_S):
+    async def _subscribe(self) -> None:
+        """Subscribes on a connection held for good, then reads the logs of the requests already waiting:
+        events published before the subscription took hold reached nobody."""
+        async with asyncio.timeout(SUBSCRIBE_WAIT_S):
             if self.connection is None:
                 self.connection = await self._take_connection()
-            await self.connection.send_packed_command(rawpipe.pack(
-                ("XREAD", "COUNT", READ_COUNT, "BLOCK", READ_BLOCK_MS, "STREAMS", self.stream, self.last_id)),
-                check_health=False)
-            return await self.connection.read_response()
+            await self.connection.send_packed_command(rawpipe.pack(("SSUBSCRIBE", self.channel)), check_health=False)
+            while not await self._receive():
+                pass
+        if self.down_since is not None:
+            log.info("listening on %s again after an outage", self.channel)
+            self.down_since = None
+        metrics.REDIS_UP.set(1)
+        if self.jobs:
+            self.catching_up = asyncio.create_task(self._catch_up(list(self.jobs.values())))
+
+    async def _catch_up(self, waiting: list[JobEvents]) -> None:
+        for events in waiting:
+            if self.jobs.get(events.job_id) is events:
+                with contextlib.suppress(RedisError, OSError):  # the subscription fails too, and catches up again
+                    await events.catch_up()
+
+    async def _receive(self) -> bool:
+        """Routes the messages one read of the socket brings (its replies taken from hiredis's reader, in C:
+        redis-py's read_response costs a few Python calls and a timer per reply); a quiet connection is
+        pinged, and lost when the PONG does not come. True when the subscription was confirmed."""
+        parser = self.connection._parser
+        try:
+            async with asyncio.timeout(PING_AFTER_S):
+                await parser.read_from_socket()
+        except TimeoutError:
+            await self.connection.send_packed_command(rawpipe.pack(("PING",)), check_health=False)
+            async with asyncio.timeout(PONG_WAIT_S):
+                await parser.read_from_socket()
+        subscribed = False
+        while (reply := parser._reader.gets()) is not rawpipe.NOT_ENOUGH_DATA:
+            if isinstance(reply, Exception):  # on a cluster, MOVED: the channel's slot is elsewhere now
+                raise reply
+            kind = reply[0]
+            if kind == b"smessage":
+                self.dispatch(reply[2])
+            elif kind == b"ssubscribe":
+                subscribed = True
+            elif kind == b"sunsubscribe":  # a cluster moved the channel's slot: subscribe where it is now
+                raise RedisConnectionError(f"{self.channel} was unsubscribed by the server")
+        return subscribed
 
     async def _take_connection(self) -> Any:
-        """A connection of the reader's pool; on a cluster, of the node that holds this edge's stream."""
+        """A connection of the reader's pool; on a cluster, of the node that holds this edge's channel."""
         if isinstance(self.reader, RedisCluster):
             await self.reader.initialize()
-            node = self.reader.get_node_from_key(self.stream)
+            node = self.reader.get_node_from_key(self.channel)
             connection = node.acquire_connection()
             await connection.connect()
             self.release = node.release
@@ -202,17 +233,15 @@ class EventRelay:
             events.fail(WorkerLost("The worker running this request died and no other worker took it over."))
 
     async def heartbeat(self) -> None:
-        """Tells workers this edge still reads its stream, learns how many edges are alive, and trims what was
-        read from its stream (which it keeps alive while the edge lives): one round trip a beat."""
+        """Tells workers this edge still listens on its channel and learns how many edges are alive: one round
+        trip a beat."""
         ttl_ms = int(self.timing.heartbeat_ttl_s * 1000)
         while True:
             now = time.time()
             with contextlib.suppress(RedisError, OSError):
                 pipe = self.pipelines.pipeline()
-                pipe.execute_command("XTRIM", self.stream, "MINID", "~", self.last_id)
-                pipe.execute_command("EXPIRE", self.stream, STREAM_TTL_S)
-                pipe.execute_command("SET", keys.edges_alive(self.stream), 1, "PX", ttl_ms)
-                pipe.execute_command("ZADD", keys.EDGES, now + self.timing.heartbeat_ttl_s, self.stream)
+                pipe.execute_command("SET", keys.edges_alive(self.channel), 1, "PX", ttl_ms)
+                pipe.execute_command("ZADD", keys.EDGES, now + self.timing.heartbeat_ttl_s, self.channel)
                 pipe.execute_command("ZREMRANGEBYSCORE", keys.EDGES, "-inf", now)
                 pipe.execute_command("ZCARD", keys.EDGES)
                 self.live_edges = max(1, int((await pipe.execute())[-1]))
@@ -222,8 +251,8 @@ class EventRelay:
         """Workers keep this edge's remaining jobs for a resume elsewhere from now on."""
         with contextlib.suppress(RedisError, OSError):
             pipe = self.commands.pipeline(transaction=False)
-            pipe.delete(keys.edges_alive(self.stream))
-            pipe.zrem(keys.EDGES, self.stream)
+            pipe.delete(keys.edges_alive(self.channel))
+            pipe.zrem(keys.EDGES, self.channel)
             await pipe.execute()
 
 

@@ -1,9 +1,11 @@
-"""Writes token events to the edges' streams and to each job's log, in one pipelined round trip per step.
+"""Writes token events to each job's log and publishes them to the edges' channels, in one pipelined round trip
+per step.
 
 Every job task hands its events to `publish` without waiting; a single flusher sends whatever has
 gathered since its last write. Events of one engine step arrive together, so they leave together,
 and while one write is in flight the next batch gathers behind it. A job's log entry is written before
-the edge's copy in the same pipeline: whatever an edge has seen, the log has too.
+the edge's copy is published, in the same pipeline: whatever an edge has seen, the log has too, and what an
+edge missed (it was not subscribed) it reads from there.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ from shared.rawpipe import Arg, PipelineLike, Pipelines
 
 log = logging.getLogger(__name__)
 
-STREAM_MAXLEN = 100_000
-"""Bounds an events stream whose edge died without trimming it (it also expires)."""
 RETRY_PAUSE_S = 0.2
 WRITE_TIMEOUT_S = 5.0
 
@@ -53,7 +53,7 @@ class _Batch:
 
 
 class EventPublisher:
-    """Batches events per edge stream and per job log; acknowledges jobs after their last event is written."""
+    """Batches events per edge channel and per job log; acknowledges jobs after their last event is written."""
 
     def __init__(self, redis: aioredis.Redis, log_max_events: int, after_acks: AckFollowup | None = None) -> None:
         self.redis = redis
@@ -114,9 +114,8 @@ class EventPublisher:
                                  bus.EVENTS_FIELD, bus.encode_events(events))
             if ttl_ms := batch.expiries.get(job_id):
                 pipe.execute_command("PEXPIRE", keys.job_log(job_id), ttl_ms)
-        for stream, events in batch.live.items():
-            pipe.execute_command("XADD", stream, "MAXLEN", "~", STREAM_MAXLEN, "*", bus.EVENTS_FIELD,
-                                 bus.encode_events(events))
+        for channel, events in batch.live.items():
+            pipe.execute_command("SPUBLISH", channel, bus.encode_events(events))
         for stream, group, entry_id in batch.acks:
             pipe.execute_command("XACK", stream, group, entry_id)
             pipe.execute_command("XDEL", stream, entry_id)

@@ -1,0 +1,115 @@
+"""The edge's relay against a real Redis, fed by the worker's own publisher: what its subscription missed
+reaches the waiting requests from their jobs' logs, and a Redis that stops answering is noticed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.edge import relay as relay_module
+from services.edge.jobevents import JobEvents
+from services.edge.relay import EventRelay, Timing
+from services.supervisor import RedisServer
+from services.worker.publisher import EventPublisher
+from shared import bus, keys, redis_clients
+
+LOG_MAX = 100
+
+
+async def _subscribed(relay: EventRelay, wait_s: float = 5.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while relay.connection is None or relay.down_since is not None or not await _listening(relay):
+        assert time.monotonic() < deadline, "the relay did not subscribe"
+        await asyncio.sleep(0.02)
+
+
+async def _listening(relay: EventRelay) -> bool:
+    counts = await relay.commands.execute_command("PUBSUB", "SHARDNUMSUB", relay.channel)
+    return int(counts[1]) == 1
+
+
+@pytest.fixture
+async def relay(redis_url: str) -> AsyncIterator[EventRelay]:
+    commands = redis_clients.pooled(redis_url, "test-relay", 4)
+    reader = redis_clients.dedicated(redis_url, "test-relay-reader")
+    made = EventRelay(reader, commands, keys.events_channel(uuid.uuid4().hex), Timing(redis_down_after_s=0.5))
+    running = asyncio.create_task(made.run())
+    await _subscribed(made)
+    yield made
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    await reader.aclose()
+    await commands.aclose()
+
+
+async def _all_of(events: JobEvents, wait_s: float) -> list[bus.Output]:
+    out: list[bus.Output] = []
+    async with asyncio.timeout(wait_s):
+        while not events.finished:
+            if (event := await events.next()) is not None:
+                out += [event, *events.ready()]
+    return out
+
+
+async def test_events_published_while_the_subscription_was_down_arrive_from_the_log(
+    relay: EventRelay, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """Redis drops the edge's subscriber (as on a network blip) while the worker writes a job's last tokens and
+    its Final: nothing comes after them to show a gap, yet the request gets every one, in order, once the relay
+    has subscribed again."""
+    job = f"job-{uuid.uuid4().hex}"
+    events = relay.register(job, time.monotonic() + 30)
+    publisher = EventPublisher(redis_clients.dedicated(redis_url, "test-relay-worker"), LOG_MAX)
+    tokens = [bus.Tokens(job=job, text=t, token_ids=[i], seq=1 + i) for i, t in enumerate("abcd")]
+    publisher.publish(relay.channel, bus.Started(job=job, worker="w", seq=0))
+    publisher.publish(relay.channel, tokens[0])
+    await publisher.flush()
+    assert redis_client.client_kill_filter(_type="pubsub") >= 1
+    for event in [*tokens[1:], bus.Final(job=job, prompt_tokens=1, completion_tokens=4, seq=5)]:
+        publisher.publish(relay.channel, event)
+    await publisher.flush()
+    got = await _all_of(events, wait_s=10)
+    assert [e.text for e in got if isinstance(e, bus.Tokens)] == ["a", "b", "c", "d"]
+    assert isinstance(got[-1], bus.Final) and len(got) == 5
+    await publisher.redis.aclose()
+
+
+async def test_a_redis_that_stops_answering_is_noticed_by_a_quiet_subscription(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped (not killed) Redis keeps its sockets open: the quiet subscription's PING goes unanswered, the
+    relay calls Redis down, and once Redis runs again it subscribes again and says so."""
+    monkeypatch.setattr(relay_module, "PING_AFTER_S", 0.3)
+    monkeypatch.setattr(relay_module, "PONG_WAIT_S", 0.3)
+    server = RedisServer(str(tmp_path))
+    url = server.start()
+    commands = redis_clients.pooled(url, "test-relay-stopped", 2)
+    reader = redis_clients.dedicated(url, "test-relay-stopped-reader")
+    relay = EventRelay(reader, commands, keys.events_channel(uuid.uuid4().hex), Timing(redis_down_after_s=0.5))
+    running = asyncio.create_task(relay.run())
+    assert server.proc is not None
+    try:
+        await _subscribed(relay)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not relay.redis_down():
+            assert time.monotonic() - stopped < 5, "a stopped Redis went unnoticed"
+            await asyncio.sleep(0.05)
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await _subscribed(relay, wait_s=10)
+        assert not relay.redis_down()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await reader.aclose()
+        await commands.aclose()
+        server.stop()
