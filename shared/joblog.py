@@ -11,15 +11,23 @@ from shared import bus, keys
 
 
 def parse(entries: Any) -> list[bus.Event]:
-    """The events of XRANGE entries ([id, {field: payload}] or [id, [field, payload]]), in log order."""
+    """The events of XRANGE entries ([id, {field: payload}] or [id, [field, payload]]), in position order: a
+    worker writes tokens again when the replies of their write show a failure, and by then a later write may
+    have landed (the sort is stable: one position written twice, by an owner and a former one, keeps the order
+    written)."""
     events: list[bus.Event] = []
     for _entry_id, fields in entries or ():
         payload = fields.get(bus.EVENTS_FIELD) if isinstance(fields, dict) else fields[1]
         if payload is not None:
             events.extend(bus.decode_events(payload))
+    events.sort(key=_position)
     return events
 
 
+def _position(event: bus.Event) -> int:
+    return event.seq
+
+
 async def read(redis: aioredis.Redis, job_id: str) -> list[bus.Event]:
-    """Every event in the job's log, in the order written (not yet judged: see shared.sequence)."""
+    """Every event in the job's log, in position order (not yet judged: see shared.sequence)."""
     return parse(await redis.xrange(keys.job_log(job_id)))

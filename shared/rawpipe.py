@@ -77,7 +77,10 @@ class RawPipeline:
 class HeldConnection:
     """One connection of a plain client's pool, taken at first use and kept (given back when it fails); with
     `keep` False, taken for each call and given back after it (for loops that run a few times a second, so
-    that they do not hold a connection of a small pool for good)."""
+    that they do not hold a connection of a small pool for good).
+
+    A kept connection may also send commands whose replies are read later (`send_unread`, `read_unread`):
+    meanwhile it stops reading its socket, so that their arrival wakes nobody."""
 
     def __init__(self, client: aioredis.Redis, keep: bool = True) -> None:
         self.client = client
@@ -85,11 +88,17 @@ class HeldConnection:
         self.connection: Any = None
         self.lock = asyncio.Lock()
         """Held across a call: two calls' replies would interleave on the one connection."""
+        self.unread = 0
+        """Replies of commands sent by `send_unread`, not read yet."""
+        self.lost_unread = False
+        """The connection failed with replies unread: whether their commands ran is unknown."""
 
     async def run(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
         if not commands:
             return []
         async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):  # TimeoutError is an OSError, as callers expect
+            if self.unread:
+                raise RuntimeError("replies sent for earlier are still unread on this connection")
             try:
                 return await self._run(commands)
             except RedisConnectionError:
@@ -98,21 +107,60 @@ class HeldConnection:
                 return await self._run(commands)
 
     async def _run(self, commands: list[tuple[Arg, ...]]) -> list[Any]:
-        if self.connection is None:
-            self.connection = await self.client.connection_pool.get_connection()
-        connection = self.connection
+        connection = await self._connection()
         try:
             await connection.send_packed_command(b"".join(map(pack, commands)), check_health=False)
             replies = await read_replies(connection, len(commands))
         except BaseException:  # replies may be left unread: the connection cannot be used again
-            self.connection = None
-            await connection.disconnect(nowait=True)
-            await self.client.connection_pool.release(connection)
+            await self._drop(connection)
             raise
         if not self.keep:
             self.connection = None
             await self.client.connection_pool.release(connection)
         return replies
+
+    async def send_unread(self, commands: list[tuple[Arg, ...]]) -> None:
+        """Sends commands and leaves their replies unread until `read_unread`; a failure raises (RedisError or
+        OSError) and drops the connection with whatever was unread on it."""
+        assert self.keep, "replies left unread need a connection that stays"
+        async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):
+            connection = await self._connection()
+            try:
+                await connection.send_packed_command(b"".join(map(pack, commands)), check_health=False)
+            except BaseException:
+                await self._drop(connection)
+                raise
+            connection._writer.transport.pause_reading()
+            self.unread += len(commands)
+
+    async def read_unread(self) -> list[Any]:
+        """The replies left unread, in order (an error reply as the exception in its place); a lost connection
+        raises RedisConnectionError: whether those commands ran is unknown."""
+        async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):
+            count, self.unread = self.unread, 0
+            if self.lost_unread:
+                self.lost_unread = False
+                raise RedisConnectionError("the connection was lost with replies unread")
+            if not count:
+                return []
+            connection = self.connection
+            try:
+                connection._writer.transport.resume_reading()
+                return await read_replies(connection, count)
+            except BaseException:
+                await self._drop(connection)
+                raise
+
+    async def _connection(self) -> Any:
+        if self.connection is None:
+            self.connection = await self.client.connection_pool.get_connection()
+        return self.connection
+
+    async def _drop(self, connection: Any) -> None:
+        self.lost_unread = self.lost_unread or self.unread > 0
+        self.connection, self.unread = None, 0
+        await connection.disconnect(nowait=True)
+        await self.client.connection_pool.release(connection)
 
 
 async def read_replies(connection: Any, count: int) -> list[Any]:

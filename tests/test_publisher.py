@@ -3,6 +3,7 @@ settlement) leave in one write, and a failing follow-up never holds the events b
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,9 +12,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from services.worker import publisher as publisher_module
 from services.worker.publisher import EventPublisher
-from shared import bus, keys, redis_clients
+from shared import bus, joblog, keys, redis_clients
 from shared.rawpipe import PipelineLike
+from shared.sequence import in_order
 from tests.channel import listening
 from tests.test_enqueue import counting_writes
 
@@ -104,3 +107,80 @@ async def test_lookups_ride_the_events_write_and_get_their_replies_together(
     assert writes == [1]
     assert len(got) == 1 and got[0][:2] == [0, b"elsewhere"]
     assert isinstance(got[0][2], redis.exceptions.ResponseError)  # WRONGTYPE, in its place
+
+
+def _tokens(job: str, start: int, count: int) -> list[bus.Event]:
+    return [bus.Tokens(job=job, text=str(i), token_ids=[i], seq=i) for i in range(start, start + count)]
+
+
+def _positions(redis_client: redis.Redis, job: str) -> list[int]:
+    """The positions a worker taking the job over (or a resumed stream) takes from its log."""
+    taken, conflict = in_order(joblog.parse(redis_client.xrange(keys.job_log(job))))
+    assert not conflict
+    return [event.seq for event in taken]
+
+
+async def test_token_writes_leave_their_replies_unread_for_a_while(
+        client: aioredis.Redis, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write of tokens alone does not wait for its replies (that wait costs the worker a wake per token); they
+    are read within CONFIRM_AFTER_S, and the events are written all the same."""
+    monkeypatch.setattr(publisher_module, "CONFIRM_AFTER_S", 0.3)
+    job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    publisher = EventPublisher(client, 100)
+    running = asyncio.create_task(publisher.run())
+    try:
+        with listening(redis_client, channel) as edge:
+            for event in _tokens(job, 0, 3):
+                publisher.publish(channel, event)
+                await asyncio.sleep(0.02)
+            assert [e.seq for _t, e in await asyncio.to_thread(edge.events, 0.2)] == [0, 1, 2]
+        assert publisher.pipelines.held is not None and publisher.pipelines.held.unread > 0
+        await asyncio.wait_for(publisher.idle.wait(), 2)
+        assert publisher.pipelines.held.unread == 0 and not publisher.unconfirmed
+        assert _positions(redis_client, job) == [0, 1, 2]
+    finally:
+        running.cancel()
+
+
+async def test_a_token_write_whose_unread_replies_show_a_failure_is_written_again(
+        client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    """Its tokens land in the log after a later write's, yet a reader of the log takes every position in order
+    (a worker taking the job over, a resumed stream)."""
+    job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    redis_client.set(keys.job_log(job), "not a stream")  # its XADD fails: WRONGTYPE, in a reply nobody reads yet
+    publisher = EventPublisher(client, 100)
+    for event in _tokens(job, 0, 2):
+        publisher.publish(channel, event)
+    await publisher._flush(confirm=False)
+    assert len(publisher.unconfirmed) == 1
+    redis_client.delete(keys.job_log(job))  # the fault passes: the next write lands first
+    for event in _tokens(job, 2, 2):
+        publisher.publish(channel, event)
+    await publisher._flush(confirm=False)
+    await publisher.flush()
+    assert _positions(redis_client, job) == [0, 1, 2, 3]
+
+
+async def test_token_writes_on_a_connection_lost_before_their_replies_are_written_again(
+        client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    """Redis drops the worker's connection with two token writes in it, unrun (writes were paused): they are
+    written again once the loss shows, before what follows."""
+    job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    publisher = EventPublisher(client, 100)
+    await publisher.flush()  # connects
+    redis_client.client_pause(5000, all=False)  # writes wait, unrun, in the connection's input
+    try:
+        for start in (0, 2):
+            for event in _tokens(job, start, 2):
+                publisher.publish(channel, event)
+            await publisher._flush(confirm=False)
+        assert len(publisher.unconfirmed) == 2
+        ids = [c["id"] for c in redis_client.client_list() if c["name"] == "test-publisher"]
+        assert sum(redis_client.client_kill_filter(_id=i) for i in ids) >= 1
+    finally:
+        redis_client.client_unpause()
+    assert redis_client.xlen(keys.job_log(job)) == 0  # they never ran
+    for event in _tokens(job, 4, 1):
+        publisher.publish(channel, event)
+    await publisher.flush()
+    assert _positions(redis_client, job) == [0, 1, 2, 3, 4]

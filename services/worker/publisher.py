@@ -3,7 +3,11 @@ per step.
 
 Every job task hands its events to `publish` without waiting; a single flusher sends whatever has
 gathered since its last write. Events of one engine step arrive together, so they leave together,
-and while one write is in flight the next batch gathers behind it. A job's log entry is written before
+and while one write is in flight the next batch gathers behind it. A write of token events alone does not
+wait for its replies: they are read with a later write that needs its own (an acknowledgement, a lookup), or
+at most CONFIRM_AFTER_S after it, so that a stream's tokens cost the worker one wake each instead of two (the
+reply's); a failure they show sends those events again (positions make a repeat harmless: edges and logs'
+readers keep each position once). A job's log entry is written before
 the edge's copy is published, in the same pipeline: whatever an edge has seen, the log has too, and what an
 edge missed (it was not subscribed) it reads from there.
 """
@@ -11,6 +15,7 @@ edge missed (it was not subscribed) it reads from there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +31,10 @@ log = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 0.2
 WRITE_TIMEOUT_S = 5.0
+CONFIRM_AFTER_S = 0.1
+"""How long the replies of a token write may stay unread."""
+MAX_UNCONFIRMED = 32
+"""Token writes whose replies may stay unread at once."""
 
 
 class AckFollowup(Protocol):
@@ -51,6 +60,26 @@ class _Batch:
     def __bool__(self) -> bool:
         return bool(self.live or self.acks or self.followups)
 
+    @property
+    def tokens_only(self) -> bool:
+        """Nothing in it needs its replies at once."""
+        return not self.acks and not self.followups
+
+
+def _merged(batches: list[_Batch]) -> _Batch:
+    """One batch with the events, acknowledgements and follow-ups of several, in their order."""
+    out = _Batch()
+    for batch in batches:
+        for channel, events in batch.live.items():
+            out.live.setdefault(channel, []).extend(events)
+        for job_id, events in batch.logs.items():
+            out.logs.setdefault(job_id, []).extend(events)
+        out.expiries.update(batch.expiries)
+        out.acks += batch.acks
+        out.notes += batch.notes
+        out.followups += batch.followups
+    return out
+
 
 class EventPublisher:
     """Batches events per edge channel and per job log; acknowledges jobs after their last event is written."""
@@ -61,6 +90,9 @@ class EventPublisher:
         self.log_max_events = log_max_events
         self.after_acks = after_acks
         self.batch = _Batch()
+        self.unconfirmed: list[_Batch] = []
+        """Token writes sent with their replies left unread (see the module's doc), oldest first."""
+        self.unconfirmed_since = 0.0
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -94,36 +126,82 @@ class EventPublisher:
         self.wakeup.set()
 
     async def run(self) -> None:
-        """Flushes until cancelled."""
+        """Flushes until cancelled; replies left unread are read CONFIRM_AFTER_S after the oldest's write."""
+        loop = asyncio.get_running_loop()
         while True:
-            await self.wakeup.wait()
+            if self.unconfirmed:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(self.unconfirmed_since + CONFIRM_AFTER_S):
+                        await self.wakeup.wait()
+            else:
+                await self.wakeup.wait()
             self.wakeup.clear()
-            await self.flush()
+            due = bool(self.unconfirmed) and loop.time() >= self.unconfirmed_since + CONFIRM_AFTER_S
+            await self._flush(confirm=due)
 
     async def flush(self) -> None:
+        """Writes what was published so far, and reads every reply left unread."""
+        await self._flush(confirm=True)
+
+    async def _flush(self, confirm: bool) -> None:
         batch, self.batch = self.batch, _Batch()
-        if batch:
-            await self._write(batch)
-        if not self.batch:
+        if batch or (confirm and self.unconfirmed):
+            await self._write(batch, confirm)
+        if not self.batch and not self.unconfirmed:
             self.idle.set()
 
-    def _pipeline(self, batch: _Batch) -> PipelineLike:
-        pipe = self.pipelines.pipeline()
+    def _commands(self, batch: _Batch) -> list[tuple[Arg, ...]]:
+        commands: list[tuple[Arg, ...]] = []
         for job_id, events in batch.logs.items():
-            pipe.execute_command("XADD", keys.job_log(job_id), "MAXLEN", "~", self.log_max_events, "*",
-                                 bus.EVENTS_FIELD, bus.encode_events(events))
+            commands.append(("XADD", keys.job_log(job_id), "MAXLEN", "~", self.log_max_events, "*",
+                             bus.EVENTS_FIELD, bus.encode_events(events)))
             if ttl_ms := batch.expiries.get(job_id):
-                pipe.execute_command("PEXPIRE", keys.job_log(job_id), ttl_ms)
+                commands.append(("PEXPIRE", keys.job_log(job_id), ttl_ms))
         for channel, events in batch.live.items():
-            pipe.execute_command("SPUBLISH", channel, bus.encode_events(events))
+            commands.append(("SPUBLISH", channel, bus.encode_events(events)))
         for stream, group, entry_id in batch.acks:
-            pipe.execute_command("XACK", stream, group, entry_id)
-            pipe.execute_command("XDEL", stream, entry_id)
-        return pipe
+            commands.append(("XACK", stream, group, entry_id))
+            commands.append(("XDEL", stream, entry_id))
+        return commands
 
-    async def _write(self, batch: _Batch) -> None:
+    async def _write(self, batch: _Batch, confirm: bool) -> None:
+        held = self.pipelines.held
+        if (held is not None and not confirm and batch.tokens_only and len(self.unconfirmed) < MAX_UNCONFIRMED):
+            try:
+                await held.send_unread(self._commands(batch))
+            except (RedisError, OSError) as exc:
+                log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
+            else:
+                if not self.unconfirmed:
+                    self.unconfirmed_since = asyncio.get_running_loop().time()
+                self.unconfirmed.append(batch)
+                self._count(batch)
+                return
+        if self.unconfirmed:
+            batch = _merged([*await self._unconfirmed_failed(), batch])
+            if not batch:
+                return
+        await self._write_confirmed(batch)
+
+    async def _unconfirmed_failed(self) -> list[_Batch]:
+        """Reads the replies left unread; the batches they belong to, all of them, if one shows a failure."""
+        assert self.pipelines.held is not None
+        sent, self.unconfirmed = self.unconfirmed, []
+        try:
+            replies = await self.pipelines.held.read_unread()
+        except (RedisError, OSError) as exc:
+            log.warning("a write of %d event batches may have failed (%s); writing them again", len(sent), exc)
+            return sent
+        if failure := next((reply for reply in replies if isinstance(reply, Exception)), None):
+            log.warning("a write of %d event batches failed (%s); writing them again", len(sent), failure)
+            return sent
+        return []
+
+    async def _write_confirmed(self, batch: _Batch) -> None:
         while True:
-            pipe = self._pipeline(batch)
+            pipe = self.pipelines.pipeline()
+            for command in self._commands(batch):
+                pipe.execute_command(*command)
             essential = len(pipe)
             if batch.acks and self.after_acks is not None:
                 self.after_acks.queue(pipe, batch.notes)
@@ -146,6 +224,10 @@ class EventPublisher:
         for commands, on_replies in batch.followups:
             on_replies(results[at:at + len(commands)])
             at += len(commands)
+        self._count(batch)
+
+    @staticmethod
+    def _count(batch: _Batch) -> None:
         metrics.EVENT_FLUSHES.inc()
         metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 
