@@ -98,7 +98,7 @@ class HeldConnection:
             return []
         async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):  # TimeoutError is an OSError, as callers expect
             if self.unread:
-                raise RuntimeError("replies sent for earlier are still unread on this connection")
+                raise RuntimeError("replies of earlier commands are still unread on this connection")
             try:
                 return await self._run(commands)
             except RedisConnectionError:

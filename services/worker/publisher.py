@@ -129,15 +129,12 @@ class EventPublisher:
         """Flushes until cancelled; replies left unread are read CONFIRM_AFTER_S after the oldest's write."""
         loop = asyncio.get_running_loop()
         while True:
-            if self.unconfirmed:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(self.unconfirmed_since + CONFIRM_AFTER_S):
-                        await self.wakeup.wait()
-            else:
-                await self.wakeup.wait()
+            confirm_at = self.unconfirmed_since + CONFIRM_AFTER_S if self.unconfirmed else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(confirm_at):
+                    await self.wakeup.wait()
             self.wakeup.clear()
-            due = bool(self.unconfirmed) and loop.time() >= self.unconfirmed_since + CONFIRM_AFTER_S
-            await self._flush(confirm=due)
+            await self._flush(confirm=confirm_at is not None and loop.time() >= confirm_at)
 
     async def flush(self) -> None:
         """Writes what was published so far, and reads every reply left unread."""
