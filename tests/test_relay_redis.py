@@ -69,17 +69,19 @@ async def test_events_published_while_the_subscription_was_down_arrive_from_the_
     events = relay.register(job, time.monotonic() + 30)
     publisher = EventPublisher(redis_clients.dedicated(redis_url, "test-relay-worker"), LOG_MAX)
     tokens = [bus.Tokens(job=job, text=t, token_ids=[i], seq=1 + i) for i, t in enumerate("abcd")]
-    publisher.publish(relay.channel, bus.Started(job=job, worker="w", seq=0))
-    publisher.publish(relay.channel, tokens[0])
-    await publisher.flush()
-    assert redis_client.client_kill_filter(_type="pubsub") >= 1
-    for event in [*tokens[1:], bus.Final(job=job, prompt_tokens=1, completion_tokens=4, seq=5)]:
-        publisher.publish(relay.channel, event)
-    await publisher.flush()
-    got = await _all_of(events, wait_s=10)
+    try:
+        publisher.publish(relay.channel, bus.Started(job=job, worker="w", seq=0))
+        publisher.publish(relay.channel, tokens[0])
+        await publisher.flush()
+        assert redis_client.client_kill_filter(_type="pubsub") >= 1
+        for event in [*tokens[1:], bus.Final(job=job, prompt_tokens=1, completion_tokens=4, seq=5)]:
+            publisher.publish(relay.channel, event)
+        await publisher.flush()
+        got = await _all_of(events, wait_s=10)
+    finally:
+        await publisher.redis.aclose()
     assert [e.text for e in got if isinstance(e, bus.Tokens)] == ["a", "b", "c", "d"]
     assert isinstance(got[-1], bus.Final) and len(got) == 5
-    await publisher.redis.aclose()
 
 
 async def test_a_redis_that_stops_answering_is_noticed_by_a_quiet_subscription(
