@@ -34,7 +34,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     (TOKENBUS_REDIS_URL). Durations carry their unit in the name."""
 
     redis_url: str = ""
-    """Redis to use; empty means `tokenbus run` starts a private redis-server on a free port."""
+    """Redis to use (`redis://host:port/db`, `unix:///path/redis.sock?db=0`); empty means `tokenbus run` starts a
+    private redis-server, reached over a Unix socket."""
     redis_cluster: bool = False
     """The Redis at --redis-url is a node of a Redis Cluster: talk to the whole cluster through it."""
     host: str = "127.0.0.1"

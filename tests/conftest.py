@@ -177,11 +177,12 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    """A stack of separate processes of the test's own (fault and deployment tests): see tests/stack.py."""
+def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """A stack of separate processes of the test's own (fault and deployment tests): see tests/stack.py. Its
+    Redis is reached over TCP, or over a Unix socket where a test is parametrized with "unix"."""
     from tests.stack import Stack  # it builds on this module
 
-    running = Stack(tmp_path)
+    running = Stack(tmp_path, unix_socket=getattr(request, "param", "tcp") == "unix")
     try:
         yield running
     finally:

@@ -27,13 +27,15 @@ FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
 class Stack:
     root: Path
     model: str = "fault-model"
+    unix_socket: bool = False
+    """Redis reached over a Unix socket, as `tokenbus run` reaches its private one, rather than loopback TCP."""
     redis: RedisServer = field(init=False)
     edges: list[Edge] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         (self.root / "redis").mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(str(self.root / "redis"))
+        self.redis = RedisServer(str(self.root / "redis"), unix_socket=self.unix_socket)
         self.url = self.redis.start()
         self.client = redis.Redis.from_url(self.url)
 

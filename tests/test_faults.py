@@ -84,9 +84,12 @@ async def test_a_kill_soak_loses_nothing(stack: Stack) -> None:
     assert stack.client.xlen(keys.dead_letters(stack.model)) == 0
 
 
+@pytest.mark.parametrize("stack", ["tcp", "unix"], indirect=True)
 async def test_redis_killed_and_restarted(stack: Stack) -> None:
     """While Redis is down: 503 with Retry-After at once, streams in flight end with an error event; after its
-    restart everything serves again, with no process restarted."""
+    restart everything serves again, with no process restarted. Over TCP, and over the Unix socket that
+    `tokenbus run` uses for its private Redis."""
+    assert stack.url.startswith("unix://" if stack.unix_socket else "redis://")
     edge = stack.edge()
     stack.worker()
     assert (await stream_text(edge.url, stack.model, 5))[0] == expected(5)

@@ -73,6 +73,7 @@ def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_ke
         assert set(ready.json()["models"]) == {"SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"}
         assert chat.status_code == 200
         assert "without API keys" in log.read_text()
+        assert "private redis-server at unix://" in log.read_text()  # its processes share the machine
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=60)

@@ -93,7 +93,7 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
     say). The pids are `edge`/`worker` for the first ones, `edge1`, `worker1`... for the others."""
     with ExitStack() as stack:
         if redis_url is None:
-            redis_url = stack.enter_context(private_redis())
+            redis_url = stack.enter_context(private_redis(unix_socket=True))  # as `tokenbus run` does
         settings: dict[str, object] = dict(
             redis_url=redis_url, model=engine.model, model_dir=engine.model_dir,
             max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_cache_gib=engine.kv_cache_gib,
