@@ -122,9 +122,9 @@ def _positions(redis_client: redis.Redis, job: str) -> list[int]:
 
 async def test_token_writes_leave_their_replies_unread_for_a_while(
         client: aioredis.Redis, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A write of tokens alone does not wait for its replies (that wait costs the worker a wake per token); they
-    are read within CONFIRM_AFTER_S, and the events are written all the same."""
-    monkeypatch.setattr(publisher_module, "CONFIRM_AFTER_S", 0.3)
+    """A write of tokens alone does not wait for its replies (that wait costs the worker a wake per token); once
+    the tokens stop they are read within CONFIRM_QUIET_S, and the events are written all the same."""
+    monkeypatch.setattr(publisher_module, "CONFIRM_QUIET_S", 0.3)
     job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
     publisher = EventPublisher(client, 100)
     running = asyncio.create_task(publisher.run())
@@ -140,6 +140,43 @@ async def test_token_writes_leave_their_replies_unread_for_a_while(
         assert _positions(redis_client, job) == [0, 1, 2]
     finally:
         running.cancel()
+
+
+async def test_while_tokens_flow_their_replies_are_read_by_the_next_write_not_by_a_wake_of_their_own(
+        client: aioredis.Redis, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens every 20 ms for 0.6 s: no write waits for its own replies, none of the publisher's wakes is a
+    timer's, and the replies are read once they are CONFIRM_AFTER_S old, by the token write that follows."""
+    monkeypatch.setattr(publisher_module, "CONFIRM_AFTER_S", 0.1)
+    job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    publisher = EventPublisher(client, 100)
+    confirmed = counting_writes(publisher.pipelines)
+    held = publisher.pipelines.held
+    assert held is not None
+    reads, most_unconfirmed, timer_flushes = [0], [0], [0]
+    read_unread, flush = held.read_unread, publisher._flush
+
+    async def counted_read() -> list[Any]:
+        reads[0] += 1
+        return await read_unread()
+
+    async def watched_flush(confirm: bool) -> None:
+        timer_flushes[0] += confirm
+        await flush(confirm)
+        most_unconfirmed[0] = max(most_unconfirmed[0], len(publisher.unconfirmed))
+
+    monkeypatch.setattr(held, "read_unread", counted_read)
+    monkeypatch.setattr(publisher, "_flush", watched_flush)
+    running = asyncio.create_task(publisher.run())
+    try:
+        for event in _tokens(job, 0, 30):
+            publisher.publish(channel, event)
+            await asyncio.sleep(0.02)
+        assert confirmed == [0] and timer_flushes == [0]
+        assert reads[0] >= 3  # about every fifth write read the replies of those before it
+        assert most_unconfirmed[0] <= 8
+    finally:
+        running.cancel()
+    assert _positions(redis_client, job) == list(range(30))
 
 
 async def test_a_token_write_whose_unread_replies_show_a_failure_is_written_again(

@@ -4,10 +4,11 @@ per step.
 Every job task hands its events to `publish` without waiting; a single flusher sends whatever has
 gathered since its last write. Events of one engine step arrive together, so they leave together,
 and while one write is in flight the next batch gathers behind it. A write of token events alone does not
-wait for its replies: they are read with a later write that needs its own (an acknowledgement, a lookup), or
-at most CONFIRM_AFTER_S after it, so that a stream's tokens cost the worker one wake each instead of two (the
-reply's); a failure they show sends those events again (positions make a repeat harmless: edges and logs'
-readers keep each position once). A job's log entry is written before
+wait for its replies: they are read with a later write (at once by one that needs its own, an acknowledgement
+or a lookup; by the first token write CONFIRM_AFTER_S after them, when they have long arrived), or by
+themselves once the publisher was quiet for CONFIRM_QUIET_S, so that while a stream's tokens flow each costs the
+worker one wake, not two (the reply's) nor a timer's; a failure they show sends those events again (positions
+make a repeat harmless: edges and logs' readers keep each position once). A job's log entry is written before
 the edge's copy is published, in the same pipeline: whatever an edge has seen, the log has too, and what an
 edge missed (it was not subscribed) it reads from there.
 """
@@ -32,7 +33,10 @@ log = logging.getLogger(__name__)
 RETRY_PAUSE_S = 0.2
 WRITE_TIMEOUT_S = 5.0
 CONFIRM_AFTER_S = 0.1
-"""How long the replies of a token write may stay unread."""
+"""Replies of token writes this old are read by the next write, before it is sent."""
+CONFIRM_QUIET_S = 1.0
+"""Replies still unread when nothing was written for this long are read by themselves (a stream that stalled);
+a job's last write carries its acknowledgement, which reads them at once."""
 MAX_UNCONFIRMED = 32
 """Token writes whose replies may stay unread at once."""
 
@@ -93,6 +97,8 @@ class EventPublisher:
         self.unconfirmed: list[_Batch] = []
         """Token writes sent with their replies left unread (see the module's doc), oldest first."""
         self.unconfirmed_since = 0.0
+        self.last_sent = 0.0
+        """When the latest write with its replies unread went out (the loop's clock)."""
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -126,13 +132,14 @@ class EventPublisher:
         self.wakeup.set()
 
     async def run(self) -> None:
-        """Flushes until cancelled; replies left unread are read CONFIRM_AFTER_S after the oldest's write."""
+        """Flushes until cancelled; replies left unread are read by themselves once it was quiet CONFIRM_QUIET_S."""
         loop = asyncio.get_running_loop()
         while True:
-            confirm_at = self.unconfirmed_since + CONFIRM_AFTER_S if self.unconfirmed else None
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(confirm_at):
-                    await self.wakeup.wait()
+            confirm_at = self.last_sent + CONFIRM_QUIET_S if self.unconfirmed else None
+            if not self.wakeup.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(confirm_at):
+                        await self.wakeup.wait()
             self.wakeup.clear()
             await self._flush(confirm=confirm_at is not None and loop.time() >= confirm_at)
 
@@ -163,14 +170,21 @@ class EventPublisher:
 
     async def _write(self, batch: _Batch, confirm: bool) -> None:
         held = self.pipelines.held
-        if (held is not None and not confirm and batch.tokens_only and len(self.unconfirmed) < MAX_UNCONFIRMED):
+        if held is not None and not confirm and batch.tokens_only:
+            now = asyncio.get_running_loop().time()
+            due = self.unconfirmed and (now - self.unconfirmed_since >= CONFIRM_AFTER_S
+                                        or len(self.unconfirmed) >= MAX_UNCONFIRMED)
+            if due and (failed := await self._unconfirmed_failed()):  # read at once: they arrived meanwhile
+                await self._write_confirmed(_merged([*failed, batch]))
+                return
             try:
                 await held.send_unread(self._commands(batch))
             except (RedisError, OSError) as exc:
                 log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
             else:
                 if not self.unconfirmed:
-                    self.unconfirmed_since = asyncio.get_running_loop().time()
+                    self.unconfirmed_since = now
+                self.last_sent = now
                 self.unconfirmed.append(batch)
                 self._count(batch)
                 return
