@@ -115,3 +115,37 @@ async def test_a_redis_that_stops_answering_is_noticed_by_a_quiet_subscription(
         await reader.aclose()
         await commands.aclose()
         server.stop()
+
+
+async def test_while_events_flow_the_reader_looks_at_the_waiting_requests_and_the_ticker_sleeps(
+    relay: EventRelay, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rounds over the waiting requests (deadlines, clients) ride the reader's wakes while tokens arrive: the
+    ticker, whose every wake costs the edge one, wakes only once they stop."""
+    monkeypatch.setattr(relay_module, "TICK_S", 0.05)
+    job = f"job-{uuid.uuid4().hex}"
+    events = relay.register(job, time.monotonic() + 30)
+    rounds: list[str] = []
+    do_round = relay._round
+
+    def counted() -> None:
+        rounds.append("ticker" if relay.backstop is None else "reader")
+        do_round()
+
+    monkeypatch.setattr(relay, "_round", counted)
+    publisher = EventPublisher(redis_clients.dedicated(redis_url, "test-relay-worker"), LOG_MAX)
+    ticker = asyncio.create_task(relay.tick())
+    try:
+        publisher.publish(relay.channel, bus.Started(job=job, worker="w", seq=0))
+        for i in range(30):  # 0.6 s of tokens, one every 20 ms
+            publisher.publish(relay.channel, bus.Tokens(job=job, text="x", token_ids=[i], seq=1 + i))
+            await publisher.flush()
+            await asyncio.sleep(0.02)
+        flowing = list(rounds)
+        await asyncio.sleep(0.5)
+    finally:
+        ticker.cancel()
+        await publisher.redis.aclose()
+    assert flowing.count("reader") >= 6 and "ticker" not in flowing
+    assert rounds[len(flowing):].count("ticker") >= 3  # quiet: every 2 * TICK_S
+    assert len(events.ready()) == 30
