@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import edge_bench, load, report, scale, scale_report, systems
+from services.bench import edge_bench, load, report, scale, scale_report, systems, wakes
 from services.bench.workload import Distribution, requests
 
 SIM_TTFT_MS, SIM_ITL_MS = 40.0, 15.0
@@ -49,10 +49,13 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     streamed = edge_bench.edge_throughput(engine, tmp_path / "sim.log", streams=8, tokens=16)
     assert streamed.tokens == 8 * 16
     assert 0 <= streamed.edge_kernel_share <= 1 and streamed.edge_cpu_us_per_token >= 0  # 10 ms CPU clock ticks
+    woken = wakes.measure(wakes=20, gap_s=0.005)
+    assert min(woken.epoll_us, woken.loop_socket_us, woken.loop_timer_us) > 0  # CPU was spent on each wake
     out = tmp_path / "benchmarks.md"
     report.write(report.Report(command="test", comparison={}, hops=(hop,), throughput=streamed, many=many,
-                               vllm_bench=None), out)
+                               vllm_bench=None, wakes=woken), out)
     text = out.read_text()
+    assert f"**{woken.loop_socket_us:.0f} us** for an event loop" in text
     assert "100 concurrent streams" in text and f"{many.edge_redis_connections_max} Redis connections" in text
     assert ("| own core |" in text) == hop.pinned
     assert f"first wave of {hop.streams}" in text and f"{streamed.edge_cpu_us_per_token:.1f} us" in text

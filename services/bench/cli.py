@@ -24,6 +24,7 @@ from services.bench import (
     scale,
     scale_report,
     systems,
+    wakes,
 )
 from services.bench.workload import Distribution, requests
 from shared.settings import DEFAULT_MODEL_NAME
@@ -95,7 +96,9 @@ def _edge_parts(engine: systems.Engine, log_dir: Path, quick: bool) -> dict[str,
     throughput = edge_bench.edge_throughput(engine, log_dir / "sim.log", streams=256 // scale, tokens=256 // scale)
     print("edge alone: many concurrent streams", file=sys.stderr)
     many = edge_bench.many_streams(engine, log_dir / "sim.log", streams=2000 // (10 * scale if quick else 1))
-    return {"hops": tuple(hops), "throughput": throughput, "many": many}
+    print("what a wake costs this machine", file=sys.stderr)
+    woken = wakes.measure(wakes=50 if quick else 300)
+    return {"hops": tuple(hops), "throughput": throughput, "many": many, "wakes": woken}
 
 
 def run(args: argparse.Namespace) -> int:

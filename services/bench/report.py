@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench import compare, compare_report, edge_bench
+from services.bench import compare, compare_report, edge_bench, wakes
 from services.bench.compare import Comparison, Idle
 
 
@@ -25,6 +25,8 @@ class Report:
     vllm_bench: tuple[int, str] | None
     idle: Idle = field(default_factory=dict)
     """The comparison's systems' front-end CPU while idle, per round."""
+    wakes: wakes.WakeCost | None = None
+    """What one wake of a process costs this machine."""
 
 
 REPRODUCE = (
@@ -115,6 +117,17 @@ def _edge_section(report: Report) -> list[str]:
                   f"**{t.edge_cpu_us_per_token:.1f} us of edge CPU per streamed token**, "
                   f"{t.edge_kernel_share:.0%} of it in the kernel (socket writes; on loopback the sender's "
                   "system call also runs the receiving side of TCP).", ""]
+    if report.wakes is not None:
+        w = report.wakes
+        lines += [f"What a wake costs this machine, in CPU, whatever the process then does (`services/bench/wakes.py`, "
+                  f"{w.wakes} wakes {w.gap_ms:.0f} ms apart, woken by another process's write to a socket): "
+                  f"**{w.epoll_us:.0f} us** for a blocking epoll in C, **{w.loop_socket_us:.0f} us** for an event "
+                  f"loop (uvloop, as the edge and the worker run) awaiting the socket, {w.loop_timer_us:.0f} us for "
+                  "one woken by its own timer. At low concurrency every token is a wake of each process it crosses: "
+                  "the worker, Redis and the edge for tokenbus, the API server alone for `vllm serve`. So at one "
+                  "stream tokenbus's front-end CPU per token is above `vllm serve`'s by about two wakes (Redis's "
+                  "and the edge's), less whatever its worker saves; with more streams a wake carries a step's "
+                  "tokens of every stream and the difference shrinks.", ""]
     if report.many is not None:
         m = report.many
         lines += [f"One edge process holding {m.streams} concurrent streams: {m.completed} completed, at most "
