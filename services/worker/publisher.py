@@ -16,7 +16,6 @@ edge missed (it was not subscribed) it reads from there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +98,9 @@ class EventPublisher:
         self.unconfirmed_since = 0.0
         self.last_sent = 0.0
         """When the latest write with its replies unread went out (the loop's clock)."""
+        self.quiet_check: asyncio.TimerHandle | None = None
+        self.confirm_due = False
+        """The replies left unread are to be read by themselves: nothing was written for CONFIRM_QUIET_S."""
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -133,15 +135,27 @@ class EventPublisher:
 
     async def run(self) -> None:
         """Flushes until cancelled; replies left unread are read by themselves once it was quiet CONFIRM_QUIET_S."""
-        loop = asyncio.get_running_loop()
         while True:
-            confirm_at = self.last_sent + CONFIRM_QUIET_S if self.unconfirmed else None
-            if not self.wakeup.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(confirm_at):
-                        await self.wakeup.wait()
+            await self.wakeup.wait()
             self.wakeup.clear()
-            await self._flush(confirm=confirm_at is not None and loop.time() >= confirm_at)
+            confirm, self.confirm_due = self.confirm_due, False
+            await self._flush(confirm=confirm)
+
+    def _watch_quiet(self) -> None:
+        """One timer for the replies left unread, which re-arms itself while writes go on: a timer per write would
+        cost each token more than the wake it saves."""
+        if self.quiet_check is None:
+            self.quiet_check = asyncio.get_running_loop().call_at(self.last_sent + CONFIRM_QUIET_S, self._quiet)
+
+    def _quiet(self) -> None:
+        self.quiet_check = None
+        if not self.unconfirmed:
+            return
+        if asyncio.get_running_loop().time() >= self.last_sent + CONFIRM_QUIET_S:
+            self.confirm_due = True
+            self._wake()
+        else:
+            self._watch_quiet()
 
     async def flush(self) -> None:
         """Writes what was published so far, and reads every reply left unread."""
@@ -186,6 +200,7 @@ class EventPublisher:
                     self.unconfirmed_since = now
                 self.last_sent = now
                 self.unconfirmed.append(batch)
+                self._watch_quiet()
                 self._count(batch)
                 return
         if self.unconfirmed:
