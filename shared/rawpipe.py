@@ -123,7 +123,7 @@ class HeldConnection:
         """Sends commands and leaves their replies unread until `read_unread`; a failure raises (RedisError or
         OSError) and drops the connection with whatever was unread on it."""
         assert self.keep, "replies left unread need a connection that stays"
-        if self._sent_at_once(commands):
+        if self.try_send_unread(commands):
             return
         async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):
             connection = await self._connection()
@@ -135,13 +135,13 @@ class HeldConnection:
             connection._writer.transport.pause_reading()
             self.unread += len(commands)
 
-    def _sent_at_once(self, commands: list[tuple[Arg, ...]]) -> bool:
-        """Hands the commands to an open, idle connection's transport, which has room for them, without a task
-        switch, a lock or a timer: the hot path of a worker's token writes. Each wake of a process costs more the
-        more code it runs through, well beyond that code's own time (its caches are cold after the engine's step):
-        at one stream, where every token is a wake, the worker spent about 12% less CPU per token with this and
-        the publisher's single quiet timer. False: the caller sends them the careful way (connecting, waiting out
-        a full buffer, failing)."""
+    def try_send_unread(self, commands: list[tuple[Arg, ...]]) -> bool:
+        """`send_unread` on the spot, when it can be: hands the commands to an open, idle connection's transport,
+        which has room for them, without a task switch, a lock or a timer: the hot path of a worker's token
+        writes. Each wake of a process costs more the more code it runs through, well beyond that code's own time
+        (its caches are cold after the engine's step): at one stream, where every token is a wake, the worker
+        spent about 12% less CPU per token with this and the publisher's single quiet timer. False: nothing was
+        sent; `send_unread` sends them the careful way (connecting, waiting out a full buffer, failing)."""
         connection = self.connection
         writer = None if connection is None or self.lock.locked() else connection._writer
         transport = None if writer is None else writer.transport

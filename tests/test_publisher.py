@@ -221,3 +221,31 @@ async def test_token_writes_on_a_connection_lost_before_their_replies_are_writte
         publisher.publish(channel, event)
     await publisher.flush()
     assert _positions(redis_client, job) == [0, 1, 2, 3, 4]
+
+
+async def test_tokens_published_while_a_write_is_retried_go_out_after_it(
+        client: aioredis.Redis, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that must be confirmed fails (its log's key has the wrong type) and waits to be retried; the tokens
+    published meanwhile, which could go out at once on the same connection, wait for it: the edge gets every
+    position in order."""
+    monkeypatch.setattr(publisher_module, "RETRY_PAUSE_S", 0.3)
+    job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    redis_client.set(keys.job_log(job), "not a stream")
+    publisher = EventPublisher(client, 100)
+    running = asyncio.create_task(publisher.run())
+    try:
+        with listening(redis_client, channel) as edge:
+            publisher.publish(channel, bus.Started(job=job, worker="w", seq=0))
+            publisher.then([("EXISTS", keys.cancelled(job))], lambda replies: None)
+            await asyncio.sleep(0.1)  # its first try failed: it waits to be tried again
+            assert publisher.writing
+            for event in _tokens(job, 1, 2):
+                publisher.publish(channel, event)
+            await asyncio.sleep(0.05)
+            redis_client.delete(keys.job_log(job))  # the fault passes
+            seqs = [e.seq for _t, e in await asyncio.to_thread(edge.events, 1.0)]
+        await asyncio.wait_for(publisher.idle.wait(), 3)
+    finally:
+        running.cancel()
+    assert seqs == sorted(seqs) and seqs[-2:] == [1, 2]
+    assert _positions(redis_client, job) == [0, 1, 2]

@@ -101,6 +101,10 @@ class EventPublisher:
         self.quiet_check: asyncio.TimerHandle | None = None
         self.confirm_due = False
         """The replies left unread are to be read by themselves: nothing was written for CONFIRM_QUIET_S."""
+        self.soon = False
+        """A write is scheduled for when the ready callbacks have run."""
+        self.writing = False
+        """The flusher task is writing: what gathers meanwhile goes after it."""
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -130,8 +134,40 @@ class EventPublisher:
         self._wake()
 
     def _wake(self) -> None:
+        """Writes what gathered once the callbacks ready now have run (the other jobs of the same engine step):
+        a write of tokens alone at once from a callback, anything else by the flusher task."""
         self.idle.clear()
-        self.wakeup.set()
+        if not self.soon:
+            self.soon = True
+            asyncio.get_running_loop().call_soon(self._write_soon)
+
+    def _write_soon(self) -> None:
+        """Sends a batch of tokens alone on the spot, with no task switch, when nothing else is under way and no
+        replies are due to be read; otherwise hands the batch to the flusher task."""
+        self.soon = False
+        batch, held = self.batch, self.pipelines.held
+        if not batch and not self.confirm_due:
+            return
+        now = asyncio.get_running_loop().time()
+        if (held is None or self.writing or self.confirm_due or not batch.tokens_only or self._replies_due(now)
+                or not held.try_send_unread(self._commands(batch))):
+            self.wakeup.set()
+            return
+        self.batch = _Batch()
+        self._sent_unread(batch, now)
+
+    def _replies_due(self, now: float) -> bool:
+        """Replies left unread are to be read before the next write: they are CONFIRM_AFTER_S old, or too many."""
+        return bool(self.unconfirmed) and (now - self.unconfirmed_since >= CONFIRM_AFTER_S
+                                           or len(self.unconfirmed) >= MAX_UNCONFIRMED)
+
+    def _sent_unread(self, batch: _Batch, now: float) -> None:
+        if not self.unconfirmed:
+            self.unconfirmed_since = now
+        self.last_sent = now
+        self.unconfirmed.append(batch)
+        self._watch_quiet()
+        self._count(batch)
 
     async def run(self) -> None:
         """Flushes until cancelled; replies left unread are read by themselves once it was quiet CONFIRM_QUIET_S."""
@@ -163,8 +199,12 @@ class EventPublisher:
 
     async def _flush(self, confirm: bool) -> None:
         batch, self.batch = self.batch, _Batch()
-        if batch or (confirm and self.unconfirmed):
-            await self._write(batch, confirm)
+        self.writing = True  # what is published meanwhile waits for this write: the order on the wire is kept
+        try:
+            if batch or (confirm and self.unconfirmed):
+                await self._write(batch, confirm)
+        finally:
+            self.writing = False
         if not self.batch and not self.unconfirmed:
             self.idle.set()
 
@@ -186,9 +226,7 @@ class EventPublisher:
         held = self.pipelines.held
         if held is not None and not confirm and batch.tokens_only:
             now = asyncio.get_running_loop().time()
-            due = self.unconfirmed and (now - self.unconfirmed_since >= CONFIRM_AFTER_S
-                                        or len(self.unconfirmed) >= MAX_UNCONFIRMED)
-            if due and (failed := await self._unconfirmed_failed()):  # read at once: they arrived meanwhile
+            if self._replies_due(now) and (failed := await self._unconfirmed_failed()):  # they arrived meanwhile
                 await self._write_confirmed(_merged([*failed, batch]))
                 return
             try:
@@ -196,12 +234,7 @@ class EventPublisher:
             except (RedisError, OSError) as exc:
                 log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
             else:
-                if not self.unconfirmed:
-                    self.unconfirmed_since = now
-                self.last_sent = now
-                self.unconfirmed.append(batch)
-                self._watch_quiet()
-                self._count(batch)
+                self._sent_unread(batch, now)
                 return
         if self.unconfirmed:
             batch = _merged([*await self._unconfirmed_failed(), batch])
