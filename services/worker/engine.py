@@ -235,7 +235,7 @@ class VllmEngine:
         self.requests[job.id] = request_ids
         try:
             streams = [self._one(job, rid, run, counts) for rid, run in zip(request_ids, runs, strict=True)]
-            async for event in _merge(streams):
+            async for event in _interleaved(streams):
                 yield event
         finally:
             del self.requests[job.id]
@@ -319,7 +319,7 @@ class VllmEngine:
         try:
             streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="embed"))
                        for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True)) if i not in done]
-            async for event in _merge(streams):
+            async for event in _interleaved(streams):
                 yield event
         finally:
             del self.requests[job.id]
@@ -338,12 +338,14 @@ class VllmEngine:
             await self.llm.abort(request_id)
 
 
+def _interleaved(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.Output]:
+    """The events of several streams in arrival order; one stream as it is (a generator less on every token's
+    way, which at one stream is a wake of the worker each)."""
+    return streams[0] if len(streams) == 1 else _merge(streams)
+
+
 async def _merge(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.Output]:
     """Interleaves several event streams in arrival order."""
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield event
-        return
     queue: asyncio.Queue[bus.Output | BaseException | None] = asyncio.Queue()
 
     async def pump(stream: AsyncIterator[bus.Output]) -> None:
