@@ -132,8 +132,9 @@ class HeldConnection:
             except BaseException:
                 await self._drop(connection)
                 raise
-            connection._writer.transport.pause_reading()
             self.unread += len(commands)
+            if not connection._writer.transport.is_closing():
+                connection._writer.transport.pause_reading()
 
     def try_send_unread(self, commands: list[tuple[Arg, ...]]) -> bool:
         """`send_unread` on the spot, when it can be: hands the commands to an open, idle connection's transport,
@@ -148,8 +149,9 @@ class HeldConnection:
         if transport is None or transport.is_closing() or transport.get_write_buffer_size() > 0:
             return False
         transport.write(b"".join(map(pack, commands)))
-        transport.pause_reading()
         self.unread += len(commands)
+        if not transport.is_closing():  # else the write found the connection gone: `read_unread` will say so
+            transport.pause_reading()
         return True
 
     async def read_unread(self) -> list[Any]:
@@ -164,6 +166,8 @@ class HeldConnection:
                 return []
             connection = self.connection
             try:
+                if connection._writer.transport.is_closing():  # a write found it gone (a paused one can't resume)
+                    raise RedisConnectionError("the connection was lost with replies unread")
                 connection._writer.transport.resume_reading()
                 return await read_replies(connection, count)
             except BaseException:
@@ -171,6 +175,9 @@ class HeldConnection:
                 raise
 
     async def _connection(self) -> Any:
+        if self.connection is not None and (self.connection._writer is None
+                                            or self.connection._writer.transport.is_closing()):
+            await self._drop(self.connection)  # a write found it gone; uvloop refuses any use of it now
         if self.connection is None:
             self.connection = await self.client.connection_pool.get_connection()
         return self.connection
