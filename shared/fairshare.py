@@ -103,6 +103,10 @@ class Admitted:
     """Jobs (of any tenant) the enqueue moved onto the request stream."""
 
 
+BACKLOG_READS = 3
+"""Commands `Scheduler.read_backlog` adds."""
+
+
 @dataclass(frozen=True)
 class Backlog:
     """A model's queue as the gauges show it."""
@@ -115,6 +119,28 @@ class Backlog:
     """Entries read by a worker and not yet acknowledged."""
     lag: int
     """Entries on the request stream that no worker has read yet."""
+
+    @classmethod
+    def of(cls, replies: list[Any]) -> Backlog:
+        """From the replies of `Scheduler.read_backlog`'s commands, as Redis sent them (a failed one counts 0)."""
+        waiting, length, groups = replies
+        group = {} if isinstance(groups, Exception) else next(
+            (fields for fields in map(_fields, groups) if fields.get("name") == keys.WORKER_GROUP), {})
+        pending, lag = int(group.get("pending") or 0), int(group.get("lag") or 0)
+        length = 0 if isinstance(length, Exception) else int(length)
+        waiting = 0 if isinstance(waiting, Exception) else int(waiting or 0)
+        return cls(waiting + max(0, length - pending), length, pending, lag)
+
+
+def _fields(reply: Any) -> dict[str, Any]:
+    """A map in a reply (RESP3), or the flat [name, value, ...] list RESP2 sends for one, with text names and
+    text for the values that are bytes."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {_text(name): _text(value) for name, value in pairs}
+
+
+def _text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def refusal(code: str, retry_ms: int) -> TokenbusError:
@@ -183,21 +209,18 @@ class Scheduler:
         if member:
             _pipelined(pipe, self._withdraw, model, [member])
 
+    def read_backlog(self, pipe: PipelineLike, model: str) -> None:
+        """Adds the reads of the model's queue to a pipeline: three commands, whose replies `Backlog.of` takes."""
+        stream = keys.requests_stream(model)
+        pipe.execute_command("HGET", keys.fair_key(model, "state"), "queued")
+        pipe.execute_command("XLEN", stream)
+        pipe.execute_command("XINFO", "GROUPS", stream)
+
     async def backlog(self, model: str) -> Backlog:
         """The model's queue, in one round trip: what waits in the backlogs and on the request stream."""
-        stream = keys.requests_stream(model)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(keys.fair_key(model, "state"), "queued")
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)
-        waiting, length, groups = await pipe.execute(raise_on_error=False)
-        names = (keys.WORKER_GROUP, keys.WORKER_GROUP.encode())
-        group: dict[Any, Any] = {} if isinstance(groups, Exception) else next(
-            (g for g in groups if g.get("name") in names), {})
-        pending, lag = int(group.get("pending") or 0), int(group.get("lag") or 0)
-        length = 0 if isinstance(length, Exception) else int(length)
-        waiting = 0 if isinstance(waiting, Exception) else int(waiting or 0)
-        return Backlog(waiting + max(0, length - pending), length, pending, lag)
+        self.read_backlog(pipe, model)
+        return Backlog.of(await pipe.execute(raise_on_error=False))
 
     async def queued(self, model: str) -> int:
         """Jobs of the model waiting for a worker: in the backlogs, and on the request stream not yet read."""

@@ -14,8 +14,10 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from shared import bus, joblog, keys
+from shared.rawpipe import PipelineLike
 from shared.sequence import in_order
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,11 @@ for i = 3, #ARGV do
 end
 return lost
 """
+
+
+def _as_dict(fields: Any) -> dict[bytes, bytes]:
+    """An entry's fields as Redis sends them (a flat list) or as redis-py parsed them (a dict)."""
+    return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
 
 
 @dataclass(frozen=True)
@@ -65,18 +72,32 @@ class Ownership:
         self.group = group
         self._refresh = redis.register_script(_REFRESH)
 
-    async def refresh(self, entry_ids: list[bytes]) -> set[bytes]:
-        """Keeps these entries ours (their idle time restarts); returns those another worker has taken."""
-        if not entry_ids:
-            return set()
-        lost = await self._refresh(keys=[self.stream], args=[self.group, self.worker_id, *entry_ids])
-        return {bytes(entry) for entry in lost or ()}
+    def read_refresh(self, pipe: PipelineLike, entry_ids: list[bytes]) -> None:
+        """Adds to a pipeline the refresh of these entries (their idle time restarts while they are ours);
+        `lost` takes its reply."""
+        pipe.execute_command("EVALSHA", self._refresh.sha, 1, self.stream, self.group, self.worker_id, *entry_ids)
 
-    async def claim_abandoned(self, min_idle_ms: int, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Claims up to `count` entries idle longer than `min_idle_ms`: their owners stopped beating."""
-        reply: Any = await self.redis.xautoclaim(self.stream, self.group, self.worker_id, min_idle_ms,
-                                                 start_id="0-0", count=count)
-        return [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+    async def lost(self, reply: Any, entry_ids: list[bytes]) -> set[bytes]:
+        """The entries of a refresh that another worker has taken; a Redis that lost the script runs it again,
+        loading it."""
+        if isinstance(reply, NoScriptError):
+            reply = await self._refresh(keys=[self.stream], args=[self.group, self.worker_id, *entry_ids])
+        elif isinstance(reply, Exception):
+            raise reply
+        return {bytes(entry) for entry in reply or ()}
+
+    def read_claim(self, pipe: PipelineLike, min_idle_ms: int, count: int) -> None:
+        """Adds to a pipeline a claim of up to `count` entries idle longer than `min_idle_ms` (their owners
+        stopped beating); `claimed` takes its reply."""
+        pipe.execute_command("XAUTOCLAIM", self.stream, self.group, self.worker_id, min_idle_ms, "0-0",
+                             "COUNT", count)
+
+    @staticmethod
+    def claimed(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The entries a claim took, with their fields (entries deleted meanwhile left out)."""
+        if isinstance(reply, Exception):
+            raise reply
+        return [(entry_id, _as_dict(fields)) for entry_id, fields in reply[1] if fields]
 
     async def forget_dead_consumers(self) -> list[str]:
         """Removes consumers with nothing pending whose worker's heartbeat is gone."""

@@ -57,10 +57,15 @@ class SchedulerLink:
         self.failing = False
         metrics.DISPATCHES.labels(self.model).inc(moved)
 
-    async def count(self) -> None:
+    def read_backlog(self, pipe: PipelineLike) -> None:
+        """Adds the reads of the model's queue to another write, such as the worker's heartbeat; `count` takes
+        their replies."""
+        self.scheduler.read_backlog(pipe, self.model)
+
+    def count(self, replies: list[Any]) -> None:
         """Updates the gauges of the model's queue: its queued jobs, and its request stream's length, lag and
         entries pending with workers."""
-        backlog = await self.scheduler.backlog(self.model)
+        backlog = fairshare.Backlog.of(replies)
         metrics.QUEUED_JOBS.labels(self.model).set(backlog.queued)
         metrics.STREAM_LENGTH.labels(self.model).set(backlog.length)
         metrics.STREAM_PENDING.labels(self.model).set(backlog.pending)

@@ -11,7 +11,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
@@ -137,6 +137,26 @@ def _answer(checks: asyncio.Future[list[_Check]], index: int) -> _Check | None:
     return checks.result()[index]
 
 
+@dataclass
+class _RoundReads:
+    """The reads of one supervision round, which ride a heartbeat's write, and their replies once it is back."""
+
+    runs: list[Run]
+    """The runs whose claims are refreshed."""
+    streams: list[str]
+    """The edges' streams of attached runs, whose edges' liveness is read."""
+    claims: int
+    """Entries of dead workers to claim at most (free slots); 0 reads none."""
+    replies: list[Any] = field(default_factory=list)
+
+    def parts(self) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        """The replies of the backlog's reads, the refresh, the edges' liveness and the claim, in that order."""
+        at = fairshare.BACKLOG_READS
+        refresh, at = self.replies[at:at + bool(self.runs)], at + bool(self.runs)
+        alive, at = self.replies[at:at + len(self.streams)], at + len(self.streams)
+        return self.replies[:fairshare.BACKLOG_READS], refresh, alive, self.replies[at:at + bool(self.claims)]
+
+
 class Worker:
     """Serves one model from its request stream; `start()` and `stop()` bracket its life."""
 
@@ -171,7 +191,9 @@ class Worker:
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.beats = rawpipe.Pipelines(self.redis, keep=False)
-        """The heartbeat's write, with the offer's renewal: one round trip a beat."""
+        """The heartbeat's write, with the offer's renewal and a supervision round's reads: one round trip a beat,
+        raw (redis-py's pipeline costs an idle worker more CPU than everything else it does)."""
+        self.round_read: asyncio.Queue[_RoundReads] = asyncio.Queue(maxsize=1)
         self.pulls = rawpipe.Pipelines(self.redis)
         """The pull's blocking read, raw on a connection it holds for good: it is on every job's way to the
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
@@ -586,6 +608,9 @@ class Worker:
                         await pubsub.aclose()
 
     async def _heartbeat(self) -> None:
+        """Every heartbeat interval, one round trip: the heartbeat, the renewal of the scheduler's offer, and the
+        reads of a supervision round, whose replies go to `_supervise`. Acting on them is left to that task: a
+        slow round must not hold up the heartbeat."""
         key = keys.worker_heartbeat(self.model, self.id)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         while True:
@@ -599,6 +624,8 @@ class Worker:
             pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
             if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
                 self.scheduler.renew(pipe)
+            renewed = len(pipe)
+            reads = self._read_round(pipe)
             try:
                 results = await pipe.execute(raise_on_error=False)
                 if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
@@ -606,51 +633,63 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
             else:
-                if len(results) > 2:
+                if renewed > 2:
                     await self.scheduler.renewed(results[2])
+                reads.replies = results[renewed:]
+                if not self.round_read.full():  # else the round before is still being acted on: this one waits
+                    self.round_read.put_nowait(reads)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
+    def _read_round(self, pipe: rawpipe.PipelineLike) -> _RoundReads:
+        """Adds a supervision round's reads to the heartbeat's write: the queue's gauges, a refresh of our claims,
+        whether the edges of attached jobs still beat, and a claim of dead workers' jobs into free slots."""
+        reads = _RoundReads(runs=[run for run in self.runs.values() if not run.released],
+                            streams=sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms}),
+                            claims=0 if self.stopping or self.round_read.full() else max(0, self._free_slots()))
+        self.scheduler.read_backlog(pipe)
+        if reads.runs:
+            self.ownership.read_refresh(pipe, [run.entry_id for run in reads.runs])
+        for stream in reads.streams:
+            pipe.execute_command("EXISTS", keys.edges_alive(stream))
+        if reads.claims:
+            self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), reads.claims)
+        return reads
+
     async def _supervise(self) -> None:
-        """Every heartbeat: keep our claims, notice gone edges and clients, take over dead workers' jobs."""
+        """Each heartbeat's supervision round: keep our claims, notice gone edges and clients, take over dead
+        workers' jobs."""
         rounds = 0
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            reads = await self.round_read.get()
             rounds += 1
             try:
-                await self._keep_claims()
-                await self.scheduler.count()
-                await self._watch_edges()
-                await self._expire_detached()
-                if not self.stopping:
-                    await self._reclaim()
+                await self._supervised(reads)
                 if rounds % FORGET_CONSUMERS_EVERY == 0:
                     await self.ownership.forget_dead_consumers()
             except (RedisError, OSError) as exc:
                 log.warning("supervision round failed (%s)", exc)
 
-    async def _keep_claims(self) -> None:
-        runs = [run for run in self.runs.values() if not run.released]
-        lost = await self.ownership.refresh([run.entry_id for run in runs])
-        for run in runs:
-            if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
-                log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
-                run.muted = run.released = True
-                await self.engine.abort(run.job.id)
-
-    async def _watch_edges(self) -> None:
-        """Jobs whose edge stopped beating wait for a resume like those whose client left."""
-        attached = [run for run in self.runs.values() if not run.keep_until_ms]
-        streams = sorted({run.job.reply_to for run in attached})
-        if not streams:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in streams:
-            pipe.exists(keys.edges_alive(stream))
-        gone = {stream for stream, alive in zip(streams, await pipe.execute(), strict=True) if not alive}
+    async def _supervised(self, reads: _RoundReads) -> None:
+        backlog, refresh, alive, claim = reads.parts()
+        self.scheduler.count(backlog)
+        if claim:  # first: the entries are ours now, whatever fails below
+            for run in self._decode(self.ownership.claimed(claim[0])):
+                metrics.RECLAIMS.labels(self.model).inc()
+                log.info("claimed job %s from a worker that stopped beating", run.job.id)
+                self._start(run, self._take_over(run, reclaimed=True))
+        gone = {stream for stream, reply in zip(reads.streams, alive, strict=True) if reply == 0}
         keep_until = bus.now_ms() + int(self.settings.resume_window_s * 1000)
-        for run in attached:
-            if run.job.reply_to in gone:
+        for run in self.runs.values():
+            if run.job.reply_to in gone and not run.keep_until_ms:
                 run.keep_until_ms = keep_until
+        if refresh:
+            lost = await self.ownership.lost(refresh[0], [run.entry_id for run in reads.runs])
+            for run in reads.runs:
+                if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
+                    log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
+                    run.muted = run.released = True
+                    await self.engine.abort(run.job.id)
+        await self._expire_detached()
 
     async def _expire_detached(self) -> None:
         now = bus.now_ms()
@@ -658,13 +697,3 @@ class Worker:
             if run.keep_until_ms and now >= run.keep_until_ms:
                 await self.abort(run.job.id, abandoned=True)
 
-    async def _reclaim(self) -> None:
-        free = self._free_slots()
-        if free <= 0:
-            return
-        min_idle_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        entries = await self.ownership.claim_abandoned(min_idle_ms, free)
-        for run in self._decode(entries):
-            metrics.RECLAIMS.labels(self.model).inc()
-            log.info("claimed job %s from a worker that stopped beating", run.job.id)
-            self._start(run, self._take_over(run, reclaimed=True))

@@ -1,0 +1,92 @@
+"""A worker's supervision round rides its heartbeat's write: what it reads there reaches the queue gauges an
+autoscaler scales on, and the jobs of a worker that stopped beating (a worker on the simulated engine, in this
+process, on a real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from services.worker.sim import SimEngine
+from services.worker.worker import Worker
+from shared import bus, keys
+from shared.settings import Settings
+from tests.channel import listening
+
+BEAT_S = 0.2
+TOKENS = 4
+
+
+@pytest.fixture
+async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Worker]]]:
+    started: list[Worker] = []
+
+    async def start(model: str, **overrides: Any) -> Worker:
+        settings = Settings(redis_url=redis_url, model=model, engine="sim", heartbeat_interval_s=BEAT_S,
+                            heartbeat_ttl_s=5 * BEAT_S, **overrides)
+        worker = Worker(settings, SimEngine(settings))
+        await worker.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        await worker.stop()
+
+
+def _job(model: str, reply_to: str) -> bus.Job:
+    return bus.Job(id=f"test-{uuid.uuid4().hex}", model=model, reply_to=reply_to,
+                   deadline_ms=bus.now_ms() + 60_000, messages=[bus.Message(role="user", content="Hi")],
+                   params=bus.SamplingParams(max_tokens=TOKENS, ignore_eos=True), created_ms=bus.now_ms())
+
+
+def _gauge(name: str, model: str) -> float | None:
+    return REGISTRY.get_sample_value(name, {"model": model})
+
+
+async def _until(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def test_the_queue_gauges_count_the_jobs_waiting_behind_a_full_worker(
+    redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
+) -> None:
+    model = f"rounds-{uuid.uuid4().hex[:8]}"
+    await start_worker(model, max_num_seqs=1, sim_ttft_ms=30_000)
+    for _ in range(4):
+        redis_client.xadd(keys.requests_stream(model), {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
+    counted = await _until(lambda: _gauge("tokenbus_queued_jobs", model) == 3
+                           and _gauge("tokenbus_stream_pending", model) == 1, 20 * BEAT_S)
+    assert counted, (_gauge("tokenbus_queued_jobs", model), _gauge("tokenbus_stream_pending", model))
+    assert _gauge("tokenbus_stream_length", model) == 4
+
+
+async def test_the_jobs_of_a_worker_that_stopped_beating_are_claimed_and_finished(
+    redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
+) -> None:
+    """A job read by a consumer that never beats (a worker that died the moment it read it) is claimed by a live
+    worker once idle past the heartbeat's TTL, and its client gets every token."""
+    model = f"rounds-{uuid.uuid4().hex[:8]}"
+    stream = keys.requests_stream(model)
+    redis_client.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
+    with listening(redis_client, reply_to) as listener:
+        redis_client.xadd(stream, {bus.JOB_FIELD: bus.encode_job(_job(model, reply_to))})
+        assert redis_client.xreadgroup(keys.WORKER_GROUP, "a-dead-worker", {stream: ">"}, count=1)
+        await start_worker(model, sim_ttft_ms=10, sim_itl_ms=5)
+        events = await asyncio.to_thread(listener.events, 30 * BEAT_S)
+    kinds = [type(e) for _t, e in events]
+    assert kinds == [bus.Started] + [bus.Tokens] * TOKENS + [bus.Final], kinds
+    assert not redis_client.xpending(stream, keys.WORKER_GROUP)["pending"]
