@@ -84,6 +84,23 @@ async def test_events_published_while_the_subscription_was_down_arrive_from_the_
     assert isinstance(got[-1], bus.Final) and len(got) == 5
 
 
+async def test_a_quiet_subscription_is_pinged_and_keeps_its_connection(
+    relay: EventRelay, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscription with nothing to carry is asked for a PONG after each quiet spell, and answering keeps it:
+    the same connection, no outage, for many spells in a row."""
+    monkeypatch.setattr(relay_module, "PING_AFTER_S", 0.1)
+    monkeypatch.setattr(relay_module, "PONG_WAIT_S", 0.1)
+    failures: list[Exception] = []
+    monkeypatch.setattr(relay, "_failed", failures.append)
+    connection = relay.connection
+    pings = int(redis_client.info("commandstats").get("cmdstat_ping", {}).get("calls", 0))
+    await asyncio.sleep(2.5)  # the first spell is the default one, 2 s: then 0.1 s spells
+    pinged = int(redis_client.info("commandstats")["cmdstat_ping"]["calls"]) - pings
+    assert not failures and relay.connection is connection and relay.down_since is None
+    assert pinged >= 3, pinged
+
+
 async def test_a_redis_that_stops_answering_is_noticed_by_a_quiet_subscription(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,6 +91,11 @@ class EventRelay:
         """When the waiting requests were last looked at (the loop's clock)."""
         self.backstop: asyncio.Timeout | None = None
         """The ticker's wait for a round that the reader did not do."""
+        self.heard = 0.0
+        """When the subscription last brought anything (the loop's clock)."""
+        self.pinged_at: float | None = None
+        """When a PING went out that nothing has answered yet."""
+        self.quiet_check: asyncio.TimerHandle | None = None
 
     def register(self, job_id: str, deadline: float) -> JobEvents:
         events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
@@ -123,15 +128,46 @@ class EventRelay:
 
     async def run(self) -> None:
         """Listens until cancelled; Redis outages are retried with a short pause."""
-        while True:
-            try:
-                await self._subscribe()
-                while True:
-                    await self._receive()
-            except Exception as exc:  # never die quietly: every waiting request would hang until its deadline
-                self._failed(exc)
-                await self._drop_connection()
-                await asyncio.sleep(RETRY_PAUSE_S)
+        try:
+            while True:
+                try:
+                    await self._subscribe()
+                    self._watch_quiet()
+                    while True:
+                        await self._receive()
+                except Exception as exc:  # never die quietly: every waiting request would hang until its deadline
+                    self._failed(exc)
+                    await self._drop_connection()
+                    await asyncio.sleep(RETRY_PAUSE_S)
+        finally:
+            self._stop_watching()
+
+    def _watch_quiet(self) -> None:
+        """One timer for the subscription's quiet spells, which re-arms itself while messages come (a timeout
+        per read would cost every token's read a timer): PING_AFTER_S of quiet sends a PING, and when nothing
+        answers it for PONG_WAIT_S the connection is closed under the reader, whose read then fails."""
+        self.quiet_check = None
+        transport = None if self.connection is None or self.connection._writer is None \
+            else self.connection._writer.transport
+        if transport is None or transport.is_closing():  # the reader's read fails, or has failed, on its own
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self.pinged_at is None:
+            due = self.heard + PING_AFTER_S
+            if now >= due:
+                transport.write(rawpipe.pack(("PING",)))
+                self.pinged_at, due = now, now + PONG_WAIT_S
+        elif now >= (due := self.pinged_at + PONG_WAIT_S):
+            log.warning("the subscription on %s went unanswered for %.1f s", self.channel, PONG_WAIT_S)
+            transport.abort()
+            return
+        self.quiet_check = loop.call_at(due, self._watch_quiet)
+
+    def _stop_watching(self) -> None:
+        if self.quiet_check is not None:
+            self.quiet_check.cancel()
+            self.quiet_check = None
 
     def _failed(self, exc: Exception) -> None:
         if isinstance(exc, RedisError | OSError | TimeoutError):
@@ -169,13 +205,8 @@ class EventRelay:
         redis-py's read_response costs a few Python calls and a timer per reply); a quiet connection is
         pinged, and lost when the PONG does not come. True when the subscription was confirmed."""
         parser = self.connection._parser
-        try:
-            async with asyncio.timeout(PING_AFTER_S):
-                await parser.read_from_socket()
-        except TimeoutError:
-            await self.connection.send_packed_command(rawpipe.pack(("PING",)), check_health=False)
-            async with asyncio.timeout(PONG_WAIT_S):
-                await parser.read_from_socket()
+        await parser.read_from_socket()  # a quiet spell is `_watch_quiet`'s
+        self.heard, self.pinged_at = asyncio.get_running_loop().time(), None
         subscribed = False
         while (reply := parser._reader.gets()) is not rawpipe.NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):  # on a cluster, MOVED: the channel's slot is elsewhere now
@@ -187,7 +218,7 @@ class EventRelay:
                 subscribed = True
             elif kind == b"sunsubscribe":  # a cluster moved the channel's slot: subscribe where it is now
                 raise RedisConnectionError(f"{self.channel} was unsubscribed by the server")
-        if self.jobs and self.down_since is None and asyncio.get_running_loop().time() >= self.last_round + TICK_S:
+        if self.jobs and self.down_since is None and self.heard >= self.last_round + TICK_S:
             self._round()  # (in an outage the ticker does them)
         return subscribed
 
@@ -203,6 +234,7 @@ class EventRelay:
         return await self.reader.connection_pool.get_connection()
 
     async def _drop_connection(self) -> None:
+        self._stop_watching()
         if self.connection is not None:
             with contextlib.suppress(Exception):
                 await self.connection.disconnect()
