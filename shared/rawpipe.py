@@ -233,3 +233,51 @@ class Pipelines:
         if self.held is None:
             return self.client.pipeline(transaction=False)
         return RawPipeline(self.held)
+
+
+class Listener(asyncio.Protocol):
+    """Takes over the transport of a connection that only listens (a subscription) from redis-py's stream
+    reader: each socket read is fed to the connection's hiredis reader and `on_read` is called at once, in the
+    callback that brought it, where the replies are taken with `reader.gets()`. A read through redis-py costs a
+    future, a task switch and a few coroutine frames; at one stream the edge wakes for every token. The stream
+    reader's protocol still hears of the connection's end (redis-py's disconnect waits for it). `ended` gets
+    what ended the listening: the connection's loss, or an exception `on_read` raised."""
+
+    def __init__(self, connection: Any, on_read: Callable[[], object]) -> None:
+        self.reader = connection._parser._reader
+        self.on_read = on_read
+        self.ended: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+        transport = connection._writer.transport
+        self.inner = transport.get_protocol()
+        stream = connection._reader
+        if stream._buffer:  # read from the socket, not yet by the parser: nothing arrives before set_protocol
+            self.reader.feed(bytes(stream._buffer))
+            stream._buffer.clear()
+        transport.set_protocol(self)
+        if stream._paused:  # its buffer was full: the stream reader stopped the transport's reads
+            stream._paused = False
+            transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.ended.done():
+            return
+        self.reader.feed(data)
+        try:
+            self.on_read()
+        except Exception as exc:  # ends the listening; the connection is the owner's to drop
+            self.ended.set_result(exc)
+
+    def eof_received(self) -> bool | None:
+        self.inner.eof_received()
+        return False  # the server closed it: close the transport (a stream reader would keep it half-open)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+        if not self.ended.done():
+            self.ended.set_result(RedisConnectionError(f"the connection was lost ({exc or 'closed by the server'})"))
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()

@@ -3,6 +3,7 @@ held for good (the publisher's) or given back to the pool after each call (the h
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -68,3 +69,51 @@ async def test_a_held_connection_that_redis_closed_is_replaced_on_the_next_call(
     finally:
         await client.aclose()
     assert replies[0] != held_id and replies[1] in (True, b"PONG")
+
+
+async def test_a_listener_takes_every_message_including_those_read_before_it_took_over(redis_url: str) -> None:
+    """Messages that reached the stream reader before the listener took the connection over (more than one read
+    of it holds) are handed to it, whole and in order, then each later read in the callback that brings it; the
+    connection's end ends the listening."""
+    reader_client = redis_clients.dedicated(redis_url, "test-listener")
+    publisher = redis_clients.pooled(redis_url, "test-listener-publisher", 1)
+    channel = f"test-listener-{uuid.uuid4().hex}"
+    connection = await reader_client.connection_pool.get_connection()
+    got: list[bytes] = []
+    all_in = asyncio.Event()
+    try:
+        await connection.send_packed_command(rawpipe.pack(("CLIENT", "ID")), check_health=False)
+        client_id = (await rawpipe.read_replies(connection, 1))[0]
+        await connection.send_packed_command(rawpipe.pack(("SSUBSCRIBE", channel)), check_health=False)
+        reader = connection._parser._reader
+        while (confirmed := reader.gets()) is rawpipe.NOT_ENOUGH_DATA:  # a push, not a reply, in RESP3
+            await connection._parser.read_from_socket()
+        assert confirmed[0] == b"ssubscribe"
+        early = [b"%d:" % i + b"x" * 4096 for i in range(40)]  # 160 KiB: more than a read of 64 KiB
+        for message in early:
+            await publisher.execute_command("SPUBLISH", channel, message)
+        await asyncio.sleep(0.2)  # all of it in the stream reader's buffer
+        await connection._parser.read_from_socket()  # the parser takes one read of it
+
+        def take() -> None:
+            while (reply := listener.reader.gets()) is not rawpipe.NOT_ENOUGH_DATA:
+                got.append(reply[2])
+            if len(got) == len(early) + 1:
+                all_in.set()
+
+        listener = rawpipe.Listener(connection, take)
+        take()  # what the parser held already
+        assert not listener.ended.done()
+        await publisher.execute_command("SPUBLISH", channel, b"late")
+        async with asyncio.timeout(5):
+            await all_in.wait()
+        await publisher.execute_command("CLIENT", "KILL", "ID", client_id)
+        async with asyncio.timeout(5):
+            ended = await listener.ended
+    finally:
+        await connection.disconnect()
+        await reader_client.aclose()
+        await publisher.aclose()
+    assert got == [*early, b"late"]
+    assert "lost" in str(ended)
+

@@ -132,9 +132,9 @@ class EventRelay:
             while True:
                 try:
                     await self._subscribe()
+                    listener = rawpipe.Listener(self.connection, self._route)
                     self._watch_quiet()
-                    while True:
-                        await self._receive()
+                    raise await listener.ended
                 except Exception as exc:  # never die quietly: every waiting request would hang until its deadline
                     self._failed(exc)
                     await self._drop_connection()
@@ -145,11 +145,11 @@ class EventRelay:
     def _watch_quiet(self) -> None:
         """One timer for the subscription's quiet spells, which re-arms itself while messages come (a timeout
         per read would cost every token's read a timer): PING_AFTER_S of quiet sends a PING, and when nothing
-        answers it for PONG_WAIT_S the connection is closed under the reader, whose read then fails."""
+        answers it for PONG_WAIT_S the connection is closed, which ends the listening."""
         self.quiet_check = None
         transport = None if self.connection is None or self.connection._writer is None \
             else self.connection._writer.transport
-        if transport is None or transport.is_closing():  # the reader's read fails, or has failed, on its own
+        if transport is None or transport.is_closing():  # its listening ends, or has ended, on its own
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -201,14 +201,19 @@ class EventRelay:
                     await events.catch_up()
 
     async def _receive(self) -> bool:
-        """Routes the messages one read of the socket brings (its replies taken from hiredis's reader, in C:
-        redis-py's read_response costs a few Python calls and a timer per reply); a quiet connection is
-        pinged, and lost when the PONG does not come. True when the subscription was confirmed."""
-        parser = self.connection._parser
-        await parser.read_from_socket()  # a quiet spell is `_watch_quiet`'s
+        """One read of the socket, while subscribing (after that, `rawpipe.Listener` hands each read to
+        `_route`); True when the subscription was confirmed."""
+        await self.connection._parser.read_from_socket()
+        return self._route()
+
+    def _route(self) -> bool:
+        """Routes the messages the connection's reader holds whole, taken from hiredis's reader (in C: redis-py's
+        read_response costs a few Python calls and a timer per reply); True when one confirmed the
+        subscription."""
+        reader = self.connection._parser._reader
         self.heard, self.pinged_at = asyncio.get_running_loop().time(), None
         subscribed = False
-        while (reply := parser._reader.gets()) is not rawpipe.NOT_ENOUGH_DATA:
+        while (reply := reader.gets()) is not rawpipe.NOT_ENOUGH_DATA:
             if isinstance(reply, Exception):  # on a cluster, MOVED: the channel's slot is elsewhere now
                 raise reply
             kind = reply[0]
