@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -78,15 +79,19 @@ class _Tallied(Collector):
         self.labelnames = tuple(labelnames)
         registry.register(self)
 
+    family: ClassVar[type[CounterMetricFamily] | type[HistogramMetricFamily]]
+
     def describe(self) -> Iterator[Metric]:
         yield self._family()
 
     def _family(self) -> Metric:
-        raise NotImplementedError
+        return self.family(self.name, self.documentation, labels=self.labelnames)
 
 
 class TallyCounter(_Tallied):
     """A Prometheus counter (`<name>_total`) bumped as a plain number."""
+
+    family = CounterMetricFamily
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
                  registry: CollectorRegistry = REGISTRY) -> None:
@@ -101,9 +106,6 @@ class TallyCounter(_Tallied):
     def inc(self, amount: float = 1) -> None:
         self.series[()].value += amount
 
-    def _family(self) -> Metric:
-        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, tally in list(self.series.items()):
@@ -113,6 +115,8 @@ class TallyCounter(_Tallied):
 
 class TallyHistogram(_Tallied):
     """A Prometheus histogram whose observations are counted as plain numbers."""
+
+    family = HistogramMetricFamily
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
                  registry: CollectorRegistry = REGISTRY) -> None:
@@ -124,9 +128,6 @@ class TallyHistogram(_Tallied):
         if (bins := self.series.get(values)) is None:
             bins = self.series[values] = Bins(self.bounds)
         return bins
-
-    def _family(self) -> Metric:
-        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
