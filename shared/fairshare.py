@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from shared import bus, keys
 from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
 from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
-from shared.rawpipe import PipelineLike
+from shared.rawpipe import PipelineLike, field_map
 from shared.settings import Settings
 
 Arg = bytes | str | int | float
@@ -133,10 +133,8 @@ class Backlog:
 
 
 def _fields(reply: Any) -> dict[str, Any]:
-    """A map in a reply (RESP3), or the flat [name, value, ...] list RESP2 sends for one, with text names and
-    text for the values that are bytes."""
-    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
-    return {_text(name): _text(value) for name, value in pairs}
+    """A map in a reply, with text names and text for the values that are bytes."""
+    return {_text(name): _text(value) for name, value in field_map(reply).items()}
 
 
 def _text(value: Any) -> Any:

@@ -41,6 +41,12 @@ def stream_entries(reply: Any) -> Iterator[tuple[bytes, Any]]:
         yield from entries
 
 
+def field_map(reply: Any) -> dict[Any, Any]:
+    """A map in a reply (an entry's fields, an XINFO record) as Redis sends it raw (a flat [name, value, ...]
+    list in RESP2) or as redis-py or RESP3 give it (a dict)."""
+    return reply if isinstance(reply, dict) else dict(zip(reply[::2], reply[1::2], strict=True))
+
+
 class PipelineLike(Protocol):
     """What the hot paths call on a pipeline: raw commands, then one execute."""
 

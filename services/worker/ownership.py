@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from shared import bus, joblog, keys
-from shared.rawpipe import PipelineLike
+from shared.rawpipe import PipelineLike, field_map
 from shared.sequence import in_order
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,6 @@ for i = 3, #ARGV do
 end
 return lost
 """
-
-
-def _as_dict(fields: Any) -> dict[bytes, bytes]:
-    """An entry's fields as Redis sends them (a flat list) or as redis-py parsed them (a dict)."""
-    return fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
 
 
 @dataclass(frozen=True)
@@ -97,7 +92,7 @@ class Ownership:
         """The entries a claim took, with their fields (entries deleted meanwhile left out)."""
         if isinstance(reply, Exception):
             raise reply
-        return [(entry_id, _as_dict(fields)) for entry_id, fields in reply[1] if fields]
+        return [(entry_id, field_map(fields)) for entry_id, fields in reply[1] if fields]
 
     async def forget_dead_consumers(self) -> list[str]:
         """Removes consumers with nothing pending whose worker's heartbeat is gone."""

@@ -316,10 +316,7 @@ class Worker:
                 log.warning("reading jobs failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            # raw fields are a flat list; a cluster's pipeline (redis-py) parses them into a dict already
-            if entries := [(entry_id, fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2],
-                                                                                       strict=True)))
-                           for entry_id, fields in rawpipe.stream_entries(reply)]:
+            if entries := [(entry_id, rawpipe.field_map(fields)) for entry_id, fields in rawpipe.stream_entries(reply)]:
                 self._accept(entries)
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
