@@ -65,6 +65,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

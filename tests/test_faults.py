@@ -87,8 +87,9 @@ async def test_a_kill_soak_loses_nothing(stack: Stack) -> None:
 @pytest.mark.parametrize("stack", ["tcp", "unix"], indirect=True)
 async def test_redis_killed_and_restarted(stack: Stack) -> None:
     """While Redis is down: 503 with Retry-After at once, streams in flight end with an error event; after its
-    restart everything serves again, with no process restarted. Over TCP, and over the Unix socket that
-    `tokenbus run` uses for its private Redis."""
+    restart everything serves again, with no process restarted, and the job of the stream that ended stops
+    (its cancel waited for Redis) without its worker claiming it from itself. Over TCP, and over the Unix socket
+    that `tokenbus run` uses for its private Redis."""
     assert stack.url.startswith("unix://" if stack.unix_socket else "redis://")
     edge = stack.edge()
     stack.worker()
@@ -113,6 +114,11 @@ async def test_redis_killed_and_restarted(stack: Stack) -> None:
             assert time.monotonic() - restarted < 10
             await asyncio.sleep(0.2)
     assert (await stream_text(edge.url, stack.model, 5))[0] == expected(5)
+    await stack.settled()
+    async with httpx.AsyncClient() as http:
+        worker_metrics = (await http.get(stack.workers[0].metrics_url)).text
+    assert metric_value(worker_metrics, "tokenbus_worker_engine_aborts_total") == 1
+    assert metric_value(worker_metrics, "tokenbus_worker_reclaimed_entries_total") == 0
     assert all(p.process.poll() is None for p in [*stack.edges, *stack.workers])
 
 

@@ -64,7 +64,7 @@ async def test_the_queue_gauges_count_the_jobs_waiting_behind_a_full_worker(
     redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
 ) -> None:
     model = f"rounds-{uuid.uuid4().hex[:8]}"
-    await start_worker(model, max_num_seqs=1, sim_ttft_ms=30_000)
+    await start_worker(model, max_num_seqs=1, sim_ttft_ms=30_000, worker_grace_s=0.5)
     for _ in range(4):
         redis_client.xadd(keys.requests_stream(model), {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
     counted = await _until(lambda: _gauge("tokenbus_queued_jobs", model) == 3

@@ -14,14 +14,12 @@ from redis.exceptions import RedisError
 from services.edge.directory import ModelDirectory
 from services.edge.enqueue import JobQueue, Record
 from services.edge.jobevents import JobEvents
-from services.edge.relay import EventRelay
+from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
 from shared import bus, fairshare, keys
 from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unavailable
 
 log = logging.getLogger(__name__)
-
-CANCEL_MARK_TTL_S = 3600
 
 
 class Gateway:
@@ -115,24 +113,22 @@ class Gateway:
                 await self.redis.publish(keys.ROUTE_CHANNEL,
                                          bus.encode_route(bus.Route(job=events.job_id, keep_until_ms=keep_until)))
             return
-        await self.cancel(events.job_id)
+        await self.cancel(events.job_id, events.deadline)
 
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, deadline: float) -> None:
         """Takes the job off its backlog if it still waits there, marks it cancelled (for a worker yet to pick it
-        up) and tells running workers."""
+        up) and tells running workers; if Redis cannot take that now, the relay's heartbeat sends it later."""
         try:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.set(keys.cancelled(job_id), 1, ex=CANCEL_MARK_TTL_S)
-            # raw: a Redis Cluster's pipeline refuses its publish method, and sends this to any node (a cluster
-            # delivers a message to the subscribers of every node)
-            pipe.execute_command("PUBLISH", keys.CANCEL_CHANNEL, job_id)
+            add_cancel(pipe, job_id)
             if waiting := self.waiting.pop(job_id, None):
                 self.queue.scheduler.withdraw(pipe, *waiting)  # a failure leaves it to be dropped when dispatched
             results = await pipe.execute(raise_on_error=False)
             if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
                 raise failed
         except RedisError as exc:
-            log.warning("could not cancel job %s: %s", job_id, exc)
+            log.warning("could not cancel job %s yet: %s", job_id, exc)
+            self.relay.cancel_later(job_id, deadline)
 
     async def find_model(self, model: str) -> bus.WorkerInfo:
         """The heartbeat of a live worker of the model; a 404 if there is none."""

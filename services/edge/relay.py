@@ -45,6 +45,16 @@ TICK_S = 0.15
 events arrive; by the ticker, TICK_S later than that (so every 2 * TICK_S), while none do: each of its wakes costs
 the edge one, a few hundred microseconds of CPU on a small virtual machine."""
 RETRY_PAUSE_S = 0.5
+CANCEL_MARK_TTL_S = 3600
+"""How long a cancelled job's mark stays, for a worker yet to pick the job up."""
+
+
+def add_cancel(pipe: rawpipe.PipelineLike, job_id: str) -> None:
+    """Adds a job's cancel to a pipeline: a mark for a worker yet to pick it up, and a word to running workers."""
+    pipe.execute_command("SET", keys.cancelled(job_id), 1, "EX", CANCEL_MARK_TTL_S)
+    # raw: a Redis Cluster's pipeline refuses its publish method, and sends this to any node (a cluster delivers
+    # a message to the subscribers of every node)
+    pipe.execute_command("PUBLISH", keys.CANCEL_CHANNEL, job_id)
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,9 @@ class EventRelay:
         self.pinged_at: float | None = None
         """When a PING went out that nothing has answered yet."""
         self.quiet_check: asyncio.TimerHandle | None = None
+        self.unsent_cancels: dict[str, float] = {}
+        """Job id -> deadline (monotonic) of the cancels Redis could not take: the heartbeat sends them again until
+        one goes through or the job's own deadline ends it (else a job whose client left runs on unread)."""
 
     def register(self, job_id: str, deadline: float) -> JobEvents:
         events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
@@ -293,20 +306,38 @@ class EventRelay:
             metrics.WORKERS_LOST.inc()
             events.fail(WorkerLost("The worker running this request died and no other worker took it over."))
 
+    def cancel_later(self, job_id: str, deadline: float) -> None:
+        """A cancel that Redis could not take goes out with the next heartbeat that reaches it."""
+        self.unsent_cancels[job_id] = deadline
+
     async def heartbeat(self) -> None:
-        """Tells workers this edge still listens on its channel and learns how many edges are alive: one round
-        trip a beat."""
+        """Tells workers this edge still listens on its channel and learns how many edges are alive, and sends the
+        cancels an outage held back: one round trip a beat."""
         ttl_ms = int(self.timing.heartbeat_ttl_s * 1000)
         while True:
             now = time.time()
+            cancels = self._due_cancels()
             with contextlib.suppress(RedisError, OSError):
                 pipe = self.pipelines.pipeline()
+                for job_id in cancels:
+                    add_cancel(pipe, job_id)
                 pipe.execute_command("SET", keys.edges_alive(self.channel), 1, "PX", ttl_ms)
                 pipe.execute_command("ZADD", keys.EDGES, now + self.timing.heartbeat_ttl_s, self.channel)
                 pipe.execute_command("ZREMRANGEBYSCORE", keys.EDGES, "-inf", now)
                 pipe.execute_command("ZCARD", keys.EDGES)
                 self.live_edges = max(1, int((await pipe.execute())[-1]))
+                for job_id in cancels:
+                    del self.unsent_cancels[job_id]
+                if cancels:
+                    log.info("sent %d cancels held back by an outage", len(cancels))
             await asyncio.sleep(self.timing.heartbeat_interval_s)
+
+    def _due_cancels(self) -> list[str]:
+        """The held-back cancels still worth sending (past its deadline, a job has ended by itself)."""
+        now = time.monotonic()
+        for job_id in [job_id for job_id, deadline in self.unsent_cancels.items() if deadline <= now]:
+            del self.unsent_cancels[job_id]
+        return list(self.unsent_cancels)
 
     async def say_goodbye(self) -> None:
         """Workers keep this edge's remaining jobs for a resume elsewhere from now on."""

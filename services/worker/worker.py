@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -194,6 +195,9 @@ class Worker:
         """The heartbeat's write, with the offer's renewal and a supervision round's reads: one round trip a beat,
         raw (redis-py's pipeline costs an idle worker more CPU than everything else it does)."""
         self.round_read: asyncio.Queue[_RoundReads] = asyncio.Queue(maxsize=1)
+        self.claims_after = 0.0
+        """No claims before this time (monotonic): after an outage every entry has grown idle, and the entries of
+        live workers must not be taken before their owners have had a heartbeat's TTL to refresh them."""
         self.pulls = rawpipe.Pipelines(self.redis)
         """The pull's blocking read, raw on a connection it holds for good: it is on every job's way to the
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
@@ -591,6 +595,8 @@ class Worker:
             try:
                 pubsub = await redis_clients.subscriber(self.channels)
                 await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.ROUTE_CHANNEL)
+                if self.runs:
+                    await self._catch_up_on_messages()
                 async for message in pubsub.listen():
                     if message["channel"] == keys.ROUTE_CHANNEL.encode():
                         self._reroute(bus.decode_route(message["data"]))
@@ -603,6 +609,21 @@ class Worker:
                 if pubsub is not None:
                     with contextlib.suppress(RedisError, OSError):
                         await pubsub.aclose()
+
+    async def _catch_up_on_messages(self) -> None:
+        """What the cancels and routes published while the subscription was down would have said to the running
+        jobs (they reached nobody): read from the marks their senders leave, once subscribed again."""
+        runs = list(self.runs.values())
+        pipe = self.redis.pipeline(transaction=False)
+        for run in runs:
+            pipe.exists(keys.cancelled(run.job.id))
+            pipe.get(keys.job_reply_to(run.job.id))
+        replies = await pipe.execute()
+        for run, cancelled, reply_to in zip(runs, replies[::2], replies[1::2], strict=True):
+            if reply_to and reply_to.decode() != run.job.reply_to:
+                self._reroute(bus.Route(job=run.job.id, reply_to=reply_to.decode()))
+            if cancelled:
+                await self.abort(run.job.id)
 
     async def _heartbeat(self) -> None:
         """Every heartbeat interval, one round trip: the heartbeat, the renewal of the scheduler's offer, and the
@@ -629,7 +650,10 @@ class Worker:
                     raise failed
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
+                self.claims_after = math.inf
             else:
+                if self.claims_after == math.inf:
+                    self.claims_after = time.monotonic() + self.settings.heartbeat_ttl_s
                 if renewed > 2:
                     await self.scheduler.renewed(results[2])
                 reads.replies = results[renewed:]
@@ -642,7 +666,7 @@ class Worker:
         whether the edges of attached jobs still beat, and a claim of dead workers' jobs into free slots."""
         reads = _RoundReads(runs=[run for run in self.runs.values() if not run.released],
                             streams=sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms}),
-                            claims=0 if self.stopping or self.round_read.full() else max(0, self._free_slots()))
+                            claims=0 if self._holding_claims() else max(0, self._free_slots()))
         self.scheduler.read_backlog(pipe)
         if reads.runs:
             self.ownership.read_refresh(pipe, [run.entry_id for run in reads.runs])
@@ -651,6 +675,9 @@ class Worker:
         if reads.claims:
             self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), reads.claims)
         return reads
+
+    def _holding_claims(self) -> bool:
+        return self.stopping or self.round_read.full() or time.monotonic() < self.claims_after
 
     async def _supervise(self) -> None:
         """Each heartbeat's supervision round: keep our claims, notice gone edges and clients, take over dead
@@ -671,6 +698,8 @@ class Worker:
         self.scheduler.count(backlog)
         if claim:  # first: the entries are ours now, whatever fails below
             for run in self._decode(self.ownership.claimed(claim[0])):
+                if run.job.id in self.runs:  # ours, grown idle while Redis was away: the claim only refreshed it
+                    continue
                 metrics.RECLAIMS.labels(self.model).inc()
                 log.info("claimed job %s from a worker that stopped beating", run.job.id)
                 self._start(run, self._take_over(run, reclaimed=True))
