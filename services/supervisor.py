@@ -246,6 +246,7 @@ def stop_all(children: list[subprocess.Popen[bytes]]) -> None:
             child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
+            child.wait()
 
 
 def run(settings: Settings) -> int:
