@@ -1,5 +1,5 @@
-"""The edge's job queue against a real Redis: a burst of jobs goes out in one write, refusals and failures reach
-callers."""
+"""The edge's job queue against a real Redis: a job goes out on the spot, the rest of a burst in one write after it,
+refusals and failures reach callers."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def counting_writes(pipelines: Any) -> list[int]:
     return writes
 
 
-async def test_a_burst_of_jobs_lands_in_order_in_one_round_trip(redis_url: str, redis_client: redis.Redis) -> None:
+async def test_a_burst_of_jobs_lands_in_order_in_two_round_trips(redis_url: str, redis_client: redis.Redis) -> None:
+    """The first job of the burst is written at once; the others, which arrive while it is in flight, together."""
     client = redis_clients.pooled(redis_url, "test-enqueue", 2)
     queue = queue_of(client, "fifo")
     await queue.scheduler.load()
@@ -53,10 +54,28 @@ async def test_a_burst_of_jobs_lands_in_order_in_one_round_trip(redis_url: str, 
         await client.aclose()
     entries = redis_client.xrange(keys.requests_stream(model))
     assert [bus.decode_job(fields[bus.JOB_FIELD]).id for _id, fields in entries] == [f"job-{i}" for i in range(50)]
-    assert writes == [1]
+    assert writes == [2]
 
 
-async def test_the_fair_queue_takes_a_burst_in_one_round_trip_after_redis_lost_its_scripts(
+async def test_a_job_is_written_in_the_step_of_its_request(redis_url: str, redis_client: redis.Redis) -> None:
+    """With the connection up and nothing in flight, a put writes its job before its request's task yields: nothing
+    else the loop has ready runs first."""
+    client = redis_clients.pooled(redis_url, "test-enqueue", 2)
+    queue = queue_of(client, "fifo")
+    model = f"test-{uuid.uuid4().hex}"
+    try:
+        await queue.put(job(model, 0))  # the queue now holds its connection
+        put = asyncio.create_task(queue.put(job(model, 1)))
+        await asyncio.sleep(0)  # the put's first step runs, and nothing after it
+        deadline = asyncio.get_running_loop().time() + 5
+        while redis_client.xlen(keys.requests_stream(model)) < 2:  # blocking reads: this loop runs nothing meanwhile
+            assert asyncio.get_running_loop().time() < deadline, "the job was not written in its request's step"
+        assert isinstance(await put, fairshare.Admitted)
+    finally:
+        await client.aclose()
+
+
+async def test_the_fair_queue_takes_a_burst_in_order_after_redis_lost_its_scripts(
         redis_url: str, redis_client: redis.Redis) -> None:
     """The first write finds no scripts (NOSCRIPT): they are loaded and the burst is sent once more, in order."""
     client = redis_clients.pooled(redis_url, "test-enqueue", 2)
@@ -73,7 +92,7 @@ async def test_the_fair_queue_takes_a_burst_in_one_round_trip_after_redis_lost_i
     members = redis_client.zrange(keys.fair_key(model, "backlog"), 0, -1)
     queued = redis_client.hmget(keys.fair_key(model, "jobs"), members)
     assert [bus.decode_job(data).id for data in queued] == [f"job-{i}" for i in range(60)]
-    assert writes == [3]  # the burst, sent again, then the next burst in one write
+    assert writes == [4]  # the burst's first job (NOSCRIPT), it again with the rest, then the next burst in two
 
 
 async def test_a_refused_job_raises_and_leaves_neither_job_nor_resume_record(
