@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import compare, compare_report, fairness, fairness_report, report, systems
+from services.bench import compare, compare_report, edge_bench, fairness, fairness_report, report, systems
 from services.bench.client import Timing, read_frame
 from services.bench.load import Load, Result, summarize
-from services.bench.stats import Summary, percentile
+from services.bench.stats import Interval, Summary, percentile
 from services.bench.workload import Distribution, poisson_gaps, requests
 
 
@@ -225,3 +225,20 @@ def test_a_thread_that_ended_keeps_its_time_in_the_reading() -> None:
     assert after.seconds_since(before) == pytest.approx(0.03)
     grown = systems.CpuReading({1: 5_020_000_000, 2: 1_000_000_000, 3: 4_000_000}, ticks_s=6.03)
     assert grown.seconds_since(before) == pytest.approx(0.024)
+
+
+def test_a_hop_target_is_met_or_missed_only_by_a_whole_interval(tmp_path: Path) -> None:
+    flat = Summary(1.0, 1.0, 1.0, 1.0)
+    overheads = edge_bench.Overheads(ttft_ms=flat, itl_ms=flat, first_wave_ttft_ms=flat)
+    added = {"ttft p50": Interval(0.8, 0.6, 0.95, 6), "ttft p99": Interval(3.2, 2.5, 4.0, 6),
+             "first wave p50": Interval(20.0, 15.0, 25.0, 6)}
+    hop = edge_bench.HopResult(64, 50.0, 20.0, tokenbus=overheads, bare=overheads, rounds=6, pinned=True,
+                               added_ms=added)
+    out = tmp_path / "bench.md"
+    report.write(report.Report(command="test", comparison={}, hops=(hop,), throughput=None, many=None,
+                               vllm_bench=None), out)
+    text = out.read_text()
+    assert "| own core | time to first token p50, steady state | < 1 ms | 0.80 ms [0.60, 0.95] (6 rounds) | **met** |" \
+        in text
+    assert "| < 3 ms | 3.20 ms [2.50, 4.00] (6 rounds) | undecided (within noise) |" in text
+    assert "| < 10 ms | 20.00 ms [15.00, 25.00] (6 rounds) | **missed** |" in text

@@ -61,6 +61,9 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     assert f"first wave of {hop.streams}" in text and f"{streamed.edge_cpu_us_per_token:.1f} us" in text
     steady = hop.tokenbus.ttft_ms.p50 - hop.bare.ttft_ms.p50
     assert f"| {hop.bare.ttft_ms.p50:.2f} ms |" in text and f"| {steady:.2f} ms |" in text
+    added = hop.added_ms["ttft p50"]  # round by round: two rounds are too few for a verdict on the target
+    assert added.rounds == 2 and added.low <= added.estimate <= added.high
+    assert f"| < 1 ms | {added.estimate:.2f} ms [{added.low:.2f}, {added.high:.2f}] (2 rounds) | not judged" in text
 
 
 def test_a_scale_cell_spreads_the_load_over_every_edge_and_worker(engine: systems.Engine, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from services.bench.stats import (
     LOSS,
     UNJUDGED,
     Interval,
+    bootstrap_mean,
     paired_bootstrap_ratio,
     ratio_of_means,
     verdict,
@@ -33,6 +34,17 @@ def test_a_large_consistent_difference_is_bracketed_and_excludes_one() -> None:
     assert ratio.low < 1.3 < ratio.high
     assert ratio.low > 1.0
     assert verdict(ratio, higher_is_better=True) == LEAD
+
+
+def test_the_mean_of_rounds_is_bracketed_by_an_interval_that_narrows_with_agreeing_rounds() -> None:
+    spread = bootstrap_mean([0.5, 3.0, 1.0, 2.5, 0.8, 4.0])
+    assert spread.estimate == pytest.approx(11.8 / 6) and spread.rounds == 6
+    assert 0.5 < spread.low < spread.estimate < spread.high < 4.0
+    agreeing = bootstrap_mean([1.9, 2.0, 2.1, 1.95, 2.05, 2.0])
+    assert agreeing.high - agreeing.low < (spread.high - spread.low) / 5
+    assert math.isnan(bootstrap_mean([1.0, math.nan]).estimate)
+    with pytest.raises(ValueError):
+        bootstrap_mean([])
 
 
 def test_identical_samples_give_an_interval_around_one() -> None:

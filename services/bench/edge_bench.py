@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -15,7 +15,7 @@ import redis
 from services.bench import bare as bare_server
 from services.bench import load, systems
 from services.bench.client import Timing
-from services.bench.stats import Summary
+from services.bench.stats import Interval, Summary, bootstrap_mean, percentile
 from services.bench.workload import Distribution, requests
 
 
@@ -42,6 +42,9 @@ class HopResult:
     rounds: int
     pinned: bool = False
     """The load generator had a core of its own, the systems the others (see `pinned_apart`)."""
+    added_ms: dict[str, Interval] = field(default_factory=dict)
+    """Per round, tokenbus's percentile minus the bare server's of the same round; the mean over the rounds with its
+    95% bootstrap interval: `ttft p50`, `ttft p99`, `first wave p50`."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def pinned_apart(pin: bool) -> Iterator[Callable[[], None]]:
 
 
 def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: float = 50.0,
-                 itl_ms: float = 20.0, tokens: int = 64, pin: bool = False, rounds: int = 3) -> HopResult:
+                 itl_ms: float = 20.0, tokens: int = 64, pin: bool = False, rounds: int = 6) -> HopResult:
     """What edge -> Redis -> worker -> Redis -> edge adds to the simulator's own timings, side by side with the
     bus-less reference over the same simulator: both up at once, in `rounds` rounds that alternate their order,
     each a first wave of `streams` requests sent in the same instant and then 3 x `streams` more. With `pin`, the
@@ -114,8 +117,24 @@ def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: 
                 measured, _duration = asyncio.run(load.collect(shapes[system], work, system=system, quiet=True))
                 ok = sorted((t for t in measured if t.ok), key=lambda t: t.start)
                 timings[system].append((ok[:streams], ok[streams:]))
-    return HopResult(streams, ttft_ms, itl_ms, rounds=rounds, pinned=pin,
+    return HopResult(streams, ttft_ms, itl_ms, rounds=rounds, pinned=pin, added_ms=_added(timings),
                      **{system: _overheads(runs, ttft_ms, itl_ms) for system, runs in timings.items()})
+
+
+def _added(timings: dict[str, list[tuple[list[Timing], list[Timing]]]]) -> dict[str, Interval]:
+    """tokenbus - bare, round by round (both ran side by side in it), as a mean over the rounds with its interval:
+    the noise between rounds on a shared machine is as large as the figure."""
+    def added(pick: Callable[[tuple[list[Timing], list[Timing]]], list[float]], q: float) -> Interval:
+        return bootstrap_mean([1000 * (percentile(pick(mine), q) - percentile(pick(floor), q))
+                               for mine, floor in zip(timings["tokenbus"], timings["bare"], strict=True)])
+
+    def steady(run: tuple[list[Timing], list[Timing]]) -> list[float]:
+        return [t.ttft for t in run[1]]
+
+    def wave(run: tuple[list[Timing], list[Timing]]) -> list[float]:
+        return [t.ttft for t in run[0]]
+
+    return {"ttft p50": added(steady, 50), "ttft p99": added(steady, 99), "first wave p50": added(wave, 50)}
 
 
 def _overheads(runs: list[tuple[list[Timing], list[Timing]]], ttft_ms: float, itl_ms: float) -> Overheads:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from services.bench import compare, compare_report, edge_bench, wakes
 from services.bench.compare import Comparison, Idle
+from services.bench.stats import MIN_ROUNDS
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,40 @@ def markdown(report: Report, images: list[str]) -> str:
     return "\n".join(lines)
 
 
+HOP_TARGETS_MS = {"ttft p50": 1.0, "ttft p99": 3.0, "first wave p50": 10.0}
+"""What the edge and the bus may add (tokenbus - bare), per figure: the goals of issue 13."""
+
+
+def _hop_targets(hops: tuple[edge_bench.HopResult, ...]) -> list[str]:
+    """The same differences taken round by round, with the interval that the noise between rounds gives them, and
+    whether each meets its target: only when the whole interval is below it (or misses it: wholly above)."""
+    judged = [hop for hop in hops if hop.added_ms]
+    if not judged:
+        return []
+    lines = ["Taken round by round instead (tokenbus - bare within each round, where both ran side by side), as the "
+             "mean over the rounds and its 95% bootstrap interval; a target is **met** or **missed** only when the "
+             "interval lies wholly below or above it.", "",
+             "| load generator | added to | target | tokenbus - bare, mean of rounds [95% interval] | verdict |",
+             "|---|---|---|---|---|"]
+    names = {"ttft p50": "time to first token p50, steady state", "ttft p99": "time to first token p99, steady state",
+             "first wave p50": "time to first token p50, first wave"}
+    for hop in judged:
+        where = "own core" if hop.pinned else "shares the cores"
+        for key, target in HOP_TARGETS_MS.items():
+            added = hop.added_ms[key]
+            if added.rounds < MIN_ROUNDS:
+                verdict = f"not judged (fewer than {MIN_ROUNDS} rounds)"
+            elif added.high < target:
+                verdict = "**met**"
+            elif added.low > target:
+                verdict = "**missed**"
+            else:
+                verdict = "undecided (within noise)"
+            lines.append(f"| {where} | {names[key]} | < {target:g} ms | {added.estimate:.2f} ms "
+                         f"[{added.low:.2f}, {added.high:.2f}] ({added.rounds} rounds) | {verdict} |")
+    return [*lines, ""]
+
+
 def _edge_section(report: Report) -> list[str]:
     lines = ["## The edge and the bus alone (simulated engine)", "",
              "`tokenbus worker --engine sim` replaces vLLM with fixed timings (a benchmarking and fault-testing "
@@ -109,6 +144,7 @@ def _edge_section(report: Report) -> list[str]:
                              f"| {floor.p50:.2f} ms | {floor.p90:.2f} ms | {floor.p99:.2f} ms "
                              f"| {mine.p50 - floor.p50:.2f} ms | {mine.p99 - floor.p99:.2f} ms |")
         lines += [""]
+        lines += _hop_targets(report.hops)
     if report.throughput is not None:
         t = report.throughput
         bound = " (the load generator was the bottleneck)" if t.client_cpu_bound else ""

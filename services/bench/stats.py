@@ -77,6 +77,21 @@ def paired_bootstrap_ratio(ours: Sequence[float], theirs: Sequence[float], *, re
     return Interval(ratio_of_means(ours, theirs), low, high, rounds)
 
 
+def bootstrap_mean(values: Sequence[float], *, resamples: int = 4000, confidence: float = 0.95,
+                   seed: int = 0) -> Interval:
+    """The mean of per-round figures (each a difference already paired within its round), and its
+    percentile-bootstrap interval over the rounds."""
+    if not values:
+        raise ValueError("a mean needs at least one round")
+    rounds = len(values)
+    if not all(math.isfinite(value) for value in values):
+        return Interval(math.nan, math.nan, math.nan, rounds)
+    rng = random.Random(seed)
+    estimates = [sum(values[rng.randrange(rounds)] for _ in range(rounds)) / rounds for _ in range(resamples)]
+    tail = (1 - confidence) / 2 * 100
+    return Interval(sum(values) / rounds, percentile(estimates, tail), percentile(estimates, 100 - tail), rounds)
+
+
 MIN_ROUNDS = 5
 """Fewer rounds give too few distinct resamples (2 rounds give 3) for the interval's ends to mean anything."""
 LEAD, LOSS, LEVEL = "lead", "loss", "level (within noise)"
