@@ -125,10 +125,22 @@ class Run:
 
 @dataclass(frozen=True)
 class _Check:
-    """What a fresh job's one round trip found: a cancel, or an edge that resumed it elsewhere."""
+    """What a job's marks say: a cancel, or an edge that resumed it elsewhere (read when a fresh job starts, and for
+    the running ones after the subscription that brings cancels and routes was down)."""
 
     cancelled: bool
     reply_to: str | None
+
+    @staticmethod
+    def commands(job_ids: list[str]) -> list[tuple[rawpipe.Arg, ...]]:
+        """The reads of the jobs' marks, two per job; `read` takes their replies."""
+        return [command for job_id in job_ids
+                for command in (("EXISTS", keys.cancelled(job_id)), ("GET", keys.job_reply_to(job_id)))]
+
+    @classmethod
+    def read(cls, replies: list[Any]) -> list[_Check]:
+        return [cls(bool(cancelled), reply_to.decode() if reply_to else None)
+                for cancelled, reply_to in zip(replies[::2], replies[1::2], strict=True)]
 
 
 def _answer(checks: asyncio.Future[list[_Check]], index: int) -> _Check | None:
@@ -371,12 +383,9 @@ class Worker:
             if failed := next((reply for reply in replies if isinstance(reply, Exception)), None):
                 checks.set_exception(failed)  # the runs waiting on it see the failure
                 return
-            checks.set_result([_Check(bool(replies[i]), replies[i + 1].decode() if replies[i + 1] else None)
-                               for i in range(0, len(replies), 2)])
+            checks.set_result(_Check.read(replies))
 
-        self.publisher.then([command for job_id in job_ids
-                             for command in (("EXISTS", keys.cancelled(job_id)), ("GET", keys.job_reply_to(job_id)))],
-                            found)
+        self.publisher.then(_Check.commands(job_ids), found)
 
     def _apply_check(self, run: Run, index: int, checks: asyncio.Future[list[_Check]]) -> None:
         if (check := _answer(checks, index)) is None:
@@ -615,14 +624,12 @@ class Worker:
         jobs (they reached nobody): read from the marks their senders leave, once subscribed again."""
         runs = list(self.runs.values())
         pipe = self.redis.pipeline(transaction=False)
-        for run in runs:
-            pipe.exists(keys.cancelled(run.job.id))
-            pipe.get(keys.job_reply_to(run.job.id))
-        replies = await pipe.execute()
-        for run, cancelled, reply_to in zip(runs, replies[::2], replies[1::2], strict=True):
-            if reply_to and reply_to.decode() != run.job.reply_to:
-                self._reroute(bus.Route(job=run.job.id, reply_to=reply_to.decode()))
-            if cancelled:
+        for command in _Check.commands([run.job.id for run in runs]):
+            pipe.execute_command(*command)
+        for run, check in zip(runs, _Check.read(await pipe.execute()), strict=True):
+            if check.reply_to and check.reply_to != run.job.reply_to:
+                self._reroute(bus.Route(job=run.job.id, reply_to=check.reply_to))
+            if check.cancelled:
                 await self.abort(run.job.id)
 
     async def _heartbeat(self) -> None:
