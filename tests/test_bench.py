@@ -173,7 +173,7 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
                                for ms in (4.0, 4.5, 3.5, 4.0, 4.5, 3.5)],
             compare.TWO_EDGES: [{"edge 1": 1.0, "edge 2": 1.0, compare.WORKER: 1.0, compare.REDIS: 2.0}] * 6,
             compare.VLLM_SERVE: [{compare.API_SERVER: 2.0}] * 6}
-    report.write_comparison(_comparison(), out, "tokenbus bench compare", idle)
+    report.write_comparison(_comparison(), out, "tokenbus bench compare", CPU_ENGINE, idle)
     text = out.read_text()
     assert "kept" in text and "stale" not in text and text.count(compare_report.HEADING) == 1
     assert "| short | 64 | vllm serve | 102.5 | 8.00 | 50 ms |" in text
@@ -190,6 +190,36 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
     assert ("| tokenbus | edge 20 + worker 20 + redis-server 10 = 50 | edge 1.00 + worker 1.00 + redis-server 2.00 "
             "= 4.00 |") in text
     assert "| vllm serve | API server 100 | API server 2.00 |" in text
+
+
+CPU_ENGINE = systems.Engine("SmolLM2-135M-Instruct", Path("."))
+GPU_ENGINE = systems.Engine("SmolLM2-135M-Instruct", Path("."), dtype="bfloat16", gpu="NVIDIA H200")
+
+
+def test_a_comparison_made_on_a_gpu_has_its_own_section_and_a_cpu_run_keeps_it(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    report.write_comparison(_comparison(), out, "tokenbus bench compare", CPU_ENGINE)
+    report.write_comparison(_comparison(), out, "tokenbus bench compare", GPU_ENGINE)
+    text = out.read_text()
+    assert text.count(compare_report.HEADING + "\n") == 1 and text.count(compare_report.GPU_HEADING) == 1
+    assert "(float32, max-model-len 2048, max-num-seqs 32, 2 GiB KV cache, eager mode)" in text
+    assert ("(bfloat16, max-model-len 2048, max-num-seqs 32, 40% of the GPU's memory each, eager mode, on one "
+            "NVIDIA H200 that both engines share)") in text
+    assert "on this machine: " in text.split(compare_report.GPU_HEADING)[1]  # the GPU machine is not the doc's
+    # a later run on a machine without a GPU writes the document anew and keeps the GPU section, saying so
+    report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
+                               vllm_bench=None), out)
+    text = out.read_text()
+    assert compare_report.GPU_HEADING in text and "GPU path is unmeasured" not in text
+    assert "was made on another machine, named there, with `vllm` proper on an NVIDIA GPU" in text
+
+
+def test_the_engines_share_a_gpu_and_run_in_its_own_dtype_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(systems, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    on_gpu = systems.Engine.on_this_machine("m", Path("."))
+    assert (on_gpu.gpu, on_gpu.dtype, on_gpu.gpu_memory_utilization) == ("NVIDIA H100 80GB HBM3", "bfloat16", 0.4)
+    monkeypatch.setattr(systems, "gpu_name", lambda: None)
+    assert systems.Engine.on_this_machine("m", Path(".")).dtype == "float32"
 
 
 def test_the_load_is_dealt_over_every_edge() -> None:

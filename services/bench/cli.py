@@ -83,7 +83,7 @@ def _print(result: load.Result) -> None:
 def _engine(model_dir: Path | None) -> systems.Engine:
     from services.worker.models import resolve_model_dir
 
-    return systems.Engine(model=DEFAULT_MODEL_NAME, model_dir=model_dir or resolve_model_dir(""))
+    return systems.Engine.on_this_machine(DEFAULT_MODEL_NAME, model_dir or resolve_model_dir(""))
 
 
 def _edge_parts(engine: systems.Engine, log_dir: Path, quick: bool) -> dict[str, object]:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     for part in parts.values():
         print(part)
     document = report.Report(command="tokenbus bench " + " ".join(sys.argv[2:]), comparison=comparison,
-                             vllm_bench=vllm_bench, idle=idle, **parts)  # type: ignore[arg-type]
+                             vllm_bench=vllm_bench, idle=idle, engine=engine, **parts)  # type: ignore[arg-type]
     report.write(document, args.out)
     print(f"wrote {args.out}")
     if args.bench_command != "all":
@@ -161,8 +161,7 @@ def _compare(args: argparse.Namespace) -> int:
     print(f"compare: logs in {log_dir}", file=sys.stderr)
     engine = dataclasses.replace(_engine(args.model_dir), stream_interval=args.stream_interval)
     comparison, idle = _comparison(args, engine, log_dir)
-    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), idle,
-                            engine.stream_interval)
+    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), engine, idle)
     print(f"wrote the comparison section of {args.out}")
     failed = sum(cell.result.failed for by_system in comparison.values() for cells in by_system.values()
                  for cell in cells)

@@ -11,9 +11,17 @@ from pathlib import Path
 
 from services.bench.compare import VLLM_SERVE, Cell, Comparison, Idle, Shape, idle_totals
 from services.bench.stats import LEAD, LOSS, MIN_ROUNDS, Interval, paired_bootstrap_ratio, verdict
+from services.bench.systems import Engine
 from services.bench.workload import Distribution
 
 HEADING = "## tokenbus against `vllm serve`"
+GPU_HEADING = "## tokenbus against `vllm serve` on an NVIDIA GPU"
+"""The same comparison run where the engines had a GPU: a section of its own, so that a run on either kind of
+machine keeps the other's figures."""
+
+
+def heading(engine: Engine) -> str:
+    return HEADING if engine.gpu is None else GPU_HEADING
 RESAMPLES = 4000
 
 
@@ -186,20 +194,19 @@ def _shapes_text(comparison: Comparison) -> list[str]:
     return lines
 
 
-def section(comparison: Comparison, images: list[str], made_by: str = "", idle: Idle | None = None,
-            stream_interval: int = 1) -> list[str]:
+def section(comparison: Comparison, images: list[str], engine: Engine, made_by: str = "", idle: Idle | None = None,
+            machine: str = "") -> list[str]:
     """The whole section; `made_by` names the command when the section is written on its own; `idle` adds the
-    systems' CPU while idle; `stream_interval` is the one both systems ran with."""
+    systems' CPU while idle; `machine` describes the machine where it is not the document's."""
     rounds = len(next(iter(next(iter(comparison.values())).values())))
-    gathering = f", stream interval {stream_interval}: a stream gathers that many tokens per event" \
-        if stream_interval > 1 else ""
+    gathering = f", stream interval {engine.stream_interval}: a stream gathers that many tokens per event" \
+        if engine.stream_interval > 1 else ""
+    where = f"on this machine: {machine}" if machine else "on the machine above"
     return [
-        HEADING, "",
-        *([f"Made by `{made_by}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, on the machine above.", ""]
-          if made_by else []),
-        "Both systems run SmolLM2-135M-Instruct with the same engine settings (float32, max-model-len 2048, "
-        "max-num-seqs 32, 2 GiB KV cache, eager mode"
-        f"{gathering}"
+        heading(engine), "",
+        *([f"Made by `{made_by}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {where}.", ""] if made_by else []),
+        f"Both systems run SmolLM2-135M-Instruct with the same engine settings ({engine.describe()}{gathering}"
+        + (f", on one {engine.gpu} that both engines share" if engine.gpu else "") +
         ") and are up at the same time: tokenbus as one Redis (reached over a Unix socket, as `tokenbus run` "
         "reaches its private one), one vLLM "
         "worker and two edges, `vllm serve` as vLLM's OpenAI server. Each is warmed up first; then come "
@@ -235,8 +242,9 @@ def section(comparison: Comparison, images: list[str], made_by: str = "", idle: 
     ]
 
 
-def plots(comparison: Comparison, out_dir: Path) -> list[str]:
-    """Throughput and TTFT p50 against concurrency for the long shape, one line per system (none without it)."""
+def plots(comparison: Comparison, out_dir: Path, engine: Engine) -> list[str]:
+    """Throughput and TTFT p50 against concurrency for the long shape, one line per system (none without it); a GPU
+    run's files are named apart from a CPU run's."""
     longs = [shape for shape in comparison if shape.name == "long"]
     if not longs:
         return []
@@ -246,8 +254,9 @@ def plots(comparison: Comparison, out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = []
-    for of, label, file in ((lambda c: c.result.output_throughput, "output tokens/s", "bench-throughput.png"),
-                            (lambda c: c.result.ttft_ms.p50, "time to first token p50 (ms)", "bench-ttft.png")):
+    prefix = "bench-" if engine.gpu is None else "bench-gpu-"
+    for of, label, file in ((lambda c: c.result.output_throughput, "output tokens/s", prefix + "throughput.png"),
+                            (lambda c: c.result.ttft_ms.p50, "time to first token p50 (ms)", prefix + "ttft.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for system in dict.fromkeys(s for shape in longs for s in shape.systems):
             ax.plot([shape.concurrency for shape in longs], [_mean(comparison[shape][system], of) for shape in longs],

