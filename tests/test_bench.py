@@ -198,9 +198,14 @@ GPU_ENGINE = systems.Engine("SmolLM2-135M-Instruct", Path("."), dtype="bfloat16"
 
 def test_a_comparison_made_on_a_gpu_has_its_own_section_and_a_cpu_run_keeps_it(tmp_path: Path) -> None:
     out = tmp_path / "benchmarks.md"
+    report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
+                               vllm_bench=None), out)
+    assert report.GPU_UNMEASURED in out.read_text()  # this machine has no GPU
     report.write_comparison(_comparison(), out, "tokenbus bench compare", CPU_ENGINE)
+    assert report.GPU_UNMEASURED in out.read_text()
     report.write_comparison(_comparison(), out, "tokenbus bench compare", GPU_ENGINE)
     text = out.read_text()
+    assert report.GPU_UNMEASURED not in text and text.count(report.GPU_ELSEWHERE) == 1
     assert text.count(compare_report.HEADING + "\n") == 1 and text.count(compare_report.GPU_HEADING) == 1
     assert "(float32, max-model-len 2048, max-num-seqs 32, 2 GiB KV cache, eager mode)" in text
     assert ("(bfloat16, max-model-len 2048, max-num-seqs 32, 40% of the GPU's memory each, eager mode, on one "
@@ -210,8 +215,8 @@ def test_a_comparison_made_on_a_gpu_has_its_own_section_and_a_cpu_run_keeps_it(t
     report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
                                vllm_bench=None), out)
     text = out.read_text()
-    assert compare_report.GPU_HEADING in text and "GPU path is unmeasured" not in text
-    assert "was made on another machine, named there, with `vllm` proper on an NVIDIA GPU" in text
+    assert compare_report.GPU_HEADING in text and report.GPU_UNMEASURED not in text
+    assert text.count(report.GPU_ELSEWHERE) == 1
 
 
 def test_the_engines_share_a_gpu_and_run_in_its_own_dtype_there(monkeypatch: pytest.MonkeyPatch) -> None:

