@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -60,6 +61,39 @@ def test_a_bad_batch_is_skipped_and_the_next_one_delivered() -> None:
     relay.dispatch(b"not msgpack")
     relay.dispatch(bus.encode_events([TOKENS[0]]))
     assert events.ready() == [TOKENS[0]]
+
+
+async def test_a_first_answer_goes_out_before_the_tokens_of_streams_already_flowing() -> None:
+    from services.edge.relay import EventRelay
+
+    relay = EventRelay(None, None, "s")  # dispatch needs no Redis
+    written: list[str] = []
+    flowing, fresh, gone = (relay.register(job, time.monotonic() + 5) for job in ("flowing", "fresh", "gone"))
+    def sink_of(job: str) -> Callable[[bus.Event], bool]:
+        def write(event: bus.Event) -> bool:  # straight to its client
+            written.append(f"{job} {event.seq}")
+            return True
+        return write
+
+    flowing.sink, gone.sink = sink_of("flowing"), sink_of("gone")
+
+    async def first_answer() -> None:
+        event = await fresh.next()
+        written.append(f"fresh {event.seq if event else None}")
+        relay.unregister("gone")  # meanwhile another request ended
+
+    streaming = [asyncio.create_task(events.next()) for events in (flowing, gone)]  # the sinks take their tokens
+    answering = asyncio.create_task(first_answer())
+    await asyncio.sleep(0)
+    step = [bus.Tokens(job=job, text="x", token_ids=[1], seq=seq) for seq in (0, 1) for job in ("flowing", "gone")]
+    relay.dispatch(bus.encode_events([*step, bus.Tokens(job="fresh", text="x", token_ids=[1], seq=0)]))
+    assert written == []  # nothing before the woken request has run
+    await answering
+    await asyncio.sleep(0)
+    assert written == ["fresh 0", "flowing 0", "flowing 1"]  # and nothing for the request that ended
+    assert not gone.buffer
+    for task in streaming:
+        task.cancel()
 
 
 async def test_a_sink_takes_events_only_while_the_request_waits_with_nothing_queued() -> None:

@@ -129,14 +129,35 @@ class EventRelay:
         return self.down_since is not None and time.monotonic() - self.down_since >= self.timing.redis_down_after_s
 
     def dispatch(self, payload: bytes) -> None:
+        """Hands a batch's events to their jobs. A batch is an engine step's tokens of many streams, and the tokens
+        of streams already flowing are written to their clients right here (`JobEvents.sink`), a socket write
+        each; a request still waiting for its first output is a task to wake instead. So those are offered
+        first and the flowing streams' tokens just after their tasks have run: a first token that lands in a
+        step of 64 streams goes out before the other 63 tokens, not after them."""
         try:
             events = bus.decode_events(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.error("skipping an undecodable event batch on %s: %s", self.channel, exc)
             return
+        flowing: list[tuple[JobEvents, bus.Event]] = []
+        woken = False
         for event in events:
             waiting = self.jobs.get(event.job)
-            if waiting is not None:  # a job whose client left: nobody waits, drop it
+            if waiting is None:  # a job whose client left: nobody waits, drop it
+                continue
+            if waiting.sink is None:
+                waiting.offer(event)
+                woken = True
+            else:
+                flowing.append((waiting, event))
+        if woken and flowing:
+            asyncio.get_running_loop().call_soon(self._offer, flowing)
+        elif flowing:
+            self._offer(flowing)
+
+    def _offer(self, flowing: list[tuple[JobEvents, bus.Event]]) -> None:
+        for waiting, event in flowing:
+            if self.jobs.get(waiting.job_id) is waiting:  # still its request's (it may have ended meanwhile)
                 waiting.offer(event)
 
     async def run(self) -> None:
