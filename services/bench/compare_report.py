@@ -22,6 +22,8 @@ machine keeps the other's figures."""
 
 def heading(engine: Engine) -> str:
     return HEADING if engine.gpu is None else GPU_HEADING
+
+
 RESAMPLES = 4000
 
 
