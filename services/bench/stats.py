@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -67,13 +67,8 @@ def paired_bootstrap_ratio(ours: Sequence[float], theirs: Sequence[float], *, re
     rounds = len(ours)
     if not all(math.isfinite(value) for value in (*ours, *theirs)):
         return Interval(math.nan, math.nan, math.nan, rounds)  # a round without a figure (all failed): no claim
-    rng = random.Random(seed)
-    estimates = []
-    for _ in range(resamples):
-        picks = [rng.randrange(rounds) for _ in range(rounds)]
-        estimates.append(ratio_of_means([ours[i] for i in picks], [theirs[i] for i in picks]))
-    tail = (1 - confidence) / 2 * 100
-    low, high = percentile(estimates, tail), percentile(estimates, 100 - tail)
+    low, high = _bootstrap(rounds, lambda picks: ratio_of_means([ours[i] for i in picks], [theirs[i] for i in picks]),
+                           resamples, confidence, seed)
     return Interval(ratio_of_means(ours, theirs), low, high, rounds)
 
 
@@ -86,10 +81,18 @@ def bootstrap_mean(values: Sequence[float], *, resamples: int = 4000, confidence
     rounds = len(values)
     if not all(math.isfinite(value) for value in values):
         return Interval(math.nan, math.nan, math.nan, rounds)
+    low, high = _bootstrap(rounds, lambda picks: sum(values[i] for i in picks) / rounds, resamples, confidence, seed)
+    return Interval(sum(values) / rounds, low, high, rounds)
+
+
+def _bootstrap(rounds: int, statistic: Callable[[list[int]], float], resamples: int, confidence: float,
+               seed: int) -> tuple[float, float]:
+    """The percentile-bootstrap interval of `statistic` over resamples of the round indices (drawn with
+    replacement, `rounds` per resample; the seed is fixed so that the same figures give the same interval)."""
     rng = random.Random(seed)
-    estimates = [sum(values[rng.randrange(rounds)] for _ in range(rounds)) / rounds for _ in range(resamples)]
+    estimates = [statistic([rng.randrange(rounds) for _ in range(rounds)]) for _ in range(resamples)]
     tail = (1 - confidence) / 2 * 100
-    return Interval(sum(values) / rounds, percentile(estimates, tail), percentile(estimates, 100 - tail), rounds)
+    return percentile(estimates, tail), percentile(estimates, 100 - tail)
 
 
 MIN_ROUNDS = 5
