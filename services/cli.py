@@ -19,7 +19,7 @@ EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "res
                  "max_queued_per_tenant", "queue_timeout_s", "fair_input_weight", "fair_output_weight"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "max_model_len", "max_num_seqs", "stream_interval", "kv_cache_gib",
-                   "dtype", "gpu_memory_utilization", "heartbeat_interval_s", "heartbeat_ttl_s",
+                   "dtype", "gpu_memory_utilization", "enforce_eager", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level", "log_format", "resume_window_s", "replay_ttl_s",
                    "replay_max_events",
                    "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",

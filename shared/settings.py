@@ -81,6 +81,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Engine dtype; auto is the model's own on a GPU and float32 on the CPU (bf16 there gave garbage)."""
     gpu_memory_utilization: float = 0.85
     """Share of GPU memory the engine may take (GPU builds only)."""
+    enforce_eager: bool = False
+    """Run the engine without CUDA graphs or torch.compile (vLLM's --enforce-eager): it starts sooner, takes
+    less GPU memory and decodes slower. The CPU engine always runs eager (compiling there costs minutes)."""
     request_timeout_s: float = 600.0
     """Deadline of one request from arrival to its last token."""
     response_ttl_s: float = 30 * 24 * 3600.0

@@ -193,7 +193,8 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
 
 
 CPU_ENGINE = systems.Engine("SmolLM2-135M-Instruct", Path("."))
-GPU_ENGINE = systems.Engine("SmolLM2-135M-Instruct", Path("."), dtype="bfloat16", gpu="NVIDIA H200")
+GPU_ENGINE = systems.Engine("SmolLM2-135M-Instruct", Path("."), dtype="bfloat16", gpu="NVIDIA H200",
+                            enforce_eager=False)
 
 
 def test_a_comparison_made_on_a_gpu_has_its_own_section_and_a_cpu_run_keeps_it(tmp_path: Path) -> None:
@@ -208,7 +209,7 @@ def test_a_comparison_made_on_a_gpu_has_its_own_section_and_a_cpu_run_keeps_it(t
     assert report.GPU_UNMEASURED not in text and text.count(report.GPU_ELSEWHERE) == 1
     assert text.count(compare_report.HEADING + "\n") == 1 and text.count(compare_report.GPU_HEADING) == 1
     assert "(float32, max-model-len 2048, max-num-seqs 32, 2 GiB KV cache, eager mode)" in text
-    assert ("(bfloat16, max-model-len 2048, max-num-seqs 32, 40% of the GPU's memory each, eager mode, on one "
+    assert ("(bfloat16, max-model-len 2048, max-num-seqs 32, 40% of the GPU's memory each, CUDA graphs, on one "
             "NVIDIA H200 that both engines share)") in text
     assert "on this machine: " in text.split(compare_report.GPU_HEADING)[1]  # the GPU machine is not the doc's
     # a later run on a machine without a GPU writes the document anew and keeps the GPU section, saying so
@@ -219,12 +220,15 @@ def test_a_comparison_made_on_a_gpu_has_its_own_section_and_a_cpu_run_keeps_it(t
     assert text.count(report.GPU_ELSEWHERE) == 1
 
 
-def test_the_engines_share_a_gpu_and_run_in_its_own_dtype_there(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engines_share_a_gpu_and_run_in_its_own_dtype_and_cuda_graphs_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(systems, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
     on_gpu = systems.Engine.on_this_machine("m", Path("."))
-    assert (on_gpu.gpu, on_gpu.dtype, on_gpu.gpu_memory_utilization) == ("NVIDIA H100 80GB HBM3", "bfloat16", 0.4)
+    assert (on_gpu.gpu, on_gpu.dtype, on_gpu.gpu_memory_utilization, on_gpu.enforce_eager) == (
+        "NVIDIA H100 80GB HBM3", "bfloat16", 0.4, False)
     monkeypatch.setattr(systems, "gpu_name", lambda: None)
-    assert systems.Engine.on_this_machine("m", Path(".")).dtype == "float32"
+    on_cpu = systems.Engine.on_this_machine("m", Path("."))
+    assert (on_cpu.dtype, on_cpu.enforce_eager) == ("float32", True)
 
 
 def test_the_load_is_dealt_over_every_edge() -> None:

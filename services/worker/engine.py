@@ -105,7 +105,7 @@ class VllmEngine:
             stream_interval=self.settings.stream_interval,
             max_logprobs=20,
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
-            enforce_eager=True,
+            enforce_eager=self.settings.enforce_eager or current_platform.is_cpu(),
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
         self.tokenizer = self.llm.get_tokenizer()
