@@ -39,8 +39,11 @@ def test_greedy_generation_with_details(hf: InferenceClient) -> None:
 
 
 def test_default_is_twenty_new_tokens_and_eos_ends_early(hf: InferenceClient) -> None:
+    """A grammar whose text is complete leaves the model only its end-of-sequence token, in any dtype (greedy
+    "Say hi." ends by itself in float32 but rambled past 200 tokens in bfloat16 on a GPU)."""
     out = hf.text_generation("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", details=True,
-                             max_new_tokens=200)
+                             max_new_tokens=200, grammar={"type": "regex", "value": "Hi!"})
+    assert out.generated_text == "Hi!"
     assert out.details is not None and out.details.finish_reason == "eos_token"
     assert out.details.tokens[-1].special is True
     default = hf.text_generation("Once upon a time", details=True)
