@@ -17,6 +17,7 @@ import orjson
 
 from services.worker import conversation
 from services.worker.parsing.formats import tool_format
+from services.worker.prompt_encoder import PromptEncoder
 from shared import bus, metrics
 from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.settings import Settings
@@ -75,6 +76,7 @@ class VllmEngine:
         self.model_dir = model_dir
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.encoder: PromptEncoder | None = None
         self.special_ids: frozenset[int] = frozenset()
         self.dimensions = 0
         """Length of the vectors an embedding model returns (0 for generation)."""
@@ -109,6 +111,7 @@ class VllmEngine:
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
         self.tokenizer = self.llm.get_tokenizer()
+        self.encoder = PromptEncoder(self.tokenizer)
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.llm.model_config.max_model_len
         self.native_tools = conversation.template_uses_tools(getattr(self.tokenizer, "chat_template", None))
@@ -116,6 +119,8 @@ class VllmEngine:
             self.dimensions = self.llm.model_config.get_hidden_size()
 
     def shutdown(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -135,10 +140,14 @@ class VllmEngine:
                                  param="messages") from None
         return text
 
-    def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        assert self.encoder is not None, "the engine is not started"
+        return await self.encoder.encode(text, add_special_tokens)
+
+    async def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         while True:
-            ids: list[int] = self.tokenizer.encode(self._template(job, messages, tools), add_special_tokens=False)
+            ids = await self._encode(self._template(job, messages, tools), add_special_tokens=False)
             if not job.truncate or self._fits(job, len(ids)):
                 return ids
             # truncation "auto": drop the oldest turn after the system messages, keep the last one
@@ -147,14 +156,16 @@ class VllmEngine:
                 return ids
             del messages[droppable[0]]
 
-    def prompt_ids(self, job: bus.Job) -> list[list[int]]:
+    async def prompt_ids(self, job: bus.Job) -> list[list[int]]:
         """Token ids of each prompt: the chat template for chat jobs, the text as it is otherwise."""
         if job.kind == "chat":
             messages, tools = conversation.render(job, self.tool_format, self.native_tools)
-            return [self._chat_ids(job, messages, tools)]
+            return [await self._chat_ids(job, messages, tools)]
         if job.chat_template:
-            return [self._chat_ids(job, [{"role": "user", "content": prompt}]) for prompt in job.prompts]
-        prompts = [list(self.tokenizer.encode(prompt)) for prompt in job.prompts]
+            return list(await asyncio.gather(*(self._chat_ids(job, [{"role": "user", "content": prompt}])
+                                               for prompt in job.prompts)))
+        prompts = list(await asyncio.gather(*(self._encode(prompt, add_special_tokens=True)
+                                              for prompt in job.prompts)))
         if job.keep_last_tokens:
             prompts = [ids[-job.keep_last_tokens:] for ids in prompts]
         return prompts
@@ -230,7 +241,7 @@ class VllmEngine:
                 yield event
             return
         counts = Counts()
-        runs = self._runs(job, counts)
+        runs = await self._runs(job, counts)
         request_ids = [job.id] if len(runs) == 1 else [f"{job.id}-{i}" for i in range(len(runs))]
         self.requests[job.id] = request_ids
         try:
@@ -242,12 +253,12 @@ class VllmEngine:
         yield bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
                         completion_tokens=counts.completion_tokens)
 
-    def _runs(self, job: bus.Job, counts: Counts) -> list[_Run]:
+    async def _runs(self, job: bus.Job, counts: Counts) -> list[_Run]:
         """One engine request per prompt; a job continued from another worker runs each unfinished choice
         alone, after the tokens it already has."""
         runs: list[_Run] = []
         cont, n = job.continuation, job.params.n
-        for index, ids in enumerate(self.prompt_ids(job)):
+        for index, ids in enumerate(await self.prompt_ids(job)):
             prompt, max_tokens = self._budget(job, ids)
             counts.prompt_tokens += len(prompt)
             if cont is None:
@@ -304,7 +315,7 @@ class VllmEngine:
         """One vector per input, in input order; inputs longer than the context are an error (or cut)."""
         from vllm import PoolingParams
 
-        prompts = self.prompt_ids(job)
+        prompts = await self.prompt_ids(job)
         for i, ids in enumerate(prompts):
             if len(ids) > self.max_model_len:
                 if not job.truncate:

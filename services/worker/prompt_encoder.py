@@ -1,0 +1,78 @@
+"""Prompt tokenization off the worker's event loop, the prompts of a burst in one call.
+
+Tokenizing a chat prompt of a hundred words takes about half a millisecond. Done inline, a pull of 32 jobs held
+the loop that streams every running job's tokens for ~15 ms, and the jobs reached the engine one by one, spread
+over its steps; vllm serve tokenizes in a thread pool for the same reason. Here the prompts asked for in one turn
+of the loop go to one thread as one `encode_batch` of the Rust tokenizer, which releases the GIL while it works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+_Waiting = list[tuple[str, "asyncio.Future[list[int]]"]]
+
+
+class PromptEncoder:
+    """Token ids of prompt texts, as `tokenizer.encode(text, add_special_tokens=...)` gives them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.backend: Any = _own_copy(getattr(tokenizer, "backend_tokenizer", None))
+        """A copy of a Hugging Face fast tokenizer's Rust tokenizer (the loop detokenizes with the original while
+        the thread encodes); None for any other tokenizer, which encodes inline."""
+        self.waiting: dict[bool, _Waiting] = {}
+        """Texts asked for in this turn of the loop, by add_special_tokens."""
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.backend is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        loop = asyncio.get_running_loop()
+        if not self.waiting:
+            loop.call_soon(self._flush)
+        future: asyncio.Future[list[int]] = loop.create_future()
+        self.waiting.setdefault(add_special_tokens, []).append((text, future))
+        return await future
+
+    def _flush(self) -> None:
+        waiting, self.waiting = self.waiting, {}
+        loop = asyncio.get_running_loop()
+        for special, items in waiting.items():
+            batch = loop.run_in_executor(self.executor, self._encode_batch, [text for text, _ in items], special)
+            batch.add_done_callback(partial(_deliver, [future for _, future in items]))
+
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [encoding.ids for encoding in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _own_copy(backend: Any) -> Any:
+    """The Rust tokenizer anew, without the padding and truncation its file may set (MiniLM's pads to 128),
+    which `tokenizer.encode` turns off for each call."""
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return copy
+
+
+def _deliver(futures: list[asyncio.Future[list[int]]], batch: asyncio.Future[list[list[int]]]) -> None:
+    """Each waiter's ids, or the batch's failure; a waiter that gave up (its job was cancelled) is skipped."""
+    for i, future in enumerate(futures):
+        if future.done():
+            continue
+        if batch.cancelled():
+            future.cancel()
+        elif (failed := batch.exception()) is not None:
+            future.set_exception(failed)
+        else:
+            future.set_result(batch.result()[i])
