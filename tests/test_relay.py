@@ -96,6 +96,32 @@ async def test_a_first_answer_goes_out_before_the_tokens_of_streams_already_flow
         task.cancel()
 
 
+async def test_a_flowing_stream_keeps_its_order_when_one_read_brings_several_steps() -> None:
+    """A read can hold two steps: the first one's flowing tokens wait for a woken request, so the second's wait
+    behind them instead of overtaking them."""
+    from services.edge.relay import EventRelay
+
+    relay = EventRelay(None, None, "s")
+    written: list[int] = []
+    flowing, fresh = relay.register("flowing", time.monotonic() + 5), relay.register("fresh", time.monotonic() + 5)
+
+    def write(event: bus.Event) -> bool:
+        written.append(event.seq)
+        return True
+
+    flowing.sink = write
+    streaming = asyncio.create_task(flowing.next())
+    answering = asyncio.create_task(fresh.next())
+    await asyncio.sleep(0)
+    relay.dispatch(bus.encode_events([bus.Tokens(job=job, text="x", token_ids=[1], seq=0)
+                                      for job in ("flowing", "fresh")]))
+    relay.dispatch(bus.encode_events([bus.Tokens(job="flowing", text="y", token_ids=[2], seq=1)]))
+    await answering
+    await asyncio.sleep(0)
+    assert written == [0, 1]
+    streaming.cancel()
+
+
 async def test_a_sink_takes_events_only_while_the_request_waits_with_nothing_queued() -> None:
     events = JobEvents("j", time.monotonic() + 5)
     taken: list[bus.Event] = []

@@ -92,6 +92,8 @@ class EventRelay:
         self.release: Any = None
         """How a cluster node takes its connection back (None: the reader's own pool)."""
         self.jobs: dict[str, JobEvents] = {}
+        self.put_off: list[tuple[JobEvents, bus.Event]] = []
+        """Tokens of flowing streams that wait for the woken requests to run first (see `dispatch`)."""
         self.busy = asyncio.Event()
         """Set while jobs are registered: the ticker sleeps without them."""
         self.down_since: float | None = None
@@ -150,10 +152,17 @@ class EventRelay:
                 woken = True
             else:
                 flowing.append((waiting, event))
-        if woken and flowing:
-            asyncio.get_running_loop().call_soon(self._offer, flowing)
-        elif flowing:
+        if self.put_off:  # an earlier batch of this read put its tokens off: these follow them
+            self.put_off += flowing
+        elif woken and flowing:
+            self.put_off = flowing
+            asyncio.get_running_loop().call_soon(self._offer_put_off)
+        else:
             self._offer(flowing)
+
+    def _offer_put_off(self) -> None:
+        flowing, self.put_off = self.put_off, []
+        self._offer(flowing)
 
     def _offer(self, flowing: list[tuple[JobEvents, bus.Event]]) -> None:
         for waiting, event in flowing:
