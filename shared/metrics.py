@@ -11,8 +11,8 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -51,6 +51,15 @@ class Tally:
         self.value += amount
 
 
+class Level(Tally):
+    """One series of a TallyGauge: a plain number that goes up and down."""
+
+    __slots__ = ()
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+
 class Bins:
     """One series of a TallyHistogram: a count per bucket (found by bisection, in C) and a sum."""
 
@@ -68,10 +77,11 @@ class Bins:
 
 class _Tallied(Collector):
     """Series kept as plain numbers, turned into Prometheus samples only when scraped: for what changes on every
-    token. prometheus_client's Counter and Histogram take a lock and check their state on each change; the edge
-    observed every token's gap in a Histogram, which was 8% of its CPU at one stream (a wake per token finds
-    that code cold). The event loop's thread is the only writer; a scrape from another thread reads numbers
-    that a write may change under it, never a torn one."""
+    token or request. prometheus_client's Counter, Gauge and Histogram take a lock and check their state on each
+    change (~2.5 us a change here, against ~0.3); the edge observed every token's gap in a Histogram, which was 8%
+    of its CPU at one stream (a wake per token finds that code cold), and a request changes about a dozen series.
+    The event loop's thread is the only writer; a scrape from another thread reads numbers that a write may
+    change under it, never a torn one."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
         self.name = name
@@ -79,7 +89,7 @@ class _Tallied(Collector):
         self.labelnames = tuple(labelnames)
         registry.register(self)
 
-    family: ClassVar[type[CounterMetricFamily] | type[HistogramMetricFamily]]
+    family: ClassVar[type[CounterMetricFamily] | type[GaugeMetricFamily] | type[HistogramMetricFamily]]
 
     def describe(self) -> Iterator[Metric]:
         yield self._family()
@@ -110,6 +120,28 @@ class TallyCounter(_Tallied):
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, tally in list(self.series.items()):
             family.add_metric(values, tally.value)
+        yield family
+
+
+class TallyGauge(_Tallied):
+    """A Prometheus gauge (of labelled series) moved as a plain number."""
+
+    family = GaugeMetricFamily
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.series: dict[tuple[str, ...], Level] = {}
+        super().__init__(name, documentation, labelnames, registry)
+
+    def labels(self, *values: str) -> Level:
+        if (level := self.series.get(values)) is None:
+            level = self.series[values] = Level()
+        return level
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, level in list(self.series.items()):
+            family.add_metric(values, level.value)
         yield family
 
 
@@ -145,10 +177,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 # edge: requests
-REQUESTS = Counter("tokenbus_edge_requests", "Requests answered by the edge", ["route", "status"], registry=EDGE)
+REQUESTS = TallyCounter("tokenbus_edge_requests", "Requests answered by the edge", ["route", "status"], registry=EDGE)
 REJECTIONS = Counter("tokenbus_edge_rejections", "Requests answered with an error, by route and error code",
                      ["route", "reason"], registry=EDGE)
-TIME_TO_FIRST_TOKEN = Histogram(
+TIME_TO_FIRST_TOKEN = TallyHistogram(
     "tokenbus_edge_time_to_first_token_seconds", "From request arrival to the first token event",
     ["model"], buckets=_LATENCY_BUCKETS, registry=EDGE,
 )
@@ -156,18 +188,18 @@ INTER_TOKEN_LATENCY = TallyHistogram(
     "tokenbus_edge_inter_token_latency_seconds", "Between a stream's token events, per token", ["model"],
     buckets=_TOKEN_GAP_BUCKETS, registry=EDGE,
 )
-REQUEST_DURATION = Histogram(
+REQUEST_DURATION = TallyHistogram(
     "tokenbus_edge_request_duration_seconds", "From request arrival to the last byte sent", ["model"],
     buckets=_LATENCY_BUCKETS, registry=EDGE,
 )
-IN_FLIGHT = Gauge("tokenbus_edge_requests_in_flight", "Requests waiting for or streaming tokens", ["model"],
-                  registry=EDGE)
-PROMPT_TOKENS = Counter("tokenbus_edge_prompt_tokens", "Prompt tokens of finished requests", ["model"],
-                        registry=EDGE)
-STREAMED_TOKENS = Counter("tokenbus_edge_completion_tokens", "Completion tokens delivered to clients", ["model"],
-                          registry=EDGE)
-FINISH_REASONS = Counter("tokenbus_edge_finish_reasons", "Choices ended, by the engine's reason", ["model", "reason"],
-                         registry=EDGE)
+IN_FLIGHT = TallyGauge("tokenbus_edge_requests_in_flight", "Requests waiting for or streaming tokens", ["model"],
+                       registry=EDGE)
+PROMPT_TOKENS = TallyCounter("tokenbus_edge_prompt_tokens", "Prompt tokens of finished requests", ["model"],
+                             registry=EDGE)
+STREAMED_TOKENS = TallyCounter("tokenbus_edge_completion_tokens", "Completion tokens delivered to clients",
+                               ["model"], registry=EDGE)
+FINISH_REASONS = TallyCounter("tokenbus_edge_finish_reasons", "Choices ended, by the engine's reason",
+                              ["model", "reason"], registry=EDGE)
 """reason: stop | length | tool_calls | abort"""
 CLIENT_DISCONNECTS = Counter("tokenbus_edge_client_disconnects", "Clients gone before their last token",
                              registry=EDGE)
@@ -181,8 +213,8 @@ FREE_SLOTS = Gauge("tokenbus_edge_free_slots", "Free job slots of a model's live
                    registry=EDGE)
 
 # worker
-JOBS = Counter("tokenbus_worker_jobs", "Jobs a worker finished, by outcome", ["model", "outcome"])
-RUNNING_JOBS = Gauge("tokenbus_worker_running_jobs", "Jobs in the engine now", ["model"])
+JOBS = TallyCounter("tokenbus_worker_jobs", "Jobs a worker finished, by outcome", ["model", "outcome"])
+RUNNING_JOBS = TallyGauge("tokenbus_worker_running_jobs", "Jobs in the engine now", ["model"])
 ENGINE_ABORTS = Counter("tokenbus_worker_engine_aborts", "Requests aborted in the engine", ["model"])
 GENERATED_TOKENS = TallyCounter("tokenbus_worker_generated_tokens", "Tokens generated", ["model"])
 EVENT_FLUSHES = TallyCounter("tokenbus_worker_event_flushes", "Pipelined writes of token events to Redis")
@@ -213,26 +245,27 @@ WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because thei
 REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage", registry=EDGE)
 
 # tenants
-TENANT_REQUESTS = Counter("tokenbus_edge_tenant_requests", "Generation and embedding requests by tenant and outcome",
-                          ["tenant", "model", "outcome"], registry=EDGE)
+TENANT_REQUESTS = TallyCounter("tokenbus_edge_tenant_requests",
+                               "Generation and embedding requests by tenant and outcome",
+                               ["tenant", "model", "outcome"], registry=EDGE)
 """outcome: admitted, or the limit that refused it: requests | tokens | concurrency | insufficient_quota"""
-TENANT_TIME_TO_FIRST_TOKEN = Histogram(
+TENANT_TIME_TO_FIRST_TOKEN = TallyHistogram(
     "tokenbus_edge_tenant_time_to_first_token_seconds", "From request arrival to the first token, by tenant",
     ["tenant", "model"], buckets=_LATENCY_BUCKETS, registry=EDGE,
 )
-TENANT_TOKENS = Counter("tokenbus_worker_tenant_tokens", "Tokens settled per tenant and model",
-                        ["model", "tenant", "kind"])
+TENANT_TOKENS = TallyCounter("tokenbus_worker_tenant_tokens", "Tokens settled per tenant and model",
+                             ["model", "tenant", "kind"])
 """kind: prompt | completion"""
 
 # fair share and admission
 QUEUED_JOBS = Gauge("tokenbus_queued_jobs", "Jobs of a model waiting for a worker (as one worker last read it)",
                     ["model"])
-QUEUE_WAIT = Histogram("tokenbus_worker_queue_wait_seconds", "From a job's arrival to its start on a worker",
-                       ["model", "tenant"], buckets=_LATENCY_BUCKETS)
-DISPATCHES = Counter("tokenbus_worker_fair_dispatches", "Jobs this worker moved from tenants' backlogs to the "
-                     "model's stream", ["model"])
-EDGE_DISPATCHES = Counter("tokenbus_edge_fair_dispatches", "Jobs this edge moved from tenants' backlogs to the "
-                          "model's stream", ["model"], registry=EDGE)
+QUEUE_WAIT = TallyHistogram("tokenbus_worker_queue_wait_seconds", "From a job's arrival to its start on a worker",
+                            ["model", "tenant"], buckets=_LATENCY_BUCKETS)
+DISPATCHES = TallyCounter("tokenbus_worker_fair_dispatches", "Jobs this worker moved from tenants' backlogs to the "
+                          "model's stream", ["model"])
+EDGE_DISPATCHES = TallyCounter("tokenbus_edge_fair_dispatches", "Jobs this edge moved from tenants' backlogs to the "
+                               "model's stream", ["model"], registry=EDGE)
 ADMISSION_REFUSALS = Counter("tokenbus_edge_admission_refusals", "Requests refused before they were queued",
                              ["model", "reason"], registry=EDGE)
 """reason: queue_full | tenant_queue_full | wait_exceeds_deadline"""
