@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import edge_bench, load, report, scale, scale_report, systems, wakes
+from services.bench import edge_bench, floor, load, report, scale, scale_report, systems, wakes
 from services.bench.workload import Distribution, requests
 
 SIM_TTFT_MS, SIM_ITL_MS = 40.0, 15.0
@@ -51,10 +51,14 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     assert 0 <= streamed.edge_kernel_share <= 1 and streamed.edge_cpu_us_per_token >= 0  # 10 ms CPU clock ticks
     woken = wakes.measure(wakes=20, gap_s=0.005)
     assert min(woken.epoll_us, woken.loop_socket_us, woken.loop_timer_us) > 0  # CPU was spent on each wake
+    hop_floor = floor.measure(round_trips=20, gap_s=0.005)
+    assert hop_floor.one_core == hop.pinned and os.sched_getaffinity(0) == cores
+    assert 0 < hop_floor.round_trip_us.p50 <= hop_floor.round_trip_us.p99  # every message came back
     out = tmp_path / "benchmarks.md"
     report.write(report.Report(command="test", comparison={}, hops=(hop,), throughput=streamed, many=many,
-                               vllm_bench=None, wakes=woken), out)
+                               vllm_bench=None, wakes=woken, floor=hop_floor), out)
     text = out.read_text()
+    assert f"**p50 {hop_floor.round_trip_us.p50:.0f} us**" in text
     assert f"**{woken.loop_socket_us:.0f} us** for an event loop" in text
     assert "100 concurrent streams" in text and f"{many.edge_redis_connections_max} Redis connections" in text
     assert ("| own core |" in text) == hop.pinned

@@ -19,6 +19,7 @@ from services.bench import (
     edge_bench,
     fairness,
     fairness_report,
+    floor,
     load,
     report,
     scale,
@@ -98,7 +99,9 @@ def _edge_parts(engine: systems.Engine, log_dir: Path, quick: bool) -> dict[str,
     many = edge_bench.many_streams(engine, log_dir / "sim.log", streams=2000 // (10 * scale if quick else 1))
     print("what a wake costs this machine", file=sys.stderr)
     woken = wakes.measure(wakes=50 if quick else 300)
-    return {"hops": tuple(hops), "throughput": throughput, "many": many, "wakes": woken}
+    print("the least two hops through Redis cost this machine", file=sys.stderr)
+    hop_floor = floor.measure(round_trips=50 if quick else 300)
+    return {"hops": tuple(hops), "throughput": throughput, "many": many, "wakes": woken, "floor": hop_floor}
 
 
 def run(args: argparse.Namespace) -> int:

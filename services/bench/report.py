@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench import compare, compare_report, edge_bench, systems, wakes
+from services.bench import compare, compare_report, edge_bench, floor, systems, wakes
 from services.bench.compare import Comparison, Idle
 from services.bench.stats import MIN_ROUNDS
 
@@ -28,6 +28,8 @@ class Report:
     """The comparison's systems' front-end CPU while idle, per round."""
     wakes: wakes.WakeCost | None = None
     """What one wake of a process costs this machine."""
+    floor: floor.HopFloor | None = None
+    """What two hops through Redis cost this machine at the least."""
     engine: systems.Engine | None = None
     """The engine settings of the comparison (needed with one)."""
 
@@ -159,6 +161,17 @@ def _edge_section(report: Report) -> list[str]:
                              f"| {mine.p50 - floor.p50:.2f} ms | {mine.p99 - floor.p99:.2f} ms |")
         lines += [""]
         lines += _hop_targets(report.hops)
+    if report.floor is not None:
+        f = report.floor
+        where = "the three on one core (the systems' core above)" if f.one_core else "on every core"
+        lines += ["What two hops through Redis cost this machine at the least (`services/bench/floor.py`): two "
+                  "processes that do nothing but publish a message to each other through a Redis run as tokenbus "
+                  f"runs it, {where}, one round trip at a time {f.gap_ms:.0f} ms apart: "
+                  f"**p50 {f.round_trip_us.p50:.0f} us**, p99 {f.round_trip_us.p99:.0f} us ({f.round_trips} round "
+                  "trips). That is the way a job goes to its worker and its first event comes back (edge -> Redis -> "
+                  "worker -> Redis -> edge) with none of tokenbus's work on it (validation, admission, the job's and "
+                  "the events' encoding, the engine hand-off, the SSE chunk): the hop overhead above is this floor, "
+                  "that work, and at many streams every other stream's work queued on the same core.", ""]
     if report.throughput is not None:
         t = report.throughput
         bound = " (the load generator was the bottleneck)" if t.client_cpu_bound else ""
