@@ -282,7 +282,7 @@ def test_a_call_without_text_is_the_only_item_and_a_named_choice_is_echoed_flat(
 
 
 def test_admission_counts_the_functions_and_calls_a_prompt_holds() -> None:
-    from services.edge.admission import estimate
+    from services.edge.estimate import estimate
 
     plain = estimate(chat_job(max_tokens=5), 2048)[0]
     offered = estimate(chat_job(max_tokens=5, tools=[WEATHER]), 2048)[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from services.worker import conversation
+from services.worker import conversation, template_kwargs
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from shared import bus, metrics
@@ -86,6 +86,8 @@ class VllmEngine:
         self.tool_format = tool_format(settings.tool_parser)
         self.native_tools = False
         """The model's chat template writes tools itself (else the worker does, see conversation)."""
+        self.template_vars: frozenset[str] = frozenset()
+        """What the chat template reads: the `chat_template_kwargs` it may be given."""
 
     def start(self) -> None:
         _configure_environment(self.settings)
@@ -115,6 +117,7 @@ class VllmEngine:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.llm.model_config.max_model_len
         self.native_tools = conversation.template_uses_tools(getattr(self.tokenizer, "chat_template", None))
+        self.template_vars = template_kwargs.template_variables(getattr(self.tokenizer, "chat_template", None))
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
 
@@ -133,7 +136,7 @@ class VllmEngine:
         try:
             text: str = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=job.add_generation_prompt,
-                **job.chat_template_kwargs,
+                **template_kwargs.allowed(self.template_vars, job.chat_template_kwargs),
             )
         except (TemplateError, TypeError, ValueError, KeyError) as exc:  # the template refused these messages
             raise InvalidRequest(f"The model's chat template cannot render these messages: {exc}",
@@ -164,7 +167,7 @@ class VllmEngine:
         if job.chat_template:
             return list(await asyncio.gather(*(self._chat_ids(job, [{"role": "user", "content": prompt}])
                                                for prompt in job.prompts)))
-        prompts = list(await asyncio.gather(*(self._encode(prompt, add_special_tokens=True)
+        prompts = list(await asyncio.gather(*(self._encode(job.instruction + prompt, add_special_tokens=True)
                                               for prompt in job.prompts)))
         if job.keep_last_tokens:
             prompts = [ids[-job.keep_last_tokens:] for ids in prompts]

@@ -28,6 +28,8 @@ class Out(msgspec.Struct, kw_only=True):
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 StopList = Annotated[list[StopString], msgspec.Meta(max_length=1024)]
 MAX_STOP_CHARS = 32768
+MAX_MESSAGES = 8192
+"""Messages (Chat) or input items (Responses) of one request: each is rendered and tokenized by the worker."""
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")

@@ -23,6 +23,8 @@ from shared.errors import InvalidRequest
 
 MAX_FUNCTIONS = 32
 MAX_PROPERTIES = 15
+MAX_TOOLS_BYTES = 2 * structured.MAX_SPEC_BYTES
+"""A forced choice holds the answer to all the functions at once, in one grammar of at most MAX_SPEC_BYTES."""
 FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 """OpenAI's rule for function names (letters, digits, underscores, dashes; dots for namespaces), 64 at most."""
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -115,11 +117,27 @@ def _parameters(function: FunctionDef, param: str) -> dict[str, Any]:
     return schema
 
 
+def _check_size(functions: list[tuple[FunctionDef, str]]) -> None:
+    """All the functions' parameters together, before any is checked: each check costs by the byte."""
+    total = 0
+    for function, param in functions:
+        if function.parameters is not None:
+            try:
+                total += len(orjson.dumps(function.parameters))
+            except orjson.JSONEncodeError:
+                raise InvalidRequest(f"`{param}.parameters` cannot be used (nested too deeply, or an integer "
+                                     "beyond 64 bits).", param=f"{param}.parameters") from None
+    if total > MAX_TOOLS_BYTES:
+        raise InvalidRequest(f"The functions' parameters take {total} bytes of JSON; at most {MAX_TOOLS_BYTES} "
+                             "are served in one request.", param="tools")
+
+
 def bus_tools(functions: list[tuple[FunctionDef, str]]) -> list[bus.Tool]:
     """The functions, checked, as the worker gets them."""
     if len(functions) > MAX_FUNCTIONS:
         raise InvalidRequest(f"`tools` lists {len(functions)} functions; at most {MAX_FUNCTIONS} are served.",
                              param="tools")
+    _check_size(functions)
     seen: set[str] = set()
     out = []
     for function, param in functions:

@@ -8,6 +8,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats import calling, structured
 from services.edge.formats.base import (
+    MAX_MESSAGES,
     TEXT_MARK,
     Choices,
     OpenAIStreamEnd,
@@ -70,7 +71,7 @@ class ChatMessage(Request):
 
 class ChatCompletionRequest(Sampling, kw_only=True):
     model: str
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None

@@ -26,6 +26,9 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
 """A signed 64-bit integer, as in OpenAI's schema and vLLM's (torch's) generators."""
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=2)]
 N = Annotated[int, Meta(ge=1, le=16)]
+MAX_LOGIT_BIAS = 300
+"""OpenAI's cap on `logit_bias` entries: each one is a row the engine applies at every step."""
+LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tokenize", "add_generation_prompt",
@@ -67,7 +70,7 @@ class Sampling(Request):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extension: keep generating past the end-of-sequence token."""

@@ -25,11 +25,13 @@ from services.edge.formats.common import (
 )
 from services.edge.sse import data_frame
 from shared import bus
+from shared.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
+MAX_COPIED_CHARS = 1 << 20
 
 
 class CompletionRequest(Sampling, kw_only=True):
@@ -56,9 +58,23 @@ def check_context(req: CompletionRequest, max_model_len: int) -> None:
         refuse_beyond_context(req.max_tokens, max_model_len, "max_tokens")
 
 
+def check_copies(req: CompletionRequest) -> None:
+    """The text the answer repeats (the suffix on every choice, each prompt echoed on each of its n choices) is
+    bounded: it is held in the edge's memory once per copy, and it costs the tenant no tokens."""
+    prompts = prompts_of(req)
+    suffixes = len(req.suffix or "") * req.n * len(prompts)
+    echoes = sum(map(len, prompts)) * req.n if req.echo else 0
+    if suffixes + echoes > MAX_COPIED_CHARS:
+        param = "suffix" if suffixes >= echoes else "echo"
+        raise InvalidRequest(f"The answer would repeat {suffixes + echoes} characters of the request (`suffix` on "
+                             f"each choice, and with `echo` each prompt on each of its `n` choices); at most "
+                             f"{MAX_COPIED_CHARS} are served.", param=param)
+
+
 def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     if req.best_of is not None and req.best_of != req.n:
         raise refuse("best_of", "only best_of equal to n is served")
+    check_copies(req)
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
     params.constraint = structured.of_structured_outputs(req.structured_outputs)

@@ -14,12 +14,14 @@ from shared import bus
 from shared.errors import InvalidRequest, TokenbusError
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
+MAX_INSTRUCTION_CHARS = 4096
+"""An instruction is a sentence or two ("Represent this sentence for searching relevant passages: ")."""
 
 
 class EmbeddingRequest(Request):
     model: str
     input: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=2048)]
-    instruction: str | None = None
+    instruction: Annotated[str, Meta(max_length=MAX_INSTRUCTION_CHARS)] | None = None
     """Prepended to every input, as instruction-tuned embedding models expect (Databricks)."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(gt=0, le=2**31 - 1)] | None = None
@@ -27,8 +29,9 @@ class EmbeddingRequest(Request):
 
 
 def inputs_of(req: EmbeddingRequest) -> list[str]:
-    texts = [req.input] if isinstance(req.input, str) else req.input
-    return [(req.instruction or "") + text for text in texts]
+    """The texts to embed, without the instruction: the worker puts it before each (a copy per input here would
+    multiply the request in the edge's memory before it is charged)."""
+    return [req.input] if isinstance(req.input, str) else req.input
 
 
 def check_dimensions(req: EmbeddingRequest, native: int) -> None:
@@ -41,7 +44,7 @@ def check_dimensions(req: EmbeddingRequest, native: int) -> None:
 
 def to_job(req: EmbeddingRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
-                   prompts=inputs_of(req), created_ms=bus.now_ms())
+                   prompts=inputs_of(req), instruction=req.instruction or "", created_ms=bus.now_ms())
 
 
 class EmbeddingData(Out, kw_only=True):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats import calling, structured
-from services.edge.formats.base import Out, Request, encode, refuse, refuse_beyond_context
+from services.edge.formats.base import MAX_MESSAGES, Out, Request, encode, refuse, refuse_beyond_context
 from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, sampling_params, template_kwargs
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.sse import DONE, event_frame
@@ -74,7 +74,8 @@ class ResponsesRequest(Sampling, kw_only=True):
     penalties, ignore_eos, logprobs, response_format, chat_template_kwargs): each served or refused."""
 
     model: str
-    input: Annotated[str, Meta(min_length=1)] | Annotated[list[InputItem], Meta(min_length=1)]
+    input: Annotated[str, Meta(min_length=1)] | Annotated[list[InputItem], Meta(min_length=1,
+                                                                                max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

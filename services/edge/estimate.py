@@ -1,0 +1,57 @@
+"""What a job may cost in tokens, known before anything is tokenized: the edge has no tokenizer, and admission
+must charge a request before the worker expands it.
+
+Text is counted in UTF-8 bytes. ASCII text (English, code) runs about four bytes a token with the BPE
+tokenizers of today's models; any other byte counts as a token of its own. A byte-level BPE (and a
+SentencePiece with byte fallback) never makes more tokens than bytes, so CJK text and emoji are reserved at
+their worst case rather than at a quarter of a token a character. The reservation is settled with the real
+count when the job ends.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared import bus
+
+ASCII_BYTES_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
+"""What a chat template adds around each message, roughly."""
+MAX_BUDGET = 2**31 - 1
+"""A choice's budget when the model's context is unknown: a count the bus carries whatever multiplies it."""
+
+
+def text_tokens(text: str) -> int:
+    """The most tokens `text` is likely to take: ASCII bytes by four, every other byte as one."""
+    if text.isascii():
+        return -(-len(text) // ASCII_BYTES_PER_TOKEN)
+    ascii_bytes = len(text.encode("ascii", "ignore"))
+    return -(-ascii_bytes // ASCII_BYTES_PER_TOKEN) + len(text.encode()) - ascii_bytes
+
+
+def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
+    """(prompt tokens, output budget) of a job, before anything is tokenized."""
+    framing = TOKENS_PER_MESSAGE * len(job.messages)
+    instruction = text_tokens(job.instruction) if job.instruction else 0
+    per_prompt = [text_tokens(p) + instruction for p in job.prompts] or [0]
+    prompt = (sum(map(_message_tokens, job.messages)) + sum(per_prompt) + _tools_tokens(job.tool_use)
+              + framing)
+    if job.kind == "embedding":
+        return prompt, 0
+    per_choice = job.params.max_tokens
+    if per_choice is None:
+        per_choice = max(1, max_model_len - max(per_prompt) - framing) if max_model_len else 0
+    per_choice = min(per_choice, max_model_len or MAX_BUDGET)  # no choice outruns the context
+    return prompt, per_choice * job.params.n * max(1, len(job.prompts))
+
+
+def _message_tokens(message: bus.Message) -> int:
+    return text_tokens(message.content) + sum(text_tokens(c.name) + text_tokens(c.arguments)
+                                              for c in message.tool_calls)
+
+
+def _tools_tokens(use: bus.ToolUse | None) -> int:
+    """The functions the template lists in the prompt, as JSON."""
+    if use is None or use.choice == "none":
+        return 0
+    return text_tokens(msgspec.json.encode(use.tools).decode())

@@ -1,0 +1,160 @@
+"""What one request may cost the edge and the engine, checked on the request alone (no Redis, no worker): the
+token estimate admission charges, the bounds on what a request multiplies, and the schema checks."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from tokenizers import Tokenizer
+
+from services.edge.estimate import estimate, text_tokens
+from services.edge.formats import chat, completions, embeddings, structured
+from services.edge.formats.base import decode
+from services.edge.handlers import parse_event_id
+from services.worker.models import default_chat_model_dir
+from services.worker.template_kwargs import allowed, template_variables
+from shared import bus
+from shared.errors import InvalidRequest
+
+IDS = {"job_id": "job-1", "reply_to": "r", "deadline_ms": 1}
+
+
+def _job(kind: type[Any], module: Any, **fields: Any) -> bus.Job:
+    req = decode(json.dumps({"model": "m", **fields}).encode(), kind)
+    job: bus.Job = module.to_job(req, **IDS)
+    return job
+
+
+def chat_job(**fields: Any) -> bus.Job:
+    return _job(chat.ChatCompletionRequest, chat, **fields)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(default_chat_model_dir() / "tokenizer.json"))
+
+
+TEXTS = {
+    "english": "The quick brown fox jumps over the lazy dog. " * 40,
+    "chinese": "我们今天在北京讨论了人工智能的未来发展方向和挑战。" * 40,
+    "emoji": "🚀🔥🎉😀🧠🦀" * 80,
+    "mixed": "Prix: 12€ — naïve café, Ünïcödé façade. " * 40,
+}
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_the_estimate_reserves_at_least_what_the_default_models_tokenizer_counts(tokenizer: Tokenizer,
+                                                                                  name: str) -> None:
+    text = TEXTS[name]
+    real = len(tokenizer.encode(text, add_special_tokens=False).ids)
+    assert text_tokens(text) >= real, f"{name}: reserved {text_tokens(text)} for {real} tokens"
+    if name == "english":  # and does not refuse plain English for four times what it costs
+        assert text_tokens(text) <= 2 * real
+
+
+def test_a_budget_beyond_any_context_still_fits_the_bus() -> None:
+    job = _job(completions.CompletionRequest, completions, prompt=["x"] * 256, n=16, max_tokens=2**63 - 1,
+               error_behavior="truncate")
+    prompt, output = estimate(job, 2048)
+    assert output == 2048 * 16 * 256
+    job.prompt_estimate, job.output_budget = prompt, output
+    assert bus.encode_job(job)  # no OverflowError (the edge answered 500 for it)
+    _prompt, unknown_context = estimate(job, 0)
+    assert unknown_context < 2**63
+
+
+def test_an_embedding_instruction_is_sent_once_and_charged_per_input() -> None:
+    instruction = "Represent this sentence for searching relevant passages: "
+    job = _job(embeddings.EmbeddingRequest, embeddings, input=["a", "b", "c"], instruction=instruction)
+    assert job.prompts == ["a", "b", "c"] and job.instruction == instruction
+    plain = _job(embeddings.EmbeddingRequest, embeddings, input=["a", "b", "c"])
+    assert estimate(job, 512)[0] - estimate(plain, 512)[0] == 3 * text_tokens(instruction)
+    with pytest.raises(InvalidRequest) as caught:
+        decode(json.dumps({"model": "m", "input": "a", "instruction": "x" * 100_000}).encode(),
+               embeddings.EmbeddingRequest)
+    assert caught.value.param == "instruction"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"prompt": ["p"] * 256, "n": 16, "suffix": "s" * 1000}, "suffix"),
+    ({"prompt": ["p" * 100_000] * 2, "n": 16, "echo": True}, "echo"),
+])
+def test_what_an_answer_repeats_is_bounded(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        _job(completions.CompletionRequest, completions, **fields)
+    assert caught.value.param == param
+    _job(completions.CompletionRequest, completions, prompt=["p"] * 4, n=2, suffix="s" * 1000, echo=True)
+
+
+def test_logit_bias_and_messages_have_caps() -> None:
+    user = {"role": "user", "content": "hi"}
+    with pytest.raises(InvalidRequest, match="300"):
+        chat_job(messages=[user], logit_bias={str(i): 1 for i in range(301)})
+    assert len(chat_job(messages=[user], logit_bias={str(i): 1 for i in range(300)}).params.logit_bias) == 300
+    with pytest.raises(InvalidRequest) as caught:
+        chat_job(messages=[user] * 10_000)
+    assert caught.value.param == "messages"
+
+
+def _wide(properties: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 10}
+                                             for i in range(properties)}}
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    (_wide(20_000), "larger than"),
+    (json.dumps(_wide(20_000)), "larger than"),
+    ({"anyOf": [{"type": "integer", "minimum": i} for i in range(600)]}, "alternatives"),
+    ({"type": "object", "properties": {"a": {"type": 5}}}, "not a valid JSON schema"),
+])
+def test_a_schema_is_refused_on_its_size_and_shape_before_it_is_checked(schema: Any, message: str) -> None:
+    started = time.process_time()
+    with pytest.raises(InvalidRequest, match=message) as caught:
+        structured.checked_schema(schema, "response_format.json_schema.schema")
+    assert caught.value.param == "response_format.json_schema.schema"
+    assert time.process_time() - started < 0.5  # was 1.4 s of CPU on the event loop for a 64 kB anyOf
+
+
+def test_a_deeply_nested_schema_is_refused() -> None:
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(InvalidRequest, match="nested deeper"):
+        structured.checked_schema(deep, "tools")
+
+
+def test_the_functions_parameters_are_bounded_all_together() -> None:
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "description": "d" * 8000}}}}} for i in range(32)]
+    with pytest.raises(InvalidRequest, match="bytes of JSON") as caught:
+        chat_job(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert caught.value.param == "tools"
+
+
+@pytest.mark.parametrize("value", ["x:²", "x:" + "9" * 5000, "x:-1", "nocolon"])
+def test_a_last_event_id_that_is_not_ours_is_a_400(value: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_event_id(value)
+    assert caught.value.param == "Last-Event-ID"
+
+
+def test_only_the_variables_a_chat_template_reads_reach_it() -> None:
+    template = ("{% if enable_thinking %}<think>{% endif %}{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    variables = template_variables(template)
+    given = {"enable_thinking": True, "bos_token": "<evil>", "add_generation_prompt": False, "other": 1}
+    assert allowed(variables, given) == {"enable_thinking": True}
+    assert template_variables("{% generation %}x{% endgeneration %}") == frozenset()
+
+
+def test_struct_limits_are_declared_not_hand_checked() -> None:
+    """The caps above live in the request structs, so /openapi.json shows them to clients."""
+    schema = msgspec.json.schema(chat.ChatCompletionRequest)
+    defs = schema["$defs"]["ChatCompletionRequest"]["properties"]
+    assert defs["messages"]["maxItems"] == 8192
+    assert defs["logit_bias"]["anyOf"][0]["maxProperties"] == 300
