@@ -121,6 +121,8 @@ class Job(Base):
     messages: list[Message] = []
     prompts: list[str] = []
     """A batch: prompt i yields choices i*n .. i*n+n-1."""
+    instruction: str = ""
+    """Embedding jobs: text the worker puts before every prompt (once here, however many prompts there are)."""
     chat_template: bool = False
     """Completion jobs: wrap each prompt in the chat template as one user message."""
     add_generation_prompt: bool = True
@@ -169,6 +171,9 @@ class Charge(Base):
     """The key's requests-per-minute limit then (a job that could not be queued gives its request back)."""
     quota_window: str = ""
     """The quota period the tokens were charged to ("" for no quota), e.g. 2026-11 or 2026-11-23."""
+    lease: str = ""
+    """The concurrency lease the job holds ("" for none): whoever settles the job gives it back, so a job kept
+    running for a resume holds it until it really ends."""
 
 
 class Continuation(Base):

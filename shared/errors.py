@@ -4,8 +4,10 @@
     ├── InvalidRequest             400 invalid_request_error (names the offending `param`)
     │   ├── ContextLengthExceeded  400 invalid_request_error / context_length_exceeded
     │   ├── PayloadTooLarge        413 invalid_request_error / body_too_large
-    │   └── MethodNotAllowed       405 invalid_request_error / method_not_allowed
+    │   ├── MethodNotAllowed       405 invalid_request_error / method_not_allowed
+    │   └── UnsupportedMediaType   415 invalid_request_error / unsupported_media_type (a body that is not JSON)
     ├── Unauthenticated            401 invalid_request_error / invalid_api_key
+    ├── HostNotAllowed             403 invalid_request_error / host_not_allowed (a keyless edge's guard)
     ├── RateLimited                429 requests|tokens|concurrency / rate_limit_exceeded (+ `retry_after_s`)
     │   └── QuotaExceeded          429 insufficient_quota / insufficient_quota
     ├── NotFound                   404 invalid_request_error / not_found
@@ -66,6 +68,17 @@ class PayloadTooLarge(InvalidRequest):
 class MethodNotAllowed(InvalidRequest):
     status = 405
     code = "method_not_allowed"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class HostNotAllowed(TokenbusError):
+    status = 403
+    type = "invalid_request_error"
+    code = "host_not_allowed"
 
 
 class Unauthenticated(TokenbusError):

@@ -35,6 +35,7 @@ local now = tonumber(ARGV[1])
 local rpm, tpm, tokens = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_concurrency, lease, lease_ttl = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
 local quota, quota_ttl, consume = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10] == '1'
+local requests = tonumber(ARGV[11])
 local WINDOW = 60000
 local refused, wait = '', 0
 local function refuse(reason, ms)
@@ -48,7 +49,7 @@ local function gcra(key, limit, cost)
 end
 local r_tat, r_after, r_over, t_tat, t_after, t_over
 if rpm > 0 then
-  r_tat, r_after, r_over = gcra(KEYS[1], rpm, consume and 1 or 0)
+  r_tat, r_after, r_over = gcra(KEYS[1], rpm, consume and requests or 0)
   if r_over > 0 then refuse('requests', r_over) end
 end
 if tpm > 0 then
@@ -56,7 +57,7 @@ if tpm > 0 then
   if consume and tokens > tpm then refuse('too_large', 0)
   elseif t_over > 0 then refuse('tokens', t_over) end
 end
-if max_concurrency > 0 then
+if max_concurrency > 0 and (lease ~= '' or not consume) then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   if consume and redis.call('ZCARD', KEYS[3]) >= max_concurrency then refuse('concurrency', 1000) end
 end
@@ -90,11 +91,15 @@ _SETTLE = """
 if not redis.call('SET', KEYS[4], 1, 'NX', 'PX', ARGV[10]) then return 0 end
 local now, reserved, used, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local rpm, refund_request = tonumber(ARGV[12]), ARGV[13] == '1'
+-- a state key that expired (the job ran longer than its reservation's minute) is "now": what the job used
+-- beyond its reservation is still charged from now on
 local function shift(key, units, limit)
-  local tat = tonumber(redis.call('GET', key))
-  if tat then
-    local after = math.max(tat + units * 60000 / limit, now)
+  local tat = math.max(tonumber(redis.call('GET', key)) or now, now)
+  local after = math.max(tat + units * 60000 / limit, now)
+  if after > now then
     redis.call('SET', key, math.floor(after), 'PX', math.max(1, math.ceil(after - now)))
+  else
+    redis.call('DEL', key)
   end
 end
 local delta = used - reserved
@@ -103,6 +108,7 @@ if refund_request and rpm > 0 then shift(KEYS[5], -1, rpm) end
 if ARGV[11] == '1' and delta ~= 0 and redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('INCRBY', KEYS[2], delta)
 end
+if ARGV[14] ~= '' then redis.call('ZREM', KEYS[6], ARGV[14]) end
 if refund_request then return 1 end
 local model = ARGV[6]
 redis.call('HSET', KEYS[3], 'tenant', ARGV[5])
@@ -181,15 +187,17 @@ class Limits:
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self._admit = redis.register_script(_ADMIT)
 
-    async def check(self, record: KeyRecord, tokens: int, lease: str, consume: bool = True) -> Verdict:
-        """Runs the admission step: with `consume`, admits all or nothing; without, only reads the state."""
+    async def check(self, record: KeyRecord, tokens: int, lease: str, consume: bool = True,
+                    requests: int = 1) -> Verdict:
+        """Runs the admission step: with `consume`, admits all or nothing (`requests` units of the rpm, `tokens`
+        of the tpm and the quota, and the concurrency lease if `lease`); without, only reads the state."""
         now = time.time()
         window = record.quota_window(now) if record.quota_tokens else ""
         reply = await self._admit(
             keys=[keys.rate_requests(record.id), keys.rate_tokens(record.id), keys.leases(record.id),
                   keys.quota(record.id, window)],
             args=[int(now * 1000), record.rpm, record.tpm, tokens, record.max_concurrency, lease,
-                  self.lease_ttl_ms, record.quota_tokens, quota_ttl_s(record, now), int(consume)])
+                  self.lease_ttl_ms, record.quota_tokens, quota_ttl_s(record, now), int(consume), requests])
         refused = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         return Verdict(refused, int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]), int(reply[5]))
 
@@ -249,7 +257,8 @@ class Settlements:
         now = time.time()
         day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
         return ([keys.rate_tokens(charge.key), keys.quota(charge.key, charge.quota_window or "-"),
-                 keys.usage(charge.key, day), keys.settled(charge.key, job.id), keys.rate_requests(charge.key)],
+                 keys.usage(charge.key, day), keys.settled(charge.key, job.id), keys.rate_requests(charge.key),
+                 keys.leases(charge.key)],
                 [int(now * 1000), charge.tokens, prompt_tokens + completion_tokens, charge.tpm, job.tenant,
                  job.model, prompt_tokens, completion_tokens, USAGE_TTL_S, SETTLED_TTL_MS,
-                 int(bool(charge.quota_window)), charge.rpm, int(refund_request)])
+                 int(bool(charge.quota_window)), charge.rpm, int(refund_request), charge.lease])

@@ -248,7 +248,8 @@ REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 du
 TENANT_REQUESTS = TallyCounter("tokenbus_edge_tenant_requests",
                                "Generation and embedding requests by tenant and outcome",
                                ["tenant", "model", "outcome"], registry=EDGE)
-"""outcome: admitted, or the limit that refused it: requests | tokens | concurrency | insufficient_quota"""
+"""outcome: admitted, or the limit that refused it: requests | tokens | concurrency | insufficient_quota (model
+"-" for a request refused before its body was read: its request unit is spent first)"""
 TENANT_TIME_TO_FIRST_TOKEN = TallyHistogram(
     "tokenbus_edge_tenant_time_to_first_token_seconds", "From request arrival to the first token, by tenant",
     ["tenant", "model"], buckets=_LATENCY_BUCKETS, registry=EDGE,

@@ -175,8 +175,9 @@ async def test_tokens_admitted_never_exceed_tpm_and_unused_tokens_come_back(stac
     assert again.status_code == 200, again.text
 
 
-async def test_a_concurrency_refusal_spends_no_requests(stack: Stack) -> None:
-    key = create_key(stack, "--tenant", "concurrent", "--max-concurrency", "2", "--rpm", "5")
+async def test_a_concurrency_refusal_still_spends_its_request(stack: Stack) -> None:
+    """As at OpenAI, a refused request counts against the rpm: resending it at once cannot hammer the edge."""
+    key = create_key(stack, "--tenant", "concurrent", "--max-concurrency", "2", "--rpm", "10")
     url = stack.edges[0].url + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=30) as http:
         long = [asyncio.create_task(http.post(url, json=chat(stack.model, tokens=300), headers=bearer(key)))
@@ -187,8 +188,8 @@ async def test_a_concurrency_refusal_spends_no_requests(stack: Stack) -> None:
         after = await http.post(url, json=chat(stack.model), headers=bearer(key))
     assert [r.status_code for r in refused] == [429, 429, 429]
     assert refused[0].json()["error"]["type"] == "concurrency"
-    assert refused[-1].headers["x-ratelimit-remaining-requests"] == "3"  # the refusals spent none
-    assert after.status_code == 200 and after.headers["x-ratelimit-remaining-requests"] == "2"
+    assert refused[-1].headers["x-ratelimit-remaining-requests"] == "5"  # two served, three refused
+    assert after.status_code == 200 and after.headers["x-ratelimit-remaining-requests"] == "4"
 
 
 async def test_leases_of_a_killed_edge_are_freed_within_the_lease_ttl(stack: Stack) -> None:

@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 from redis.exceptions import RedisError
 
 from services.edge.auth import Caller
+from services.edge.estimate import estimate
 from shared import bus, metrics
 from shared.apikeys import KeyRecord
 from shared.background import looping
@@ -25,35 +25,9 @@ from shared.limits import WINDOW_MS, Admission, Limits, Settlements, Verdict, he
 
 log = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = 4
-"""The edge has no tokenizer: a prompt is estimated at one token per four characters (English text with
-a BPE tokenizer), settled with the real count when the job ends."""
-TOKENS_PER_MESSAGE = 4
-"""What a chat template adds around each message, roughly."""
 ADMISSION_TIMEOUT_S = 2.0
-
-
-def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
-    """(prompt tokens, output budget) of a job, before anything is tokenized."""
-    prompts = job.prompts or [""]
-    text = sum(map(_message_chars, job.messages)) + sum(len(p) for p in job.prompts) + _tools_chars(job.tool_use)
-    prompt = -(-text // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE * len(job.messages)
-    if job.kind == "embedding":
-        return prompt, 0
-    per_choice = job.params.max_tokens
-    if per_choice is None:
-        longest = max(len(p) for p in prompts) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE * len(job.messages)
-        per_choice = max(1, max_model_len - longest) if max_model_len else 0
-    return prompt, per_choice * job.params.n * len(prompts)
-
-
-def _message_chars(message: bus.Message) -> int:
-    return len(message.content) + sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
-
-
-def _tools_chars(use: bus.ToolUse | None) -> int:
-    """The functions the template lists in the prompt, as JSON."""
-    return len(msgspec.json.encode(use.tools)) if use is not None and use.choice != "none" else 0
+NO_MODEL_YET = "-"
+"""The model label of a request refused before its body was read."""
 
 
 @dataclass
@@ -64,11 +38,11 @@ class LocalLimits:
     edges: Callable[[], int]
     tats: dict[tuple[str, str], float] = field(default_factory=dict)
 
-    def admit(self, record: KeyRecord, tokens: int) -> Verdict:
+    def admit(self, record: KeyRecord, tokens: int, requests: int) -> Verdict:
         now = time.time() * 1000
         share = max(1, self.edges())
         found: dict[str, tuple[float, float]] = {}
-        for kind, limit, cost in (("requests", record.rpm, 1), ("tokens", record.tpm, tokens)):
+        for kind, limit, cost in (("requests", record.rpm, requests), ("tokens", record.tpm, tokens)):
             if limit:
                 tat = max(self.tats.get((record.id, kind), now), now)
                 found[kind] = (tat, tat + cost * WINDOW_MS * share / limit)
@@ -94,12 +68,31 @@ class Admitter:
         self.policy = policy
         self.local = LocalLimits(edges)
         self.tenants = metrics.TenantLabels(max_tenant_labels)
-        self.held: dict[tuple[str, str], None] = {}
-        """(key id, lease) of the requests this edge serves now: renewed every round."""
+        self.held: dict[tuple[str, str], float | None] = {}
+        """(key id, lease) of the jobs this edge holds leases for, renewed every round: None while it serves the
+        job, else until when (monotonic) it keeps the lease of a job left running for a resume."""
+
+    async def take_request(self, caller: Caller) -> None:
+        """Spends one request of the caller's rpm (and checks its quota) before the request is even read: a
+        request refused later, as invalid or over another limit, has still cost its sender (as at OpenAI)."""
+        record = caller.key
+        if record is None or not (record.rpm or record.quota_tokens):
+            return
+        try:
+            async with asyncio.timeout(ADMISSION_TIMEOUT_S):
+                verdict = await self.limits.check(record, 0, "", requests=1)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("admission step failed (%s); policy %s", type(exc).__name__, self.policy)
+            self._without_redis(record, 0, requests=1)
+            return
+        if verdict.refused:
+            metrics.TENANT_REQUESTS.labels(self.tenants.label(caller.tenant), NO_MODEL_YET, verdict.refused).inc()
+            raise _refusal(record, verdict, 0, headers(record, verdict))
 
     async def admit(self, caller: Caller, job: bus.Job, max_model_len: int) -> Admission:
-        """Marks the job with its caller and cost and admits it against the caller's limits, or raises
-        RateLimited / QuotaExceeded (with their headers on the caller's answer) without spending anything."""
+        """Marks the job with its caller and cost and admits it against the caller's limits (its request was
+        taken already), or raises RateLimited / QuotaExceeded (with their headers on the caller's answer)
+        without spending anything more."""
         prompt, output = estimate(job, max_model_len)
         job.tenant, job.prompt_estimate, job.output_budget = caller.tenant, prompt, output
         record = caller.key
@@ -111,28 +104,28 @@ class Admitter:
         lease = uuid.uuid4().hex if record.max_concurrency else ""
         try:
             async with asyncio.timeout(ADMISSION_TIMEOUT_S):
-                verdict = await self.limits.check(record, tokens, lease)
+                verdict = await self.limits.check(record, tokens, lease, requests=0)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("admission step failed (%s); policy %s", type(exc).__name__, self.policy)
-            return self._without_redis(record, job, tokens)
+            self._without_redis(record, tokens, requests=0)
+            job.charge = None  # nothing was reserved in Redis, so nothing is settled there
+            return Admission()
         found = headers(record, verdict)
         if verdict.refused:
             raise _refusal(record, verdict, tokens, found)
         job.charge = bus.Charge(key=record.id, tokens=tokens, tpm=record.tpm, rpm=record.rpm,
-                                quota_window=record.quota_window() if record.quota_tokens else "")
+                                quota_window=record.quota_window() if record.quota_tokens else "", lease=lease)
         if lease:
             self.held[(record.id, lease)] = None
         return Admission(found, lease)
 
-    def _without_redis(self, record: KeyRecord, job: bus.Job, tokens: int) -> Admission:
+    def _without_redis(self, record: KeyRecord, tokens: int, requests: int) -> None:
         if self.policy == "closed":
             raise Unavailable("Limits cannot be checked right now; try again shortly.")
         if self.policy == "local":
-            verdict = self.local.admit(record, tokens)
+            verdict = self.local.admit(record, tokens, requests)
             if verdict.refused:
                 raise _refusal(record, verdict, tokens, headers(record, verdict))
-        job.charge = None  # nothing was reserved in Redis, so nothing is settled there
-        return Admission()
 
     async def peek(self, caller: Caller) -> dict[str, str]:
         """The headers of a key's current state, spending nothing (routes that run no model)."""
@@ -144,12 +137,22 @@ class Admitter:
         except (RedisError, OSError, TimeoutError):
             return {}
 
-    async def release(self, caller: Caller, admission: Admission) -> None:
-        if caller.key is None or not admission.lease:
+    def hold(self, key_id: str, lease: str) -> None:
+        """Renews a lease this edge did not take: the one of a job it resumes."""
+        if lease:
+            self.held[(key_id, lease)] = None
+
+    async def release(self, key_id: str, lease: str, *, keep_for_s: float = 0.0) -> None:
+        """Gives a job's lease back; `keep_for_s`: the job runs on (kept for a resume), so its lease is renewed for
+        that long still, unless the worker that ends the job gives it back first."""
+        if not lease:
             return
-        self.held.pop((caller.key.id, admission.lease), None)
+        if keep_for_s > 0:
+            self.held[(key_id, lease)] = time.monotonic() + keep_for_s
+            return
+        self.held.pop((key_id, lease), None)
         with contextlib.suppress(RedisError, OSError):  # unreleased, it expires within the lease TTL
-            await self.limits.release(caller.key.id, admission.lease)
+            await self.limits.release(key_id, lease)
 
     async def refund(self, job: bus.Job) -> None:
         """Gives a job's charge back: it was admitted but could not be queued."""
@@ -159,6 +162,9 @@ class Admitter:
     async def renew(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            for held in [held for held, until in self.held.items() if until is not None and until < now]:
+                del self.held[held]  # the job's window is over: its worker gave the lease back or soon will
             try:
                 await self.limits.renew(list(self.held))
             except (RedisError, OSError) as exc:

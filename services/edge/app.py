@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from services.edge import routes
+from services.edge import keyless, routes
 from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
 from services.edge.directory import ModelDirectory
@@ -78,7 +78,10 @@ async def _admit(request: web.Request, route: Route) -> None:
     """Who is calling (when the edge needs keys), and the key's limits for routes that run no model."""
     if route.needs_redis:
         request.app[GATEWAY].check_redis()
-    if not route.needs_key or request.app[SETTINGS].auth != "keys":
+    settings = request.app[SETTINGS]
+    if settings.auth != "keys":
+        keyless.check(request, settings.host)
+    if not route.needs_key or settings.auth != "keys":
         request[CALLER] = ANONYMOUS  # set, not left to a default: a missing key costs aiohttp an exception
         return
     caller = await request.app[KEYS].authenticate(request)
@@ -155,7 +158,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings.response_ttl_s)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
-                         settings.key_cache_s)
+                         settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
                              settings.admission_when_redis_down, lambda: relay.live_edges,
                              settings.metrics_max_tenants)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -67,12 +68,17 @@ class KeyCache:
 
     While the change channel is down the cache is bypassed: a revoke must never wait for a TTL."""
 
-    def __init__(self, redis: aioredis.Redis, channels: aioredis.Redis, ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, channels: aioredis.Redis, ttl_s: float,
+                 on_revoked: Callable[[str], None] | None = None) -> None:
         self.redis = redis
         self.channels = channels
         self.ttl_s = ttl_s
+        self.on_revoked = on_revoked
+        """Called with the id of a key that was revoked (or has expired): its streams end at once."""
         self.entries: dict[str, tuple[KeyRecord, float]] = {}
         self.listening = False
+        self.changes = 0
+        """Key changes seen so far: a record read while one came in may be the old one, and is not kept."""
 
     async def authenticate(self, request: web.Request) -> Caller:
         key = presented_key(request)
@@ -87,14 +93,25 @@ class KeyCache:
         cached = self.entries.get(key)
         if cached is not None and self.listening and time.monotonic() - cached[1] < self.ttl_s:
             return cached[0]
+        changes = self.changes
         record = await apikeys.lookup(self.redis, key)
         if record is None:
             self.entries.pop(key, None)
-        elif self.listening:
+        elif self.listening and changes == self.changes:
             self.entries[key] = (record, time.monotonic())
         return record
 
+    async def changed(self, key_id: str) -> None:
+        """A key changed: its cached records go, and if it no longer admits anyone its streams end."""
+        self.forget(key_id)
+        if self.on_revoked is None:
+            return
+        record = await apikeys.get(self.redis, key_id)
+        if record is None or record.expired():
+            self.on_revoked(key_id)
+
     def forget(self, key_id: str) -> None:
+        self.changes += 1
         for key in [k for k, (record, _at) in self.entries.items() if record.id == key_id]:
             del self.entries[key]
 
@@ -108,7 +125,7 @@ class KeyCache:
                 self.entries.clear()
                 self.listening = True
                 async for message in pubsub.listen():
-                    self.forget(message["data"].decode())
+                    await self.changed(message["data"].decode())
             except (RedisError, OSError) as exc:
                 log.warning("key change channel lost (%s); resubscribing", type(exc).__name__)
             finally:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -17,7 +17,7 @@ from services.edge.jobevents import JobEvents
 from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
 from shared import bus, fairshare, keys
-from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unavailable
+from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class Gateway:
         """Job id -> (model, backlog member) of the jobs this edge queued for the fair scheduler and still serves:
         a job whose client leaves comes off its backlog at once."""
         self.resume_window_s = resume_window_s
+        self.streams_of_key: dict[str, set[JobEvents]] = {}
+        """The jobs this edge serves, by the id of the API key they were admitted for: a revoke ends them."""
 
     def check_redis(self) -> None:
         """Refuses at once while Redis is known to be unreachable, instead of waiting on a connect."""
@@ -45,9 +47,10 @@ class Gateway:
     async def submit(self, job: bus.Job, deadline: float, record: Record | None = None,
                      on_refused: Callable[[bus.Job], Awaitable[None]] | None = None) -> AsyncIterator[JobEvents]:
         """Enqueues the job (with its resume record, if any) or raises its refusal; the block reads its events.
-        Leaving early cancels the job, or keeps it for a resume when its client went away after it started. A
-        job that cannot be queued (Redis failed, or admission refused it) is handed to `on_refused` (its rate
-        limits' admission is given back) before the error leaves."""
+        Leaving early cancels the job, unless it has a resume record and its client went away after it started
+        (kept for a resume), or the edge itself is going away. A job that cannot be queued (Redis failed, or
+        admission refused it) is handed to `on_refused` (its rate limits' admission is given back) before the
+        error leaves."""
         events = self.relay.register(job.id, deadline)
         try:
             try:
@@ -61,11 +64,29 @@ class Gateway:
                 raise Unavailable("The request queue is unavailable; try again shortly.") from exc
             if admitted.member:
                 self.waiting[job.id] = (job.model, admitted.member)
-            async with self._leaving(events):
-                yield events
+            with self._of_key(job, events):
+                async with self._leaving(events, resumable=record is not None):
+                    yield events
         finally:
             self.relay.unregister(job.id)
             self.waiting.pop(job.id, None)
+
+    @contextlib.contextmanager
+    def _of_key(self, job: bus.Job, events: JobEvents) -> Iterator[None]:
+        key_id = job.charge.key if job.charge is not None else "-"
+        streams = self.streams_of_key.setdefault(key_id, set())
+        streams.add(events)
+        try:
+            yield
+        finally:
+            streams.discard(events)
+            if not streams:
+                del self.streams_of_key[key_id]
+
+    def revoked(self, key_id: str) -> None:
+        """Ends the streams of a key that was revoked: each client gets the error, each job is cancelled."""
+        for events in list(self.streams_of_key.get(key_id, ())):
+            events.fail(Unauthenticated("The API key of this request was revoked or has expired."))
 
     @contextlib.asynccontextmanager
     async def follow(self, job_id: str, deadline: float) -> AsyncIterator[JobEvents]:
@@ -90,24 +111,31 @@ class Gateway:
             self.relay.unregister(job_id)
 
     @contextlib.asynccontextmanager
-    async def _leaving(self, events: JobEvents) -> AsyncIterator[None]:
+    async def _leaving(self, events: JobEvents, resumable: bool = True) -> AsyncIterator[None]:
+        """Stop means stop: a client that closes its connection cancels its job, unless it asked for a stream it
+        can resume (`resumable`); an edge that is going away (its handlers cancelled) keeps every job."""
         try:
             yield
-        except (ClientGone, asyncio.CancelledError):
+        except ClientGone:
             if not events.finished or events.failing:
-                await self._let_go(events, client_left=True)
+                await self._let_go(events, keep=resumable)
+            raise
+        except asyncio.CancelledError:
+            if not events.finished or events.failing:
+                await self._let_go(events, keep=True)
             raise
         except BaseException:
             if not events.finished or events.failing:
-                await self._let_go(events, client_left=False)
+                await self._let_go(events, keep=False)
             raise
         else:
             if not events.finished or events.failing:  # an error found at the edge: the job must stop too
-                await self._let_go(events, client_left=False)
+                await self._let_go(events, keep=False)
 
-    async def _let_go(self, events: JobEvents, client_left: bool) -> None:
-        """A job whose client left after it started runs on for the resume window; any other is cancelled."""
-        if client_left and events.owner and self.resume_window_s > 0 and not events.overflowed:
+    async def _let_go(self, events: JobEvents, keep: bool) -> None:
+        """A job to `keep` that started runs on for the resume window; any other is cancelled."""
+        if keep and events.owner and self.resume_window_s > 0 and not events.overflowed:
+            events.kept = True
             keep_until = bus.now_ms() + int(self.resume_window_s * 1000)
             with contextlib.suppress(RedisError):
                 await self.redis.publish(keys.ROUTE_CHANNEL,

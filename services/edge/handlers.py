@@ -13,12 +13,14 @@ from services.edge import pump, sse
 from services.edge.auth import caller_of
 from services.edge.formats import responses, tgi
 from services.edge.formats.base import decode, encode
+from services.edge.jobevents import JobEvents
 from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
 from shared import bus, keys, metrics
 from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
+from shared.settings import Settings
 
 OVMS_PREFIX = "/v3"
 """OpenVINO Model Server's paths for the OpenAI API: every /v1 route is served under /v3 too, and its
@@ -40,11 +42,13 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     metrics.TENANT_REQUESTS.labels(*tenant, "admitted").inc()
     request[RATE_HEADERS] = admission.headers
     record = None
-    if plan.stream:  # kept so that any edge can resume the stream
+    if plan.stream and sse.wants_ids(request):  # kept so that any edge can resume the stream
         ttl_ms = int((settings.request_timeout_s + settings.replay_ttl_s) * 1000)
-        record = (keys.job_record(arrival.job_id), _records.encode(plan.record(body, caller.tenant)), ttl_ms)
+        stream = plan.record(body, caller.tenant, caller.key_id, admission.lease)
+        record = (keys.job_record(arrival.job_id), _records.encode(stream), ttl_ms)
     in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
     in_flight.inc()
+    events: JobEvents | None = None
     try:
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
@@ -53,16 +57,26 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     finally:
         in_flight.dec()
         metrics.REQUEST_DURATION.labels(plan.job.model).observe(time.monotonic() - arrival.started)
-        await admitter.release(caller, admission)
+        await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
+
+
+def _kept_for(settings: Settings, events: JobEvents | None) -> float:
+    """How long a job's lease stays held after its request ended: its resume window (and a renewal round) when
+    the job runs on for a resume, else not at all."""
+    return settings.resume_window_s + settings.lease_ttl_s / 3 if events is not None and events.kept else 0.0
 
 
 async def _planned(request: web.Request, planner: str, body: bytes | None = None) -> web.StreamResponse:
-    """Serves a generation request, or resumes its stream when it carries a Last-Event-ID."""
+    """Serves a generation request, or resumes its stream when it carries a Last-Event-ID. Either way its
+    request unit is spent first (see Admitter.take_request)."""
+    if body is None:  # a body given was read by a route that spent the request already
+        await request.app[ADMITTER].take_request(caller_of(request))
     if (last := request.headers.get("Last-Event-ID")) is not None:
         job_id, after = parse_event_id(last)
         return await resume(request, job_id, after)
     body = await read_body(request) if body is None else body
     return await _generate(request, await PLANNERS[planner](request, body, None), body)
+
 
 
 # Resumed streams
@@ -75,7 +89,8 @@ _record_decoder = msgspec.msgpack.Decoder(StreamRecord)
 def parse_event_id(value: str) -> tuple[str, int]:
     """A Last-Event-ID as tokenbus writes them: `{stream id}:{frame number}`."""
     job_id, _, number = value.strip().rpartition(":")
-    if not job_id or not number.isdigit():
+    # isascii: str.isdigit() also takes digits such as '²' that int() refuses; the length keeps int() cheap
+    if not job_id or not (number.isascii() and number.isdigit() and len(number) <= 18):
         raise InvalidRequest("Last-Event-ID must be an id this service sent: `{stream id}:{number}`.",
                              param="Last-Event-ID", code="invalid_event_id")
     return job_id, int(number)
@@ -83,6 +98,7 @@ def parse_event_id(value: str) -> tuple[str, int]:
 
 async def resume_stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/streams/{id}: the stream from the frame after Last-Event-ID (all of it without one)."""
+    await request.app[ADMITTER].take_request(caller_of(request))
     job_id = request.match_info["stream_id"]
     last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = -1
@@ -96,8 +112,9 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
 
 async def resume(request: web.Request, job_id: str, after: int) -> web.StreamResponse:
     """Renders a stream again from its job's log on this edge, sends what follows frame `after`, then the
-    rest live: the job's owner sends its events here from now on."""
-    settings, gateway = request.app[SETTINGS], request.app[GATEWAY]
+    rest live: the job's owner sends its events here from now on. The job's concurrency lease is this edge's to
+    renew while it serves the stream."""
+    settings, gateway, admitter = request.app[SETTINGS], request.app[GATEWAY], request.app[ADMITTER]
     gateway.check_redis()
     pipe = request.app[REDIS].pipeline(transaction=False)
     pipe.get(keys.job_record(job_id))
@@ -117,6 +134,8 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
     metrics.RESUMES.labels(plan.route).inc()
     in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
     in_flight.inc()
+    admitter.hold(record.key, record.lease)
+    events: JobEvents | None = None
     try:
         async with gateway.follow(job_id, deadline) as events:
             if cancelled:  # a job cancelled before it ran never ends by itself
@@ -128,6 +147,7 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
                                       after=after)
     finally:
         in_flight.dec()
+        await admitter.release(record.key, record.lease, keep_for_s=_kept_for(settings, events))
 
 
 # OpenAI
@@ -188,6 +208,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def invocations(request: web.Request) -> web.StreamResponse:
     """Databricks' serving endpoint: the path names the model, the body's fields decide the task."""
     name = request.match_info["name"]
+    await request.app[ADMITTER].take_request(caller_of(request))
     body = await read_body(request)
     fields = decode(body, dict[str, msgspec.Raw])
     caller_of(request).check_model(name)

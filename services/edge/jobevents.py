@@ -64,6 +64,8 @@ class JobEvents:
         """Drops the client (set by the request once its stream is open)."""
         self.owner_lost_since: float | None = None
         """When the relay's ticker first saw the job's owner without a heartbeat."""
+        self.kept = False
+        """Its request left while the job ran on, kept for a resume (see Gateway._let_go)."""
 
     @property
     def owner(self) -> str:

@@ -50,6 +50,10 @@ class StreamRecord(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
     tenant: str = ""
     """Whose stream it is: only that tenant may resume it."""
+    key: str = ""
+    """The id of the API key it was admitted for ("" without keys): whose concurrency lease the job holds."""
+    lease: str = ""
+    """That lease ("" for none): an edge that resumes the stream renews it while it serves the stream."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,10 @@ class Plan:
     route: str
     """The metrics label of the route."""
 
-    def record(self, body: bytes, tenant: str) -> StreamRecord:
+    def record(self, body: bytes, tenant: str, key: str = "", lease: str = "") -> StreamRecord:
         return StreamRecord(plan=self.name, body=body, created=self.arrival.created,
-                            deadline_ms=self.arrival.deadline_ms, seed=self.arrival.seed, tenant=tenant)
+                            deadline_ms=self.arrival.deadline_ms, seed=self.arrival.seed, tenant=tenant, key=key,
+                            lease=lease)
 
 
 Planner = Callable[[web.Request, bytes, Arrival | None], Awaitable[Plan]]
