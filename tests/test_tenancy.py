@@ -349,11 +349,14 @@ async def test_without_redis_for_limits_the_policy_decides(tmp_path: Path) -> No
         admitter = Admitter(Limits(dead, 5), Settlements(dead), policy, edges=lambda: 2)
         if policy == "closed":
             with pytest.raises(Unavailable):
+                await admitter.take_request(caller)
+            with pytest.raises(Unavailable):
                 await admitter.admit(caller, job, 100)
             continue
         outcomes = []
         for _ in range(4):
             try:
+                await admitter.take_request(caller)  # as the edge does: the request first, then the job
                 await admitter.admit(caller, job, 100)
                 outcomes.append("admitted")
             except RateLimited:

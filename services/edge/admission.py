@@ -72,22 +72,25 @@ class Admitter:
         """(key id, lease) of the jobs this edge holds leases for, renewed every round: None while it serves the
         job, else until when (monotonic) it keeps the lease of a job left running for a resume."""
 
-    async def take_request(self, caller: Caller) -> None:
+    async def take_request(self, caller: Caller) -> dict[str, str]:
         """Spends one request of the caller's rpm (and checks its quota) before the request is even read: a
-        request refused later, as invalid or over another limit, has still cost its sender (as at OpenAI)."""
+        request refused later, as invalid or over another limit, has still cost its sender (as at OpenAI).
+        Returns the key's x-ratelimit-* headers."""
         record = caller.key
         if record is None or not (record.rpm or record.quota_tokens):
-            return
+            return {}
         try:
             async with asyncio.timeout(ADMISSION_TIMEOUT_S):
                 verdict = await self.limits.check(record, 0, "", requests=1)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("admission step failed (%s); policy %s", type(exc).__name__, self.policy)
             self._without_redis(record, 0, requests=1)
-            return
+            return {}
+        found = headers(record, verdict)
         if verdict.refused:
             metrics.TENANT_REQUESTS.labels(self.tenants.label(caller.tenant), NO_MODEL_YET, verdict.refused).inc()
-            raise _refusal(record, verdict, 0, headers(record, verdict))
+            raise _refusal(record, verdict, 0, found)
+        return found
 
     async def admit(self, caller: Caller, job: bus.Job, max_model_len: int) -> Admission:
         """Marks the job with its caller and cost and admits it against the caller's limits (its request was

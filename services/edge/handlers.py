@@ -70,7 +70,7 @@ async def _planned(request: web.Request, planner: str, body: bytes | None = None
     """Serves a generation request, or resumes its stream when it carries a Last-Event-ID. Either way its
     request unit is spent first (see Admitter.take_request)."""
     if body is None:  # a body given was read by a route that spent the request already
-        await request.app[ADMITTER].take_request(caller_of(request))
+        request[RATE_HEADERS] = await request.app[ADMITTER].take_request(caller_of(request))
     if (last := request.headers.get("Last-Event-ID")) is not None:
         job_id, after = parse_event_id(last)
         return await resume(request, job_id, after)
@@ -98,7 +98,7 @@ def parse_event_id(value: str) -> tuple[str, int]:
 
 async def resume_stream(request: web.Request) -> web.StreamResponse:
     """GET /v1/streams/{id}: the stream from the frame after Last-Event-ID (all of it without one)."""
-    await request.app[ADMITTER].take_request(caller_of(request))
+    request[RATE_HEADERS] = await request.app[ADMITTER].take_request(caller_of(request))
     job_id = request.match_info["stream_id"]
     last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after = -1
@@ -208,7 +208,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def invocations(request: web.Request) -> web.StreamResponse:
     """Databricks' serving endpoint: the path names the model, the body's fields decide the task."""
     name = request.match_info["name"]
-    await request.app[ADMITTER].take_request(caller_of(request))
+    request[RATE_HEADERS] = await request.app[ADMITTER].take_request(caller_of(request))
     body = await read_body(request)
     fields = decode(body, dict[str, msgspec.Raw])
     caller_of(request).check_model(name)

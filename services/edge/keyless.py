@@ -4,7 +4,8 @@ A browser lets any page send a "simple" cross-site POST (a form's content types,
 after DNS rebinding, read answers from a name that resolves to 127.0.0.1. An API key stops both, since a page
 cannot send one it does not know; without keys the edge instead takes only JSON bodies (a JSON POST from
 another site needs a CORS preflight, which the edge never grants) and only Hosts that are IP addresses,
-`localhost` or the address it listens on (a rebound name is none of those).
+`localhost`, a name without a dot (a compose service, a hosts-file name: no public DNS answers for one) or the
+address it listens on. A rebound name is none of those: it is a public name the attacker controls.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def check(request: web.Request, listen_host: str) -> None:
 def _allowed_host(host: str, listen_host: str) -> bool:
     name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
     name = name.strip("[]").lower()
-    if name in LOCAL_NAMES or name == listen_host.lower():
+    if name in LOCAL_NAMES or name.endswith(".localhost") or name == listen_host.lower() or "." not in name:
         return True
     try:
         ipaddress.ip_address(name)

@@ -1,0 +1,259 @@
+"""One tenant cannot hurt another, tried as a hostile tenant with a valid key would: real processes (a Redis, two
+`tokenbus edge --auth keys`, a simulated worker), every attack from tenant A while tenant B streams."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from shared import apikeys, bus, keys
+from shared.limits import Limits, Settlements
+from tests.conftest import metric_value
+from tests.stack import Stack
+from tests.test_faults import chat_body, sse_frames
+from tests.test_tenancy import bearer, create_key, tokenbus
+
+RESUME_WINDOW_S = 3
+MAX_RSS_GROWTH_MB = 300
+B_STREAMS = 8
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    running = Stack(tmp_path_factory.mktemp("abuse"))
+    try:
+        running.worker(sim_ttft_ms=20, sim_itl_ms=10, max_num_seqs=64, max_model_len=4096)
+        for _ in range(2):
+            running.edge(auth="keys", lease_ttl_s=3, resume_window_s=RESUME_WINDOW_S)
+        yield running
+    finally:
+        running.close()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+async def running_jobs(stack: Stack) -> float:
+    async with httpx.AsyncClient() as http:
+        return metric_value((await http.get(stack.workers[0].metrics_url)).text, "tokenbus_worker_running_jobs")
+
+
+async def until(condition: str, check: Any, timeout_s: float) -> float:
+    """Polls the async `check` until it is true; returns how long it took."""
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {condition}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+async def b_first_tokens(stack: Stack, key: dict[str, Any]) -> list[float]:
+    """Tenant B's times to first token, B_STREAMS streams at once over both edges; each must complete."""
+    async def one(http: httpx.AsyncClient, i: int) -> float:
+        started = time.monotonic()
+        first, done = 0.0, False
+        url = stack.edges[i % 2].url + "/v1/chat/completions"
+        async with http.stream("POST", url, json=chat_body(stack.model, 20), headers=bearer(key)) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"content"' in line and not first:
+                    first = time.monotonic() - started
+                done = done or line == "data: [DONE]"
+        assert done and first
+        return first
+
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=B_STREAMS)) as http:
+        await asyncio.gather(*(one(http, i) for i in range(B_STREAMS)))  # connections open and warm
+        return list(await asyncio.gather(*(one(http, i) for i in range(B_STREAMS))))
+
+
+def flood(urls: list[str], key: str, bodies: list[tuple[str, str, bytes, dict[str, Any]]], rounds: int,
+          found: Any) -> None:
+    """Tenant A's attacks, from a process of its own (as a real attacker is): every body to both edges."""
+    async def attack(http: httpx.AsyncClient, url: str, name: str, path: str, content: bytes,
+                     headers: dict[str, Any]) -> None:
+        answer = await http.post(url + path, content=content, headers={
+            "Authorization": f"Bearer {key}", "content-type": "application/json", **headers})
+        error = answer.json().get("error") if answer.status_code != 200 else {"message": "ok", "type": "ok"}
+        found.put((name, answer.status_code, bool(error and error.get("message") and error.get("type"))))
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            for round_ in range(rounds):
+                await asyncio.gather(*(attack(http, urls[(round_ + i) % 2], *each) for i, each in enumerate(bodies)))
+
+    asyncio.run(run())
+
+
+def _schema(size: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 10} for i in range(size)}}
+
+
+def attacks(model: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """(name, path, body, extra headers) of each request of issue 33 that used to cost an edge or a worker."""
+    user = [{"role": "user", "content": "hi"}]
+    return [
+        ("suffix x prompts x n", "/v1/completions",
+         {"model": model, "prompt": ["p"] * 256, "n": 16, "suffix": "s" * 100_000, "max_tokens": 1}, {}),
+        ("echo x n", "/v1/completions",
+         {"model": model, "prompt": ["p" * 400_000] * 16, "n": 16, "echo": True, "max_tokens": 1}, {}),
+        ("instruction x inputs", "/v1/embeddings",
+         {"model": model, "input": ["x"] * 2048, "instruction": "i" * 100_000}, {}),
+        ("1.1 MB schema", "/v1/chat/completions",
+         {"model": model, "messages": user, "response_format": {
+             "type": "json_schema", "json_schema": {"name": "s", "schema": _schema(20_000)}}}, {}),
+        ("anyOf schema", "/v1/chat/completions",
+         {"model": model, "messages": user, "structured_outputs": {
+             "json": {"anyOf": [{"type": "integer", "minimum": i} for i in range(2000)]}}}, {}),
+        ("32 tools of 60 kB", "/v1/chat/completions",
+         {"model": model, "messages": user, "tools": [
+             {"type": "function", "function": {"name": f"f{i}", "parameters": _schema(1000)}} for i in range(32)]},
+         {}),
+        ("logit_bias x 5000", "/v1/chat/completions",
+         {"model": model, "messages": user, "logit_bias": {str(i): 1 for i in range(5000)}}, {}),
+        ("100k messages", "/v1/chat/completions", {"model": model, "messages": user * 100_000}, {}),
+        ("max_tokens 2**63", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2**63 - 1}, {}),
+        ("Last-Event-ID x:²", "/v1/chat/completions", {"model": model, "messages": user},
+         {"Last-Event-ID": "x:²".encode()}),
+    ]
+
+
+async def test_every_attack_gets_a_clean_answer_while_b_streams_unharmed(stack: Stack) -> None:
+    a = create_key(stack, "--tenant", "a", "--rpm", "6000")
+    b = create_key(stack, "--tenant", "b")
+    alone = await b_first_tokens(stack, b)
+    before = [peak_rss_mb(edge.process.pid) for edge in stack.edges]
+    bodies = [(name, path, orjson.dumps(body), headers) for name, path, body, headers in attacks(stack.model)]
+    spawn = multiprocessing.get_context("spawn")
+    found = spawn.Queue()
+    attacker = spawn.Process(target=flood, args=([e.url for e in stack.edges], a["key"], bodies, 3, found))
+    attacker.start()
+    try:
+        await asyncio.sleep(0.2)  # the attacker's interpreter is up and sending
+        under = await b_first_tokens(stack, b)
+        await asyncio.to_thread(attacker.join, 120)
+    finally:
+        attacker.kill()
+    answers = [found.get(timeout=1) for _ in range(3 * len(bodies))]
+    after = [peak_rss_mb(edge.process.pid) for edge in stack.edges]
+    assert all(400 <= status < 500 and shaped for _name, status, shaped in answers), answers
+    assert max(b - a for a, b in zip(before, after, strict=True)) < MAX_RSS_GROWTH_MB, (before, after)
+    # within 1.5x of alone; 25 ms of slack for a 2-core machine whose baseline is tens of milliseconds
+    assert statistics.median(under) <= 1.5 * statistics.median(alone) + 0.025, (alone, under)
+    await stack.settled()
+
+
+async def test_closing_a_plain_stream_frees_its_slot_within_a_second(stack: Stack) -> None:
+    """Stop means stop for an SDK client; a client that asked for event ids may still leave and resume."""
+    key = create_key(stack, "--tenant", "stopper")
+    client = openai.AsyncOpenAI(base_url=stack.edges[0].url + "/v1", api_key=key["key"], max_retries=0)
+    stream = await client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "x"}],
+                                                  max_tokens=2000, stream=True)
+    async for _chunk in stream:
+        break
+    assert await running_jobs(stack) == 1
+    await stream.close()
+    assert await until("the job aborted", lambda: _none_running(stack), 1.0) < 1.0
+    await client.close()
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", stack.edges[0].url + "/v1/chat/completions",
+                                json=chat_body(stack.model, 300), headers=bearer(key), limit=3)
+        await asyncio.sleep(1.0)
+        assert await running_jobs(stack) == 1  # kept for its resume window
+        tail = await sse_frames(http, "POST", stack.edges[1].url + "/v1/chat/completions",
+                                json=chat_body(stack.model, 300), headers={**bearer(key), "Last-Event-ID": head[-1][0]})
+    assert tail[-1][1] == "[DONE]" and int(tail[0][0].rsplit(":", 1)[1]) == int(head[-1][0].rsplit(":", 1)[1]) + 1
+    await stack.settled()
+
+
+async def _none_running(stack: Stack) -> bool:
+    return await running_jobs(stack) == 0
+
+
+async def test_a_resumable_job_holds_its_lease_and_a_resume_spends_a_request(stack: Stack) -> None:
+    key = create_key(stack, "--tenant", "resumer", "--max-concurrency", "1", "--rpm", "100")
+    url = stack.edges[0].url + "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", url, json=chat_body(stack.model, 200), headers=bearer(key), limit=2)
+        second = await http.post(url, json={**chat_body(stack.model, 5), "stream": False}, headers=bearer(key))
+        assert second.status_code == 429 and second.json()["error"]["type"] == "concurrency"
+        stream_id = head[-1][0].rsplit(":", 1)[0]
+        async with http.stream("GET", f"{stack.edges[1].url}/v1/streams/{stream_id}",
+                               headers={**bearer(key), "Last-Event-ID": head[-1][0]}) as resumed:
+            assert resumed.status_code == 200
+            remaining = int(resumed.headers.get("x-ratelimit-remaining-requests", "-1"))
+            await resumed.aread()
+        assert await until("the lease given back", lambda: _admitted(http, url, key), 5.0) < 5.0
+    assert remaining in (97, 96)  # the first request, the refused one and the resume each spent one
+
+
+async def _admitted(http: httpx.AsyncClient, url: str, key: dict[str, Any]) -> bool:
+    answer = await http.post(url, json={**chat_body("fault-model", 2), "stream": False}, headers=bearer(key))
+    return answer.status_code == 200
+
+
+async def test_a_revoked_keys_streams_end_at_once(stack: Stack) -> None:
+    key = create_key(stack, "--tenant", "revoked")
+    url = stack.edges[0].url + "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as http:
+        streaming = asyncio.create_task(sse_frames(http, "POST", url, json=chat_body(stack.model, 2000),
+                                                   headers=bearer(key)))
+        await until("the job running", lambda: _some_running(stack), 5.0)
+        revoked_at = time.monotonic()
+        assert tokenbus(stack, "keys", "revoke", key["id"]).returncode == 0
+        frames = await asyncio.wait_for(streaming, 5)
+    assert time.monotonic() - revoked_at < 2.0
+    assert any("revoked" in data for _id, data in frames[-2:])
+    await stack.settled()
+
+
+async def _some_running(stack: Stack) -> bool:
+    return await running_jobs(stack) > 0
+
+
+async def test_a_keyless_edge_refuses_what_a_web_page_could_send(stack: Stack) -> None:
+    edge = stack.edge(auth="none")
+    body = orjson.dumps({"model": stack.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    async with httpx.AsyncClient(timeout=30) as http:
+        form = await http.post(edge.url + "/v1/chat/completions", content=body,
+                               headers={"content-type": "text/plain"})
+        rebound = await http.post(edge.url + "/v1/chat/completions", content=body,
+                                  headers={"content-type": "application/json", "host": "evil.example:80"})
+        local = await http.post(edge.url + "/v1/chat/completions", content=body,
+                                headers={"content-type": "application/json", "host": "localhost"})
+    assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
+    assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+    assert local.status_code == 200
+
+
+async def test_usage_beyond_a_reservation_is_charged_after_the_limiters_state_expired(stack: Stack) -> None:
+    redis = aioredis.Redis.from_url(stack.url)
+    try:
+        record = apikeys.KeyRecord(id="settle-test", hash="h", tenant="t", created_at=0, tpm=600)
+        limits = Limits(redis, lease_ttl_s=3)
+        job_charge = await limits.check(record, 10, "")
+        assert not job_charge.refused
+        await redis.delete(keys.rate_tokens(record.id))  # the job ran past its reservation's minute
+        job = bus.Job(id="j", model="m", reply_to="r", deadline_ms=0, tenant="t",
+                      charge=bus.Charge(key=record.id, tokens=10, tpm=600))
+        assert await Settlements(redis).settle(job, 100, 200)
+        state = await limits.check(record, 0, "", consume=False)
+        assert state.tokens_remaining <= 600 - 290  # the 290 tokens beyond the reservation count from now
+    finally:
+        await redis.aclose()
