@@ -9,10 +9,13 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from services.edge.store import SNAPSHOT_EVERY
+from services.supervisor import REDIS_MAXMEMORY_BYTES
+from tests.conftest import metric_value
 from tests.stack import Stack
 from tests.test_tenancy import create_key
 
@@ -146,3 +149,9 @@ async def test_the_history_stored_is_the_one_truncation_ran(stack: Stack) -> Non
         follow = await ask(chat, "next", previous_response_id=cut.id)
         assert follow.usage.input_tokens == 30_000 + 1 + 4 + 1  # and left out of what was stored
 
+
+async def test_the_edge_reports_redis_memory_against_its_maxmemory(stack: Stack) -> None:
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(stack.edges[0].url + "/metrics")).text
+    assert metric_value(text, "tokenbus_edge_redis_maxmemory_bytes") == REDIS_MAXMEMORY_BYTES
+    assert 0 < metric_value(text, "tokenbus_edge_redis_used_memory_bytes") < REDIS_MAXMEMORY_BYTES
