@@ -51,7 +51,7 @@ def _limit_arguments(parser: argparse.ArgumentParser, creating: bool) -> None:
                        ("--quota-tokens", "tokens per quota period")):
         parser.add_argument(name, type=int, help=f"{text}; 0: no limit")
     for name, text in (("--storage-bytes", "bytes its tenant may hold stored (responses, resumable streams)"),
-                       ("--storage-items", "items its tenant may hold stored")):
+                       ("--storage-items", "stored responses its tenant may hold")):
         parser.add_argument(name, type=int, help=f"{text}; 0: no limit (default: the deployment's {name})")
     parser.add_argument("--quota-period", choices=apikeys.QUOTA_PERIODS)
     parser.add_argument("--weight", type=float, help="share of a model's workers against other keys (default 1)")

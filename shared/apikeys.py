@@ -52,7 +52,7 @@ class KeyRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Bytes its tenant may hold stored (responses, resumable streams); None: the deployment's --storage-bytes,
     so that a key made without limits is still bounded; 0: no limit, only when asked for."""
     storage_items: int | None = None
-    """Items its tenant may hold stored; None: the deployment's --storage-items; 0: no limit."""
+    """Stored responses its tenant may hold; None: the deployment's --storage-items; 0: no limit."""
 
     def expired(self, now: float | None = None) -> bool:
         return bool(self.expires_at) and (time.time() if now is None else now) >= self.expires_at

@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 SNAPSHOT_EVERY = 16
 """A chain holds a whole copy of its history at least every this many responses: what bounds the reads of one
 resolution (each a round trip) at the price of one copy per this many turns."""
-LOG_EVENT_BYTES = 100
-"""What one event of a stream's log takes in Redis, about (a token event is ~90 bytes encoded): a resumable
-stream is charged its request and this much per token it may generate, as its log may grow to that."""
 TRIM_BATCH = 256
 """Expired items a script takes off the tally at most per call: a long backlog drains over calls, and no single
 call holds Redis for long."""
@@ -47,11 +44,15 @@ MEMORY_POLL_S = 10.0
 _TRIM = """
 local tally, expiry = KEYS[1], KEYS[2]
 local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1], 'LIMIT', 0, TRIM_BATCH)
+-- an item is a stored response; a stream's request counts bytes only (a busy tenant streams thousands)
+local function counted(member)
+  return string.sub(member, 1, 2) == 'r:' and 1 or 0
+end
 for _, member in ipairs(gone) do
   local size = redis.call('HGET', tally, member)
   if size then
     redis.call('HINCRBY', tally, 'bytes', -tonumber(size))
-    redis.call('HINCRBY', tally, 'items', -1)
+    redis.call('HINCRBY', tally, 'items', -counted(member))
     redis.call('HDEL', tally, member)
   end
   redis.call('ZREM', expiry, member)
@@ -65,18 +66,18 @@ _CHARGE = _TRIM + """
 -- or '' (KEYS[3] is its key), then the members of the responses in KEYS[4...]
 local member, size, at = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
-local old = redis.call('HGET', tally, member)
+local old, one = redis.call('HGET', tally, member), counted(member)
 if old then  -- stored again (a resumed stream settles once more): replaced, not counted twice
-  held, items = held - tonumber(old), items - 1
+  held, items = held - tonumber(old), items - one
 end
-if (max_bytes > 0 and held + size > max_bytes) or (max_items > 0 and items + 1 > max_items) then
+if (max_bytes > 0 and held + size > max_bytes) or (max_items > 0 and items + one > max_items) then
   local first = redis.call('ZRANGE', expiry, 0, 0, 'WITHSCORES')
   return {0, held, items, first[2] or '0'}
 end
 if at == '0' then  -- a check only: nothing is stored
   return {1, held, items, '0'}
 end
-redis.call('HSET', tally, member, size, 'bytes', held + size, 'items', items + 1)
+redis.call('HSET', tally, member, size, 'bytes', held + size, 'items', items + one)
 redis.call('ZADD', expiry, at, member)
 if ARGV[7] ~= '' then
   redis.call('SET', KEYS[3], ARGV[7], 'PXAT', at)
@@ -86,7 +87,7 @@ for i = 4, #KEYS do
   redis.call('PEXPIREAT', KEYS[i], at, 'GT')
   redis.call('ZADD', expiry, 'XX', 'GT', at, ARGV[4 + i])
 end
-return {1, held + size, items + 1, '0'}
+return {1, held + size, items + one, '0'}
 """
 
 _DELETE = _TRIM + """
@@ -197,12 +198,12 @@ class ResponseStore:
                                      "this response could not be stored", "store")
 
     async def charge_stream(self, tenant: str, key: KeyRecord | None, job: bus.Job, body_bytes: int) -> None:
-        """Charges a resumable stream (its request, kept to resume it, and its event log) until its log expires."""
-        settings = self.settings
-        tokens = (job.params.max_tokens or settings.replay_max_events) * job.params.n * max(1, len(job.prompts))
-        size = body_bytes + LOG_EVENT_BYTES * min(settings.replay_max_events, tokens)
-        expires_ms = job.deadline_ms + int(settings.replay_ttl_s * 1000)
-        await self._charge_or_refuse(tenant, self.quota(key), f"s:{job.id}", size, expires_ms,
+        """Charges a resumable stream's request (kept to resume it, up to --max-body-bytes) until its log expires
+        at the latest. Its event log is not charged: the edge cannot see its size, and charging what it may grow
+        to (max_tokens events) for as long as it may live would refuse a tenant's ordinary streaming; a log is
+        bounded by --replay-max-events, and the logs alive at once by the tenant's concurrency."""
+        expires_ms = job.deadline_ms + int(self.settings.replay_ttl_s * 1000)
+        await self._charge_or_refuse(tenant, self.quota(key), f"s:{job.id}", body_bytes, expires_ms,
                                      "a streamed request is kept to be resumed", None)
 
     async def save(self, tenant: str, response_id: str, response: bytes, conversation: Conversation,
