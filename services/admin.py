@@ -50,6 +50,9 @@ def _limit_arguments(parser: argparse.ArgumentParser, creating: bool) -> None:
                        ("--max-concurrency", "requests in flight at once"),
                        ("--quota-tokens", "tokens per quota period")):
         parser.add_argument(name, type=int, help=f"{text}; 0: no limit")
+    for name, text in (("--storage-bytes", "bytes its tenant may hold stored (responses, resumable streams)"),
+                       ("--storage-items", "stored responses its tenant may hold")):
+        parser.add_argument(name, type=int, help=f"{text}; 0: no limit (default: the deployment's {name})")
     parser.add_argument("--quota-period", choices=apikeys.QUOTA_PERIODS)
     parser.add_argument("--weight", type=float, help="share of a model's workers against other keys (default 1)")
     parser.add_argument("--priority", type=int, help=f"strict priority band 0-{apikeys.MAX_PRIORITY} (default 0)")

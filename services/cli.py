@@ -10,7 +10,8 @@ import sys
 from shared import logs
 from shared import settings as settings_module
 
-EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "redis_pool_size",
+EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "storage_bytes",
+                 "storage_items", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "log_format", "resume_window_s",
                  "replay_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",

@@ -28,9 +28,17 @@ STOP_TIMEOUT_S = 20.0
 WORKER_READY_TIMEOUT_S = 600.0
 
 
-REDIS_ARGS = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--hz", "1")
+REDIS_MAXMEMORY_BYTES = 3 * 1024**3
+"""Redis's memory bound: under the 4 GiB the Kubernetes manifest gives its container, leaving room for the
+append-only file's rewrite and the allocator's overhead."""
+REDIS_ARGS = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--hz", "1",
+              "--maxmemory", str(REDIS_MAXMEMORY_BYTES), "--maxmemory-policy", "noeviction")
 """How tokenbus runs redis-server (here, in docker-compose.yml and in deploy/k8s): an append-only file fsynced
-every second, no snapshots, and `hz 1`. Redis's timer (`hz`, 10 by default) expires keys, checks blocked clients'
+every second, no snapshots, `hz 1`, and a maxmemory past which writes are refused (noeviction), never keys
+evicted: evicting would drop queued jobs, keys and limits silently, and without a bound the kernel kills Redis
+and its append-only file's replay may kill it again. Refused writes reach clients as 503s; the
+TokenbusRedisMemoryHigh alert warns at 80%, and each tenant's storage quota keeps one tenant from filling it.
+Besides, `hz 1`: Redis's timer (`hz`, 10 by default) expires keys, checks blocked clients'
 timeouts and flushes the AOF; each tick costs ~0.2 ms of CPU with tokenbus's clients and keys, which was two
 thirds of an idle tokenbus Redis's CPU (2.65 ms/s at hz 10, 0.67 at hz 1). At `hz 1` a BLOCK ends up to a second
 late (tokenbus's blocking reads block for 2 and 5 s and allow 2 s of grace) and an expired key nobody reads is

@@ -48,6 +48,11 @@ class KeyRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Unix seconds after which the key stops working; 0: never."""
     hint: str = ""
     """The key's last four characters, to tell keys apart in listings."""
+    storage_bytes: int | None = None
+    """Bytes its tenant may hold stored (responses, resumable streams); None: the deployment's --storage-bytes,
+    so that a key made without limits is still bounded; 0: no limit, only when asked for."""
+    storage_items: int | None = None
+    """Stored responses its tenant may hold; None: the deployment's --storage-items; 0: no limit."""
 
     def expired(self, now: float | None = None) -> bool:
         return bool(self.expires_at) and (time.time() if now is None else now) >= self.expires_at
@@ -74,6 +79,8 @@ class KeyChanges(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     weight: float | None = None
     priority: int | None = None
     expires_at: int | None = None
+    storage_bytes: int | None = None
+    storage_items: int | None = None
 
 
 _encoder = msgspec.json.Encoder()
@@ -88,8 +95,8 @@ def check(record: KeyRecord) -> None:
     """Refuses settings no edge could honour, with a message for the operator."""
     if not record.tenant:
         raise ValueError("a key needs a tenant")
-    for name in ("rpm", "tpm", "max_concurrency", "quota_tokens"):
-        if getattr(record, name) < 0:
+    for name in ("rpm", "tpm", "max_concurrency", "quota_tokens", "storage_bytes", "storage_items"):
+        if (getattr(record, name) or 0) < 0:
             raise ValueError(f"{name} must be 0 (no limit) or more")
     if record.quota_period not in QUOTA_PERIODS:
         raise ValueError(f"quota period must be one of {', '.join(QUOTA_PERIODS)}")

@@ -284,6 +284,9 @@ class Final(Stamped, tag="end", kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    dropped_messages: int = 0
+    """Truncation "auto": how many of the oldest non-system messages the prompt left out (what a stored response
+    keeps as the history that was run)."""
 
 
 class Error(Stamped, tag="err", kw_only=True):

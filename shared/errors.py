@@ -10,6 +10,7 @@
     ├── HostNotAllowed             403 invalid_request_error / host_not_allowed (a keyless edge's guard)
     ├── RateLimited                429 requests|tokens|concurrency / rate_limit_exceeded (+ `retry_after_s`)
     │   └── QuotaExceeded          429 insufficient_quota / insufficient_quota
+    │       └── StorageFull        429 insufficient_quota / storage_quota_exceeded (the tenant's stored bytes)
     ├── NotFound                   404 invalid_request_error / not_found
     │   └── ModelNotFound          404 invalid_request_error / model_not_found
     ├── Overloaded                 503 overloaded_error
@@ -108,6 +109,20 @@ class QuotaExceeded(RateLimited):
     code = "insufficient_quota"
 
 
+class StorageFull(QuotaExceeded):
+    """The tenant's storage quota is full. A 429 as OpenAI's insufficient_quota, not a 400 (the request is
+    well-formed; the same one succeeds once space is freed), with `x-should-retry: false`: waiting seconds does
+    not free storage, only a delete, an expiry or `store: false` does, so the SDKs must not retry by themselves."""
+
+    code = "storage_quota_exceeded"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float = 60.0) -> None:
+        super().__init__(message, limit="insufficient_quota", retry_after_s=retry_after_s)
+        self.param = param
+        self.headers = {"x-should-retry": "false"}
+
+
 class NotFound(TokenbusError):
     status = 404
     type = "invalid_request_error"
@@ -169,7 +184,7 @@ class EngineError(TokenbusError):
 
 _BY_NAME: dict[str, type[TokenbusError]] = {
     cls.__name__: cls
-    for cls in (TokenbusError, InvalidRequest, Unauthenticated, RateLimited, QuotaExceeded,
+    for cls in (TokenbusError, InvalidRequest, Unauthenticated, RateLimited, QuotaExceeded, StorageFull,
                 ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
                 ModelNotFound, NotFound, Overloaded, Unavailable, QueueFull, WaitExceedsDeadline, QueueTimeout,
                 TenantQueueFull, WorkerLost, StreamAbandoned, RequestTimeout,

@@ -1,6 +1,7 @@
 """Every Redis key, stream, group and channel name tokenbus uses, in one place."""
 
 import functools
+import hashlib
 
 PREFIX = "tokenbus"
 
@@ -36,9 +37,27 @@ def cancelled(job_id: str) -> str:
     return f"{PREFIX}:cancelled:{job_id}"
 
 
-def stored_response(response_id: str) -> str:
-    """A finished Responses-API response and its conversation, for GET and previous_response_id."""
-    return f"{PREFIX}:response:{response_id}"
+def tenant_tag(tenant: str) -> str:
+    """The hash tag of a tenant's stored data: a digest, so that any tenant name (braces included) makes one tag,
+    and every key of one tenant's storage lies in one Redis Cluster slot (its quota is kept in one script)."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16]
+
+
+def stored_response(tenant: str, response_id: str) -> str:
+    """A finished Responses-API response and its part of the conversation, for GET and previous_response_id."""
+    return f"{PREFIX}:response:{{{tenant_tag(tenant)}}}:{response_id}"
+
+
+def storage_tally(tenant: str) -> str:
+    """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
+    (r:<response id>, s:<stream id>)."""
+    return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:tally"
+
+
+def storage_expiry(tenant: str) -> str:
+    """Sorted set of one tenant's stored items (the members of its tally), scored by when each expires (unix ms):
+    what gives an expired item's bytes back."""
+    return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:expiry"
 
 
 ROUTE_CHANNEL = f"{PREFIX}:route"

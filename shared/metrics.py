@@ -243,6 +243,12 @@ RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Ev
 WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died",
                        registry=EDGE)
 REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage", registry=EDGE)
+REDIS_USED_MEMORY = Gauge("tokenbus_edge_redis_used_memory_bytes",
+                          "Memory Redis uses (INFO memory used_memory), read by the edge every few seconds",
+                          registry=EDGE)
+REDIS_MAXMEMORY = Gauge("tokenbus_edge_redis_maxmemory_bytes",
+                        "Redis's maxmemory (0: none set): past it, with noeviction, every write is refused",
+                        registry=EDGE)
 
 # tenants
 TENANT_REQUESTS = TallyCounter("tokenbus_edge_tenant_requests",

@@ -88,6 +88,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Deadline of one request from arrival to its last token."""
     response_ttl_s: float = 30 * 24 * 3600.0
     """How long stored Responses-API responses stay retrievable (store: true)."""
+    storage_bytes: int = 64 * 1024 * 1024
+    """Bytes a tenant may hold stored (responses, resumable streams' requests) under a key made without its own
+    --storage-bytes; 0: no limit."""
+    storage_items: int = 10000
+    """Stored responses a tenant may hold under a key made without its own --storage-items; 0: no limit."""
     heartbeat_interval_s: float = 2.0
     """How often a worker refreshes its heartbeat."""
     heartbeat_ttl_s: float = 6.0

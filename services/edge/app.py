@@ -33,7 +33,7 @@ from services.edge.state import (
     SETTINGS,
     STORE,
 )
-from services.edge.store import ResponseStore
+from services.edge.store import ResponseStore, watching
 from shared import fairshare, keys, logs, metrics, redis_clients
 from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError, Unavailable
 from shared.limits import Limits, Settlements
@@ -156,7 +156,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[REDIS] = commands
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
-    app[STORE] = ResponseStore(commands, settings.response_ttl_s)
+    app[STORE] = ResponseStore(commands, settings)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
@@ -165,7 +165,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     if settings.auth == "none":
         log.warning("serving without API keys (--auth none): anyone who reaches this port may use every model")
     async with running(relay), directory.running(), listening(app[KEYS]), \
-            renewing(app[ADMITTER], settings.lease_ttl_s / 3):
+            renewing(app[ADMITTER], settings.lease_ttl_s / 3), watching(app[STORE]):
         log.info("edge %s listens for its events on %s", edge_id, relay.channel)
         yield
     await reader.aclose()

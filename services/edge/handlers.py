@@ -34,6 +34,8 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     info = gateway.directory.models.get(plan.job.model)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
+    if plan.stream:  # kept to be resumed: its request and event log count against its tenant's storage
+        await request.app[STORE].charge_stream(caller.tenant, caller.key, plan.job, len(body))
     try:
         admission = await admitter.admit(caller, plan.job, info.max_model_len if info else 0)
     except RateLimited as exc:
@@ -175,7 +177,7 @@ def _not_found(response_id: str) -> NotFound:
 
 async def _stored(request: web.Request, response_id: str) -> StoredResponse:
     """A stored response of the caller's tenant; another tenant's is as absent as a missing one."""
-    stored = await request.app[STORE].load(response_id)
+    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
     if stored is None or not caller_of(request).owns(stored.tenant):
         raise _not_found(response_id)
     return stored
@@ -189,7 +191,7 @@ async def get_response(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     await _stored(request, response_id)
-    if not await request.app[STORE].delete(response_id):
+    if not await request.app[STORE].delete(caller_of(request).tenant, response_id):
         raise _not_found(response_id)
     return web.Response(body=encode(responses.Deleted(id=response_id)), content_type="application/json")
 

@@ -20,6 +20,7 @@ from services.edge.auth import caller_of
 from services.edge.formats import chat, completions, embeddings, responses, tgi
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.state import GATEWAY, SETTINGS, STORE
+from services.edge.store import Conversation
 from shared import bus, metrics
 from shared.errors import NotFound
 
@@ -132,21 +133,23 @@ async def plan_responses(request: web.Request, body: bytes, given: Arrival | Non
     responses.refuse_unsupported(req)
     info = await _model(request, req.model)
     responses.check_context(req, info.max_model_len)
-    store = request.app[STORE]
-    history: list[bus.Message] = []
+    store, caller = request.app[STORE], caller_of(request)
+    conversation = Conversation()
     if req.previous_response_id:
-        previous = await store.load(req.previous_response_id)
-        if previous is None or not caller_of(request).owns(previous.tenant):
+        found = await store.conversation(caller.tenant, req.previous_response_id)
+        if found is None:
             raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id")
-        history = previous.history
-    history = history + responses.input_messages(req, history)
+        conversation = found
+    added = responses.input_messages(req, conversation.history)
+    if req.store and given is None:  # a resumed stream was checked when it began
+        await store.check_room(caller.tenant, caller.key, len(body))
     arrival = given or arrive(request, "resp_")
-    job = responses.to_job(req, history, job_id=arrival.job_id, reply_to=arrival.reply_to,
+    job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
-                                           history=history, store=store,
-                                           tenant=caller_of(request).tenant, ovms=ovms)
+                                           conversation=conversation, added=added, store=store,
+                                           tenant=caller.tenant, ovms=ovms)
     return Plan("responses_ovms" if ovms else "responses", arrival, job, renderer, req.stream, "responses")
 
 

@@ -1,22 +1,152 @@
-"""Stored Responses-API responses in Redis: any edge can read, continue or delete them."""
+"""What a tenant keeps in Redis, bounded: stored Responses-API responses (any edge can read, continue or delete
+them) and resumable streams, charged against the tenant's storage quota.
+
+Every stored item is charged, with when it expires, to its tenant's tally (bytes and items); deleting it gives
+its bytes back at once, and its expiry does when the tenant next stores or deletes anything (expired items leave
+the tally in the same script). A full tally refuses new items with StorageFull. All of one tenant's keys share
+one hash tag (keys.tenant_tag), so each step is one script on one Redis Cluster slot.
+
+A conversation is stored as a chain, not as copies: a response that continues another holds only what it added
+(its input and its answer) and the id of the one it continued. A response that truncation cut, the first of a
+conversation and every SNAPSHOT_EVERY-th one hold their whole history as it was run instead. So a chain's bytes
+grow with its length, not its square, and resolving previous_response_id reads at most SNAPSHOT_EVERY records.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import bus, keys
-from shared.errors import Overloaded
+from shared import bus, keys, metrics
+from shared.apikeys import KeyRecord
+from shared.background import looping
+from shared.errors import NotFound, Overloaded, StorageFull
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_EVERY = 16
+"""A chain holds a whole copy of its history at least every this many responses: what bounds the reads of one
+resolution (each a round trip) at the price of one copy per this many turns."""
+TRIM_BATCH = 256
+"""Expired items a script takes off the tally at most per call: a long backlog drains over calls, and no single
+call holds Redis for long."""
+MEMORY_POLL_S = 10.0
+"""How often an edge reads Redis's memory use for its metrics (the 80% alert reads them)."""
+
+_TRIM = """
+local tally, expiry = KEYS[1], KEYS[2]
+local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1], 'LIMIT', 0, TRIM_BATCH)
+-- an item is a stored response; a stream's request counts bytes only (a busy tenant streams thousands)
+local function counted(member)
+  return string.sub(member, 1, 2) == 'r:' and 1 or 0
+end
+for _, member in ipairs(gone) do
+  local size = redis.call('HGET', tally, member)
+  if size then
+    redis.call('HINCRBY', tally, 'bytes', -tonumber(size))
+    redis.call('HINCRBY', tally, 'items', -counted(member))
+    redis.call('HDEL', tally, member)
+  end
+  redis.call('ZREM', expiry, member)
+end
+local held = tonumber(redis.call('HGET', tally, 'bytes') or '0')
+local items = tonumber(redis.call('HGET', tally, 'items') or '0')
+""".replace("TRIM_BATCH", str(TRIM_BATCH))
+
+_CHARGE = _TRIM + """
+-- ARGV: now, max bytes (0: none), max items (0: none), member, bytes, expires at (ms; 0: only check), value
+-- or '' (KEYS[3] is its key), then the members of the responses in KEYS[4...]
+local member, size, at = ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
+local old, one = redis.call('HGET', tally, member), counted(member)
+if old then  -- stored again (a resumed stream settles once more): replaced, not counted twice
+  held, items = held - tonumber(old), items - one
+end
+if (max_bytes > 0 and held + size > max_bytes) or (max_items > 0 and items + one > max_items) then
+  local first = redis.call('ZRANGE', expiry, 0, 0, 'WITHSCORES')
+  return {0, held, items, first[2] or '0'}
+end
+if at == '0' then  -- a check only: nothing is stored
+  return {1, held, items, '0'}
+end
+redis.call('HSET', tally, member, size, 'bytes', held + size, 'items', items + one)
+redis.call('ZADD', expiry, at, member)
+if ARGV[7] ~= '' then
+  redis.call('SET', KEYS[3], ARGV[7], 'PXAT', at)
+end
+-- the responses this one continues must live as long as it does: it holds only what it added to them
+for i = 4, #KEYS do
+  redis.call('PEXPIREAT', KEYS[i], at, 'GT')
+  redis.call('ZADD', expiry, 'XX', 'GT', at, ARGV[4 + i])
+end
+return {1, held + size, items + one, '0'}
+"""
+
+_DELETE = _TRIM + """
+if redis.call('DEL', KEYS[3]) == 0 then
+  return 0
+end
+local size = redis.call('HGET', tally, ARGV[2])
+if size then
+  redis.call('HSET', tally, 'bytes', held - tonumber(size), 'items', items - 1)
+  redis.call('HDEL', tally, ARGV[2])
+end
+redis.call('ZREM', expiry, ARGV[2])
+return 1
+"""
 
 
 class StoredResponse(msgspec.Struct, forbid_unknown_fields=False):
     response: msgspec.Raw
     """The response object exactly as it was sent."""
     history: list[bus.Message]
-    """The conversation without instructions, the response's own output last."""
+    """The conversation without instructions, the response's own output last: all of it as it was run when
+    `previous` is empty, else only what this response added after `previous`'s history."""
     tenant: str = ""
     """Whose response it is: no other tenant may read, continue or delete it."""
+    previous: str = ""
+    """The response whose history comes before `history`; empty: `history` is whole."""
+    depth: int = 0
+    """Records before this one back to a whole history (0: this one is whole)."""
+
+
+@dataclass
+class Conversation:
+    """What a new turn continues: the history its previous response ran with, that response's answer last."""
+
+    history: list[bus.Message] = field(default_factory=list)
+    previous: str = ""
+    depth: int = 0
+    """The previous response's depth (see StoredResponse.depth)."""
+    chain: list[str] = field(default_factory=list)
+    """The responses read to resolve it: storing the next turn extends them to its own expiry."""
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What a tenant may hold stored; 0: no limit."""
+
+    bytes: int
+    items: int
+
+
+def as_run(history: list[bus.Message], dropped: int) -> list[bus.Message]:
+    """The history without the `dropped` oldest non-system messages: what truncation "auto" let the model see."""
+    out = []
+    for message in history:
+        if dropped and message.role != "system":
+            dropped -= 1
+            continue
+        out.append(message)
+    return out
 
 
 _encoder = msgspec.json.Encoder()
@@ -24,26 +154,133 @@ _decoder = msgspec.json.Decoder(StoredResponse)
 
 
 class ResponseStore:
-    def __init__(self, redis: aioredis.Redis, ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
         self.redis = redis
-        self.ttl_ms = int(ttl_s * 1000)
+        self.ttl_ms = int(settings.response_ttl_s * 1000)
+        self.settings = settings
+        self._charge = redis.register_script(_CHARGE)
+        self._delete = redis.register_script(_DELETE)
 
-    async def save(self, response_id: str, response: bytes, history: list[bus.Message], tenant: str = "") -> None:
-        data = _encoder.encode(StoredResponse(response=msgspec.Raw(response), history=history, tenant=tenant))
+    def quota(self, key: KeyRecord | None) -> Quota:
+        """The key's own limits, or the deployment's where it has none (a key made without limits is bounded)."""
+        given = (key.storage_bytes, key.storage_items) if key is not None else (None, None)
+        return Quota(self.settings.storage_bytes if given[0] is None else given[0],
+                     self.settings.storage_items if given[1] is None else given[1])
+
+    async def _run_charge(self, tenant: str, quota: Quota, member: str, size: int, expires_ms: int,
+                          value: bytes = b"", more: tuple[list[str], list[str]] = ([], [])) -> list[Any]:
+        names, members = more
+        value_key = [keys.stored_response(tenant, member[2:])] if value else []
         try:
-            await self.redis.set(keys.stored_response(response_id), data, px=self.ttl_ms)
+            found: list[Any] = await self._charge(
+                keys=[keys.storage_tally(tenant), keys.storage_expiry(tenant), *value_key, *names],
+                args=[bus.now_ms(), quota.bytes, quota.items, member, size, expires_ms, value, *members])
         except RedisError as exc:
-            raise Overloaded("The response could not be stored; try again.") from exc
+            raise Overloaded("Storage is unavailable; try again.") from exc
+        return found
 
-    async def load(self, response_id: str) -> StoredResponse | None:
+    async def _charge_or_refuse(self, tenant: str, quota: Quota, member: str, size: int, expires_ms: int,
+                                what: str, param: str | None) -> None:
+        stored, held, items, first = await self._run_charge(tenant, quota, member, size, expires_ms)
+        if int(stored):
+            return
+        wait_s = max(1.0, (float(first) - bus.now_ms()) / 1000)
+        raise StorageFull(
+            f"Your storage is full ({int(held)} bytes in {int(items)} items; the limits are "
+            f"{quota.bytes or 'unlimited'} bytes and {quota.items or 'unlimited'} items): {what}. Delete stored "
+            f"responses (DELETE /v1/responses/{{id}}), send `store: false`, or wait for stored items to expire.",
+            param=param, retry_after_s=wait_s)
+
+    async def check_room(self, tenant: str, key: KeyRecord | None, size: int) -> None:
+        """Refuses a response to be stored when its tenant's storage cannot take `size` more bytes and an item;
+        checked before the job runs, so that a full store costs no tokens."""
+        await self._charge_or_refuse(tenant, self.quota(key), "r:", size, 0,
+                                     "this response could not be stored", "store")
+
+    async def charge_stream(self, tenant: str, key: KeyRecord | None, job: bus.Job, body_bytes: int) -> None:
+        """Charges a resumable stream's request (kept to resume it, up to --max-body-bytes) until its log expires
+        at the latest. Its event log is not charged: the edge cannot see its size, and charging what it may grow
+        to (max_tokens events) for as long as it may live would refuse a tenant's ordinary streaming; a log is
+        bounded by --replay-max-events, and the logs alive at once by the tenant's concurrency."""
+        expires_ms = job.deadline_ms + int(self.settings.replay_ttl_s * 1000)
+        await self._charge_or_refuse(tenant, self.quota(key), f"s:{job.id}", body_bytes, expires_ms,
+                                     "a streamed request is kept to be resumed", None)
+
+    async def save(self, tenant: str, response_id: str, response: bytes, conversation: Conversation,
+                   added: list[bus.Message], dropped: int = 0) -> None:
+        """Stores a finished response: what it added to the conversation, or its whole history as it ran (see the
+        module's docstring). Past the quota too: its room was checked before it ran, and a tenant overshoots by
+        at most the answers it had in flight when its storage filled."""
+        chain: list[str] = []
+        if conversation.previous and not dropped and conversation.depth + 1 < SNAPSHOT_EVERY:
+            record = StoredResponse(response=msgspec.Raw(response), history=added, tenant=tenant,
+                                    previous=conversation.previous, depth=conversation.depth + 1)
+            chain = conversation.chain
+        else:
+            whole = as_run(conversation.history + added, dropped)
+            record = StoredResponse(response=msgspec.Raw(response), history=whole, tenant=tenant)
+        data = _encoder.encode(record)
+        more = ([keys.stored_response(tenant, name) for name in chain], [f"r:{name}" for name in chain])
+        await self._run_charge(tenant, Quota(0, 0), f"r:{response_id}", len(data), bus.now_ms() + self.ttl_ms,
+                               data, more)
+
+    async def load(self, tenant: str, response_id: str) -> StoredResponse | None:
         try:
-            data = await self.redis.get(keys.stored_response(response_id))
+            data = await self.redis.get(keys.stored_response(tenant, response_id))
         except RedisError as exc:
             raise Overloaded("Stored responses are unavailable; try again.") from exc
         return None if data is None else _decoder.decode(data)
 
-    async def delete(self, response_id: str) -> bool:
+    async def conversation(self, tenant: str, response_id: str) -> Conversation | None:
+        """The history a response ran with, its answer last (None: no such response); reads its chain back to a
+        whole copy."""
+        first = await self.load(tenant, response_id)
+        if first is None:
+            return None
+        parts, chain, record = [first.history], [response_id], first
+        for _ in range(SNAPSHOT_EVERY):
+            if not record.previous:
+                break
+            name = record.previous
+            found = await self.load(tenant, name)
+            if found is None:  # deleted: its part of the conversation is gone with it
+                raise NotFound(f"The conversation of '{response_id}' cannot be continued: an earlier response of it, "
+                               f"'{name}', was deleted.", param="previous_response_id")
+            record = found
+            parts.append(record.history)
+            chain.append(name)
+        history = [message for part in reversed(parts) for message in part]
+        return Conversation(history=history, previous=response_id, depth=first.depth, chain=chain)
+
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        """Deletes a response and gives its bytes back to its tenant's storage."""
         try:
-            return bool(await self.redis.delete(keys.stored_response(response_id)))
+            return bool(await self._delete(
+                keys=[keys.storage_tally(tenant), keys.storage_expiry(tenant),
+                      keys.stored_response(tenant, response_id)],
+                args=[bus.now_ms(), f"r:{response_id}"]))
         except RedisError as exc:
             raise Overloaded("Stored responses are unavailable; try again.") from exc
+
+    async def watch_memory(self) -> None:
+        """Keeps the Redis memory metrics current (the fullest node of a cluster)."""
+        while True:
+            with contextlib.suppress(RedisError, OSError):
+                used, most = fullest(await self.redis.info("memory"))
+                metrics.REDIS_USED_MEMORY.set(used)
+                metrics.REDIS_MAXMEMORY.set(most)
+            await asyncio.sleep(MEMORY_POLL_S)
+
+
+def fullest(info: dict[str, Any]) -> tuple[int, int]:
+    """used_memory and maxmemory of one node's INFO, or of the node nearest its maxmemory when INFO answered
+    per node (a cluster client)."""
+    if "used_memory" in info:
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+    nodes = [fullest(node) for node in info.values() if isinstance(node, dict)]
+    return max(nodes, key=lambda n: n[0] / n[1] if n[1] else 0.0, default=(0, 0))
+
+
+def watching(store: ResponseStore) -> contextlib.AbstractAsyncContextManager[None]:
+    return looping(redis_memory=store.watch_memory())
+

@@ -36,6 +36,8 @@ def _configure_environment(settings: Settings) -> None:
 class Counts:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    dropped_messages: int = 0
+    """Messages truncation "auto" left out (the edge stores the history as it was run)."""
 
 
 @dataclass
@@ -159,11 +161,15 @@ class VllmEngine:
                 return ids
             del messages[droppable[0]]
 
-    async def prompt_ids(self, job: bus.Job) -> list[list[int]]:
+    async def prompt_ids(self, job: bus.Job, counts: Counts | None = None) -> list[list[int]]:
         """Token ids of each prompt: the chat template for chat jobs, the text as it is otherwise."""
         if job.kind == "chat":
             messages, tools = conversation.render(job, self.tool_format, self.native_tools)
-            return [await self._chat_ids(job, messages, tools)]
+            given = len(messages)
+            ids = await self._chat_ids(job, messages, tools)
+            if counts is not None:
+                counts.dropped_messages = given - len(messages)
+            return [ids]
         if job.chat_template:
             return list(await asyncio.gather(*(self._chat_ids(job, [{"role": "user", "content": prompt}])
                                                for prompt in job.prompts)))
@@ -254,14 +260,14 @@ class VllmEngine:
         finally:
             del self.requests[job.id]
         yield bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
-                        completion_tokens=counts.completion_tokens)
+                        completion_tokens=counts.completion_tokens, dropped_messages=counts.dropped_messages)
 
     async def _runs(self, job: bus.Job, counts: Counts) -> list[_Run]:
         """One engine request per prompt; a job continued from another worker runs each unfinished choice
         alone, after the tokens it already has."""
         runs: list[_Run] = []
         cont, n = job.continuation, job.params.n
-        for index, ids in enumerate(await self.prompt_ids(job)):
+        for index, ids in enumerate(await self.prompt_ids(job, counts)):
             prompt, max_tokens = self._budget(job, ids)
             counts.prompt_tokens += len(prompt)
             if cont is None:

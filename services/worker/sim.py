@@ -98,7 +98,7 @@ class SimEngine:
     async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
         deadline = time.monotonic() + self.ttft_s
         prompts = len(job.prompts) or 1
-        prompt_tokens = sum(len(p.split()) for p in job.prompts) or sum(len(m.content.split()) for m in job.messages)
+        prompt_tokens, dropped = self._prompt(job)
         sequences = self._sequences(job, prompts * job.params.n)  # made before the prefill's end, not after it
         carried = sum(seq.produced - 1 for seq in sequences)
         await _sleep_until(deadline)  # prefill, which yields each sequence's first token
@@ -121,7 +121,22 @@ class SimEngine:
             if not joined:
                 self._join_batch()
             self.aborted.discard(job.id)
-        yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=done - carried)
+        yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=done - carried,
+                        dropped_messages=dropped)
+
+    def _prompt(self, job: bus.Job) -> tuple[int, int]:
+        """Prompt tokens (a word each) and the messages truncation "auto" drops as the engine does: the oldest
+        non-system ones, never the last, until the prompt and the token budget fit the context."""
+        if job.prompts:
+            return sum(len(p.split()) for p in job.prompts), 0
+        sizes = [(m.role == "system", len(m.content.split())) for m in job.messages]
+        total, dropped = sum(n for _, n in sizes), 0
+        droppable = [n for system, n in sizes if not system][:-1]
+        budget = self.max_model_len - max(job.params.max_tokens or 0, 1)
+        while job.truncate and total > budget and dropped < len(droppable):
+            total -= droppable[dropped]
+            dropped += 1
+        return total, dropped
 
     @staticmethod
     def _sequences(job: bus.Job, choices: int) -> list[_Sequence]:

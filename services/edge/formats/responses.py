@@ -12,7 +12,7 @@ from services.edge.formats.base import MAX_MESSAGES, Out, Request, encode, refus
 from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, sampling_params, template_kwargs
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.sse import DONE, event_frame
-from services.edge.store import ResponseStore
+from services.edge.store import Conversation, ResponseStore
 from shared import bus
 from shared.errors import InvalidRequest, TokenbusError
 
@@ -388,13 +388,17 @@ class ResponsesRenderer:
     completed / incomplete / failed."""
 
     def __init__(
-        self, req: ResponsesRequest, *, response_id: str, created_at: int, history: list[bus.Message],
-        store: ResponseStore | None, tenant: str = "", ovms: bool = False,
+        self, req: ResponsesRequest, *, response_id: str, created_at: int, store: ResponseStore | None,
+        conversation: Conversation | None = None, added: list[bus.Message] | None = None, tenant: str = "",
+        ovms: bool = False,
     ) -> None:
         self.req = req
         self.id = response_id
         self.created_at = created_at
-        self.history = history
+        self.conversation = conversation or Conversation()
+        """What this turn continues."""
+        self.added = added or []
+        """This turn's input, as messages."""
         self.store = store
         self.tenant = tenant
         self.ovms = ovms
@@ -470,10 +474,13 @@ class ResponsesRenderer:
         return [*out, *closing, self._event(f"response.{self.status}", response=self.response())]
 
     async def settle(self) -> None:
-        """Stores the finished response before the client hears of it, so any edge can serve it at once."""
+        """Stores the finished response before the client hears of it, so any edge can serve it at once; its
+        history as it was run (what truncation left of it)."""
         if self.store is None or not self.req.store:
             return
-        await self.store.save(self.id, encode(self.response()), [*self.history, self.items.answer()], self.tenant)
+        dropped = self.final.dropped_messages if self.final is not None else 0
+        await self.store.save(self.tenant, self.id, encode(self.response()), self.conversation,
+                              [*self.added, self.items.answer()], dropped)
 
     def done(self) -> list[bytes]:
         return [DONE] if self.ovms else []

@@ -1,0 +1,158 @@
+"""Each tenant's storage is bounded, against real processes (a redis-server run as tokenbus runs it, two
+`tokenbus edge --auth keys`, a simulated worker) with the official SDK as the client: stored responses and
+resumable streams count against a byte and an item quota, deletes and expiry give the space back, keys made
+without limits get the deployment's, conversations are stored as they were run and without copies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.edge.store import SNAPSHOT_EVERY
+from services.supervisor import REDIS_MAXMEMORY_BYTES
+from tests.conftest import metric_value
+from tests.stack import Stack
+from tests.test_tenancy import create_key
+
+CONTEXT = 80_000
+"""The simulated worker's context, in its tokens (one a word)."""
+DEFAULT_ITEMS = 4
+"""The deployment's --storage-items: what a key made without limits may hold."""
+SHORT_TTL_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    running = Stack(tmp_path_factory.mktemp("storage"))
+    try:
+        running.worker(sim_ttft_ms=1, sim_itl_ms=1, max_num_seqs=64, max_model_len=CONTEXT)
+        running.edge(auth="keys", storage_items=DEFAULT_ITEMS, storage_bytes=10_000_000)
+        running.edge(auth="keys", storage_items=DEFAULT_ITEMS, storage_bytes=10_000_000,
+                     response_ttl_s=SHORT_TTL_S)
+        yield running
+    finally:
+        running.close()
+
+
+async def sdk(stack: Stack, key: dict[str, Any], edge: int = 0) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=stack.edges[edge].url + "/v1", api_key=key["key"], max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    """A key made without storage limits: the deployment's apply."""
+    async for made in sdk(stack, create_key(stack, "--tenant", "plain")):
+        yield made
+
+
+async def ask(client: openai.AsyncOpenAI, text: Any = "hi", **extra: Any) -> Any:
+    return await client.responses.create(model="fault-model", input=text, max_output_tokens=4, **extra)
+
+
+async def test_a_key_made_without_limits_holds_the_deployments_items_and_a_delete_frees_one(
+    stack: Stack, client: openai.AsyncOpenAI
+) -> None:
+    stored = [await ask(client) for _ in range(DEFAULT_ITEMS)]
+    with pytest.raises(openai.RateLimitError) as caught:
+        await ask(client)
+    error = caught.value
+    assert error.code == "storage_quota_exceeded" and error.body["param"] == "store"
+    assert error.response.headers["x-should-retry"] == "false"  # the SDKs do not retry what waiting cannot fix
+    assert (await ask(client, store=False)).output_text  # nothing stored: still served
+    await client.responses.delete(stored[0].id)
+    again = await ask(client)
+    assert (await client.responses.retrieve(again.id)).output_text == again.output_text
+
+
+async def test_only_a_key_made_unlimited_is_unlimited(stack: Stack) -> None:
+    async for unlimited in sdk(stack, create_key(stack, "--tenant", "big", "--storage-items", "0")):
+        await asyncio.gather(*(ask(unlimited) for _ in range(DEFAULT_ITEMS + 3)))
+
+
+async def test_a_byte_quota_refuses_what_does_not_fit(stack: Stack) -> None:
+    async for tight in sdk(stack, create_key(stack, "--tenant", "bytes", "--storage-bytes", "3000")):
+        await ask(tight)  # a response object is ~1.2 kB
+        with pytest.raises(openai.RateLimitError) as caught:
+            await ask(tight, "word " * 400)
+        assert caught.value.code == "storage_quota_exceeded"
+
+
+async def test_a_resumable_stream_is_charged_its_request(stack: Stack) -> None:
+    async for tight in sdk(stack, create_key(stack, "--tenant", "streams", "--storage-bytes", "3000",
+                                             "--storage-items", "1")):
+        small = await tight.chat.completions.create(model="fault-model", messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=100, stream=True)
+        assert [chunk async for chunk in small]
+        await ask(tight)  # a stream is not an item: the one stored response still fits
+        big = [{"role": "user", "content": "word " * 400}]
+        with pytest.raises(openai.RateLimitError) as caught:  # its 2 kB request is kept to be resumed: no room
+            await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10, stream=True)
+        assert caught.value.code == "storage_quota_exceeded"
+        answer = await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10)
+        assert answer.choices[0].message.content  # not kept: not charged
+
+
+async def test_expired_responses_give_their_space_back(stack: Stack) -> None:
+    async for short in sdk(stack, create_key(stack, "--tenant", "short"), edge=1):
+        first = [await ask(short) for _ in range(DEFAULT_ITEMS)]
+        with pytest.raises(openai.RateLimitError):
+            await ask(short)
+        await asyncio.sleep(SHORT_TTL_S + 0.2)
+        with pytest.raises(openai.NotFoundError):
+            await short.responses.retrieve(first[0].id)
+        await ask(short)
+
+
+async def test_a_long_conversation_fits_a_quota_that_copies_would_not(stack: Stack) -> None:
+    """Each turn adds ~2 kB; 32 turns (past a whole copy at SNAPSHOT_EVERY) stored as copies of their history
+    would take ~1 MB."""
+    turns, said = 32, "word " * 400
+    assert turns > SNAPSHOT_EVERY  # resolving crosses a whole copy
+    async for chat in sdk(stack, create_key(stack, "--tenant", "chain", "--storage-bytes", "250000",
+                                            "--storage-items", "0")):
+        previous = None
+        for _ in range(turns):
+            response = await ask(chat, said, previous_response_id=previous)
+            previous = response.id
+        # the last turn saw every earlier one: each turn's 400 words and 4-token answer, and its own 400 words
+        assert response.usage.input_tokens == (turns - 1) * 404 + 400
+        await chat.responses.delete(previous)
+        with pytest.raises(openai.RateLimitError):  # the quota holds: a copy of the whole history is ~100 kB
+            for _ in range(3):
+                await ask(chat, said * 30)
+
+
+async def test_deleting_a_response_removes_its_turn_from_the_conversations_that_continue_it(stack: Stack) -> None:
+    async for chat in sdk(stack, create_key(stack, "--tenant", "delete", "--storage-items", "0")):
+        first = await ask(chat, "one")
+        second = await ask(chat, "two", previous_response_id=first.id)
+        third = await ask(chat, "three", previous_response_id=second.id)
+        await chat.responses.delete(second.id)
+        assert (await chat.responses.retrieve(third.id)).output_text == third.output_text
+        with pytest.raises(openai.NotFoundError) as caught:
+            await ask(chat, "four", previous_response_id=third.id)
+        assert caught.value.body["param"] == "previous_response_id"
+        assert (await ask(chat, "again", previous_response_id=first.id)).usage.input_tokens == 1 + 4 + 1
+
+
+async def test_the_history_stored_is_the_one_truncation_ran(stack: Stack) -> None:
+    turns = [{"role": "user", "content": "old " * 60_000}, {"role": "assistant", "content": "said " * 30_000},
+             {"role": "user", "content": "now"}]
+    async for chat in sdk(stack, create_key(stack, "--tenant", "truncated")):
+        cut = await ask(chat, turns, truncation="auto", instructions="be brief")
+        assert cut.usage.input_tokens == 2 + 30_000 + 1  # the oldest turn left out
+        follow = await ask(chat, "next", previous_response_id=cut.id)
+        assert follow.usage.input_tokens == 30_000 + 1 + 4 + 1  # and left out of what was stored
+
+
+async def test_the_edge_reports_redis_memory_against_its_maxmemory(stack: Stack) -> None:
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(stack.edges[0].url + "/metrics")).text
+    assert metric_value(text, "tokenbus_edge_redis_maxmemory_bytes") == REDIS_MAXMEMORY_BYTES
+    assert 0 < metric_value(text, "tokenbus_edge_redis_used_memory_bytes") < REDIS_MAXMEMORY_BYTES
