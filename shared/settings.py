@@ -69,7 +69,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 2048
     """Context length the worker allows (prompt plus completion tokens)."""
     max_num_seqs: int = 32
-    """Sequences one worker runs at once; it pulls new jobs only while it has free slots."""
+    """Sequences one worker runs at once (its slots: a job takes one per sequence); it pulls new jobs only while it
+    has free slots, and the edge refuses a job with more sequences than that."""
     stream_interval: int = 1
     """Tokens a stream gathers before the worker sends them on (vLLM's --stream-interval): 1 sends every token
     as the engine makes it; more sends a stream's tokens in fewer, larger events, which costs the worker, Redis

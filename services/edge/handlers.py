@@ -17,7 +17,7 @@ from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
-from shared import bus, keys, metrics
+from shared import bus, fairshare, keys, metrics
 from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
 
 OVMS_PREFIX = "/v3"
@@ -30,6 +30,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     arrival, caller = plan.arrival, caller_of(request)
     deadline = arrival.started + settings.request_timeout_s
     info = gateway.directory.models.get(plan.job.model)
+    fairshare.check_fits(plan.job, info)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
     try:

@@ -23,6 +23,7 @@ from services.worker.parsing.output import JobOutput, for_job
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
+from services.worker.slots import Slots
 from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
 from shared.errors import (
     EngineError,
@@ -187,6 +188,8 @@ class Worker:
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()
+        self.slots = Slots(settings.max_num_seqs)
+        """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
         self.slot_freed = asyncio.Event()
         self.stopping = False
         self.crashed = asyncio.Event()
@@ -305,7 +308,8 @@ class Worker:
                 raise
 
     def _free_slots(self) -> int:
-        return self.settings.max_num_seqs - len(self.tasks_by_job)
+        """Slots new jobs may fill (a read takes at most one job per slot): none while a wide job waits for its own."""
+        return self.slots.open()
 
     async def _pull(self) -> None:
         """Reads jobs into free slots. The scheduler's dispatch fills the request stream at the first read (this
@@ -399,7 +403,8 @@ class Worker:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
         logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
         try:
-            await work
+            async with self.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
+                await work
         finally:
             self.runs.pop(run.job.id, None)
             self.tasks_by_job.pop(run.job.id, None)
@@ -642,7 +647,7 @@ class Worker:
             info = bus.encode_info(bus.WorkerInfo(
                 worker=self.id, model=self.model, task=self.settings.task,
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
-                slots=self.settings.max_num_seqs, running=len(self.tasks_by_job),
+                slots=self.settings.max_num_seqs, running=self.slots.used,
             ))
             pipe = self.beats.pipeline()
             pipe.execute_command("SET", key, info, "PX", ttl_ms)
