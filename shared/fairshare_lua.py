@@ -17,8 +17,8 @@ and tenant (band .. tenant .. NUL).
 """
 
 _COMMON = r"""
-local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, REQUESTS =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, INFLIGHT, REQUESTS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local BAND_WIDTH, COUNTER_WIDTH = 4, 24
 local TIE = 0.001  -- the counters' resolution
 local MOST_PER_CALL = 512  -- bounds how long one call holds Redis
@@ -56,24 +56,26 @@ local function band_range(band)
   return '[' .. band, '(' .. band .. '\255'
 end
 
--- a worker offers its slots until ttl_ms from now; offers that expired (their worker died) are dropped
-local function offer(worker, slots, ttl_ms, now)
+-- a worker offers its slots, of which it keeps some as headroom, until ttl_ms from now; offers that expired
+-- (their worker died) are dropped
+local function offer(worker, slots, ttl_ms, headroom, now)
   if worker ~= '' then
-    redis.call('HSET', SLOTS, worker, slots .. ' ' .. (now + tonumber(ttl_ms)))
+    redis.call('HSET', SLOTS, worker, slots .. ' ' .. (now + tonumber(ttl_ms)) .. ' ' .. tonumber(headroom or '0'))
   end
 end
 
+-- the live workers' slots, and their headroom
 local function capacity(now)
-  local total, offers = 0, redis.call('HGETALL', SLOTS)
+  local total, headroom, offers = 0, 0, redis.call('HGETALL', SLOTS)
   for i = 1, #offers, 2 do
-    local slots, expiry = string.match(offers[i + 1], '^(%d+) (%d+)$')
+    local slots, expiry, kept = string.match(offers[i + 1], '^(%d+) (%d+) ?(%d*)$')
     if slots and tonumber(expiry) > now then
-      total = total + tonumber(slots)
+      total, headroom = total + tonumber(slots), headroom + (tonumber(kept) or 0)
     else
       redis.call('HDEL', SLOTS, offers[i])
     end
   end
-  return total
+  return total, headroom
 end
 
 -- ms between two slots freeing up, from the moving average of a job's duration (0: unknown)
@@ -93,17 +95,31 @@ local function count_queued(tenant, band, n, wide)
 end
 
 -- room on the live workers, in slots: their offers less the sequences of the jobs on the request stream (it holds
--- only jobs not yet acknowledged); with the offers. An empty stream has no wide jobs, whatever a lost settle left.
+-- only jobs not yet acknowledged); with the offers and their headroom. An empty stream has no jobs in flight,
+-- whatever a lost settle left.
 local function room(now)
-  local slots, length = capacity(now), redis.call('XLEN', REQUESTS)
-  if length == 0 then redis.call('HDEL', STATE, 'wide') end
-  return slots - length - math.max(0, tonumber(redis.call('HGET', STATE, 'wide') or '0')), slots
+  local slots, headroom = capacity(now)
+  local length = redis.call('XLEN', REQUESTS)
+  if length == 0 then
+    redis.call('HDEL', STATE, 'wide')
+    redis.call('DEL', INFLIGHT)
+  end
+  return slots - length - math.max(0, tonumber(redis.call('HGET', STATE, 'wide') or '0')), slots, headroom
+end
+
+-- whether a job of `need` slots of a band and tenant may have them: the last `headroom` free slots only go to one
+-- that holds fewer than that many, so that a tenant that comes in finds a slot at once however busy another is
+local function fits(entity, need, free, headroom)
+  if need > free then return false end
+  return free - need >= headroom or tonumber(redis.call('HGET', INFLIGHT, entity) or '0') + need <= headroom
 end
 
 -- a job onto the request stream; its sequences beyond the first join the stream's wide count
 local function send(job, entity, cost)
+  local sequences = sequences_of(cost)
   redis.call('XADD', REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
-  add(STATE, 'wide', sequences_of(cost) - 1)
+  add(STATE, 'wide', sequences - 1)
+  add(INFLIGHT, entity, sequences)
 end
 
 local function set_counter(entity, value)
@@ -116,10 +132,13 @@ local function set_counter(entity, value)
   return new
 end
 
+local WAITS, HELD_BACK = -1, -2
+
 -- one job of the backlogged tenant with the least counter in the highest band, onto the request stream, if the
--- room takes all its sequences (all the slots, for one wider than the workers). Returns the slots it takes; -1:
--- it waits for more room, and nothing goes before it, so however wide it is, it waits only for slots to free.
-local function dispatch_one(head, room, slots)
+-- room takes all its sequences (all the slots, for one wider than the workers). Returns the slots it takes; WAITS:
+-- it waits for more room, and nothing goes before it, so however wide it is, it waits only for slots to free;
+-- HELD_BACK: only the headroom is left, and its tenant holds too much for it (the next tenant may have it).
+local function dispatch_one(head, room, slots, headroom)
   local band = head:sub(1, BAND_WIDTH)
   local counter = tonumber(head:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH))
   local tenant = head:sub(BAND_WIDTH + COUNTER_WIDTH + 1)
@@ -131,7 +150,9 @@ local function dispatch_one(head, room, slots)
   end
   local job, cost = redis.call('HGET', JOBS, member), redis.call('HGET', COSTS, member)
   local sequences = sequences_of(cost)
-  if math.min(sequences, slots) > room then return -1 end
+  local need = math.min(sequences, slots)
+  if need > room then return WAITS end
+  if not fits(entity, need, room, headroom) then return HELD_BACK end
   redis.call('ZREM', READY, head)
   redis.call('ZREM', BACKLOG, member)
   redis.call('HDEL', JOBS, member)
@@ -148,15 +169,19 @@ end
 
 -- work-conserving: while the live workers have room, anyone backlogged is served
 local function dispatch(now)
-  local free, slots = room(now)
+  local free, slots, headroom = room(now)
   free = math.min(free, MOST_PER_CALL)
-  local sent = 0
+  local sent, passed = 0, 0
   while free > 0 do
-    local head = first(READY, '-', '+')
+    local head = redis.call('ZRANGEBYLEX', READY, '-', '+', 'LIMIT', passed, 1)[1]
     if not head then break end
-    local taken = dispatch_one(head, free, slots)
-    if taken < 0 then break end
-    sent, free = sent + math.min(taken, 1), free - taken
+    local taken = dispatch_one(head, free, slots, headroom)
+    if taken == WAITS then break end
+    if taken == HELD_BACK then
+      passed = passed + 1
+    else
+      sent, free = sent + math.min(taken, 1), free - taken
+    end
   end
   return sent
 end
@@ -169,7 +194,7 @@ local tenant, band, cost, job = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_jobs, max_mine, affordable = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local entity = band .. tenant
 local now = now_ms()
-local free, slots = room(now)
+local free, slots, headroom = room(now)
 local interval = slot_interval(slots)
 local sequences = sequences_of(cost)
 local need = math.min(sequences, slots)
@@ -177,7 +202,7 @@ local total = tonumber(redis.call('HGET', STATE, 'queued') or '0')
 if total >= max_jobs then
   return {'queue_full', math.ceil((total - max_jobs + 1) * interval)}
 end
-if total == 0 and need > 0 and free >= need and max_mine > 0 and affordable >= 0 then
+if total == 0 and need > 0 and fits(entity, need, free, headroom) and max_mine > 0 and affordable >= 0 then
   -- nobody is backlogged and a slot is free: the job goes straight onto the request stream (no backlog entry,
   -- so no member to withdraw), its tenant's counter moving exactly as the way through the backlog would move it
   local charge = tonumber(string.match(cost, '^(%S+)'))
@@ -235,14 +260,16 @@ return {'ok', member, dispatch(now)}
 """
 
 DISPATCH = _COMMON + r"""
--- ARGV: the offering worker ('' for none), its slots, how long its offer holds (ms), then for each job that
--- ended: its band and tenant, the correction of its counter, how long it ran (ms), its sequences (its entry left
--- the request stream). Returns jobs dispatched.
+-- ARGV: the offering worker ('' for none), its slots, how long its offer holds (ms), its headroom, then for each
+-- job that ended: its band and tenant, the correction of its counter, how long it ran (ms), its sequences (its
+-- entry left the request stream). Returns jobs dispatched.
 local now = now_ms()
-offer(ARGV[1], ARGV[2], ARGV[3], now)
-for i = 4, #ARGV, 4 do
+offer(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now)
+for i = 5, #ARGV, 4 do
   local entity, correction, duration = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  add(STATE, 'wide', 1 - tonumber(ARGV[i + 3]))
+  local sequences = tonumber(ARGV[i + 3])
+  add(STATE, 'wide', 1 - sequences)
+  add(INFLIGHT, entity, -sequences)
   local counter = redis.call('HGET', COUNTERS, entity)
   if counter and correction ~= 0 then set_counter(entity, tonumber(counter) + correction) end
   if duration > 0 then

@@ -332,3 +332,20 @@ async def test_the_wait_estimate_counts_sequences(redis: aioredis.Redis) -> None
     # narrow: 2 jobs ahead, one slot frees each 500 ms: ~1.5 s; wide: 3 jobs of 2 ahead: ~3.5 s
     assert isinstance(await narrow.enqueue(make_job(narrow.model, "a", deadline_s=2.5)), fairshare.Admitted)
     assert isinstance(await wide.enqueue(make_job(wide.model, "a", deadline_s=2.5)), WaitExceedsDeadline)
+
+
+async def test_a_tenant_holding_the_headroom_s_worth_leaves_it_to_one_that_comes_in(redis: aioredis.Redis) -> None:
+    """A worker of 8 slots keeping 2 as headroom: a flooding tenant gets 6 of them; a tenant that comes in while it
+    floods gets a slot at once, in the enqueue's own dispatch; the flood's ending jobs make room for more of its own,
+    up to the headroom: two slots stay free for the next tenant to come."""
+    fair = await pool(redis, slots=8)
+    await fair.scheduler.dispatch(fair.model, fairshare.Offer("w", 8, 60_000, headroom=2))
+    for _ in range(20):
+        await fair.enqueue(make_job(fair.model, "flood"))
+    flooding = await fair.take()
+    assert len(flooding) == 6
+    admitted = await fair.enqueue(make_job(fair.model, "newcomer"))
+    assert isinstance(admitted, fairshare.Admitted) and admitted.dispatched == 1
+    assert [job.tenant for _id, job, _ticket in await fair.take()] == ["newcomer"]
+    await fair.finish(flooding[:3])
+    assert [job.tenant for _id, job, _ticket in await fair.take()] == ["flood"] * 2
