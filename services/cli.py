@@ -19,12 +19,13 @@ EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "res
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "queue_timeout_s", "fair_input_weight", "fair_output_weight"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
+                   "sim_prefill_us_per_token",
                    "max_model_len", "max_num_seqs", "stream_interval", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "enforce_eager", "heartbeat_interval_s", "heartbeat_ttl_s",
                    "metrics_port", "host", "log_level", "log_format", "resume_window_s", "replay_ttl_s",
                    "replay_max_events",
                    "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",
-                   "fair_input_weight", "fair_output_weight"]
+                   "fair_input_weight", "fair_output_weight", "fair_headroom"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
 
 

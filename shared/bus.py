@@ -156,6 +156,13 @@ class Job(Base):
     continuation: Continuation | None = None
     """Set by the worker that takes the job over: what the client already has, for the engine to continue."""
 
+    def sequences(self) -> int:
+        """The engine sequences the job runs at once, each taking one of a worker's slots: one per input of an
+        embedding job, else `n` per prompt (a chat has one)."""
+        if self.kind == "embedding":
+            return max(1, len(self.prompts))
+        return max(1, len(self.prompts)) * max(1, self.params.n)
+
 
 class Charge(Base):
     """Tokens reserved at admission for one API key, settled by the worker that ends the job: the unused
@@ -311,7 +318,9 @@ class WorkerInfo(Base):
     max_model_len: int = 0
     dimensions: int = 0
     slots: int = 1
+    """Sequences it runs at once (its max_num_seqs): the widest job it can take."""
     running: int = 0
+    """Slots its jobs hold now (their sequences)."""
     adapters: list[str] = []
 
 

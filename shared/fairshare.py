@@ -8,7 +8,9 @@ job of the backlogged tenant with the least counter, in the highest priority ban
 stream while the live workers have room for it, and charges its estimated cost to that counter; edges dispatch
 after each enqueue, workers before each read and when jobs end. When a job ends its worker corrects the charge
 with the tokens really used. A tenant that comes back from idle starts at the least counter of those waiting, so
-idle time does not turn into a burst; a tenant alone gets every slot.
+idle time does not turn into a burst; a tenant alone gets every slot but the headroom: each worker's offer keeps a
+few slots that a tenant holding that many or more may not fill, so that a tenant coming in while another floods
+finds one free at once instead of waiting for one of the flood's jobs to end.
 
 Workers keep taking jobs from the request stream through their consumer group, so ownership, reclaims and
 hand-overs do not change. `Fifo` (the `fifo` scheduler) puts jobs straight onto the request stream, with the
@@ -24,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared import bus, keys
-from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
+from shared.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
 from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
 from shared.rawpipe import PipelineLike, field_map
 from shared.settings import Settings
@@ -52,23 +54,26 @@ class Ticket:
     input_price: float
     """Counter units per prompt token: the input weight over the tenant's weight."""
     output_price: float
+    sequences: int = 1
+    """The worker slots the job takes (shared.bus.Job.sequences)."""
 
     def fields(self) -> dict[bytes, bytes]:
-        return {ENTITY_FIELD: self.entity.encode(),
-                COST_FIELD: f"{self.charge:.3f} {self.input_price:.6g} {self.output_price:.6g}".encode()}
+        return {ENTITY_FIELD: self.entity.encode(), COST_FIELD: (
+            f"{self.charge:.3f} {self.input_price:.6g} {self.output_price:.6g} {self.sequences}").encode()}
 
     @staticmethod
     def from_fields(fields: dict[bytes, bytes]) -> Ticket | None:
         """The ticket of a request stream entry; None for a job that was not dispatched by the fair scheduler."""
         try:
-            charge, input_price, output_price = map(float, fields[COST_FIELD].split())
-            return Ticket(fields[ENTITY_FIELD].decode(), charge, input_price, output_price)
+            charge, input_price, output_price, *sequences = fields[COST_FIELD].split()
+            return Ticket(fields[ENTITY_FIELD].decode(), float(charge), float(input_price), float(output_price),
+                          int(sequences[0]) if sequences else 1)  # an entry of an older edge: one sequence
         except (KeyError, ValueError, UnicodeDecodeError):
             return None
 
     def settle(self, prompt_tokens: int, completion_tokens: int, duration_ms: float) -> Settlement:
         used = self.input_price * prompt_tokens + self.output_price * completion_tokens
-        return Settlement(self.entity, used - self.charge, duration_ms)
+        return Settlement(self.entity, used - self.charge, duration_ms, self.sequences)
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class Settlement:
     entity: str
     correction: float
     duration_ms: float
+    sequences: int = 1
+    """The slots it held: its entry leaves the request stream with them."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,19 @@ class Offer:
 
     worker: str
     slots: int
+    """Engine sequences it runs at once (its max_num_seqs)."""
     ttl_ms: int
+    headroom: int = 0
+    """Of its slots, those a tenant holding that many or more may not fill (Settings.fair_headroom)."""
 
     def args(self) -> list[Arg]:
-        return [self.worker, self.slots, self.ttl_ms]
+        return [self.worker, self.slots, self.ttl_ms, self.headroom]
+
+    @classmethod
+    def of(cls, worker: str, settings: Settings) -> Offer:
+        """A worker's offer: its slots and headroom as its settings have them, good for a heartbeat's TTL."""
+        headroom = int(settings.max_num_seqs * settings.fair_headroom) if settings.scheduler == "fair" else 0
+        return cls(worker, settings.max_num_seqs, int(settings.heartbeat_ttl_s * 1000), headroom)
 
 
 NO_OFFER = Offer("", 0, 0)
@@ -139,6 +155,18 @@ def _fields(reply: Any) -> dict[str, Any]:
 
 def _text(value: Any) -> Any:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def check_fits(job: bus.Job, info: bus.WorkerInfo | None) -> None:
+    """Refuses a job with more sequences than a worker of its model has slots: no worker could ever run it whole
+    (None: no worker is known yet, so there is nothing to check against)."""
+    if info is None or job.sequences() <= info.slots:
+        return
+    what, param = (("inputs", "input") if job.kind == "embedding" else
+                   ("sequences (prompts x n)", "prompt" if len(job.prompts) > 1 else "n"))
+    raise InvalidRequest(f"The request asks for {job.sequences()} {what} at once, more than a worker of `{job.model}` "
+                         f"runs at once ({info.slots}, its max_num_seqs); split it into smaller requests.",
+                         param=param, code="too_many_sequences")
 
 
 def refusal(code: str, retry_ms: int) -> TokenbusError:
@@ -199,7 +227,7 @@ class Scheduler:
         """Adds to a pipeline the correction of finished jobs' counters, then a dispatch into their slots."""
         args: list[Arg] = [*NO_OFFER.args()]
         for done in settlements:
-            args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}"]
+            args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}", done.sequences]
         _pipelined(pipe, self._dispatch, model, args)
 
     def withdraw(self, pipe: PipelineLike, model: str, member: bytes) -> None:
@@ -234,7 +262,7 @@ class FairShare(Scheduler):
         output_price = self.settings.fair_output_weight / weight
         # the edge's estimates (services.edge.admission); every job costs something, estimated or not
         charge = max(1.0, input_price * job.prompt_estimate + output_price * job.output_budget)
-        cost = Ticket("", charge, input_price, output_price).fields()
+        cost = Ticket("", charge, input_price, output_price, job.sequences()).fields()
         args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
                 self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job)]
         _pipelined(pipe, self._enqueue, job.model, args)

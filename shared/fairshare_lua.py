@@ -9,11 +9,16 @@ How the sorted sets encode order (every score is 0; members sort by name):
   serve (the highest band, in it the least counter);
 - `backlog` holds band .. tenant .. NUL .. 16-digit sequence for each queued job: a tenant's jobs lie together,
   oldest first.
+
+Slots count engine sequences, and a job takes as many as it runs (its cost's fourth field). Counts of jobs are
+kept as they were; what jobs of several sequences add beyond one slot each ("wide") is kept beside them, only while
+there is any: in `state` for the request stream (`wide`) and each band (`wide:` .. band), in `queued` for each band
+and tenant (band .. tenant .. NUL).
 """
 
 _COMMON = r"""
-local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, REQUESTS =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, INFLIGHT, REQUESTS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local BAND_WIDTH, COUNTER_WIDTH = 4, 24
 local TIE = 0.001  -- the counters' resolution
 local MOST_PER_CALL = 512  -- bounds how long one call holds Redis
@@ -29,6 +34,16 @@ local function counter_text(value)
   return string.format('%024.3f', math.max(0, math.min(value, 1e19)))
 end
 
+-- the sequences of a job, from its cost ('charge input_price output_price sequences'; one if absent)
+local function sequences_of(cost)
+  return tonumber(string.match(cost or '', '^%S+ %S+ %S+ (%d+)') or '1')
+end
+
+-- adds n to a count in a hash, and drops the field at 0 (so that jobs of one sequence leave no trace)
+local function add(key, field, n)
+  if n ~= 0 and redis.call('HINCRBY', key, field, n) <= 0 then redis.call('HDEL', key, field) end
+end
+
 local function first(key, from, to)
   return redis.call('ZRANGEBYLEX', key, from, to, 'LIMIT', 0, 1)[1]
 end
@@ -41,24 +56,26 @@ local function band_range(band)
   return '[' .. band, '(' .. band .. '\255'
 end
 
--- a worker offers its slots until ttl_ms from now; offers that expired (their worker died) are dropped
-local function offer(worker, slots, ttl_ms, now)
+-- a worker offers its slots, of which it keeps some as headroom, until ttl_ms from now; offers that expired
+-- (their worker died) are dropped
+local function offer(worker, slots, ttl_ms, headroom, now)
   if worker ~= '' then
-    redis.call('HSET', SLOTS, worker, slots .. ' ' .. (now + tonumber(ttl_ms)))
+    redis.call('HSET', SLOTS, worker, slots .. ' ' .. (now + tonumber(ttl_ms)) .. ' ' .. tonumber(headroom or '0'))
   end
 end
 
+-- the live workers' slots, and their headroom
 local function capacity(now)
-  local total, offers = 0, redis.call('HGETALL', SLOTS)
+  local total, headroom, offers = 0, 0, redis.call('HGETALL', SLOTS)
   for i = 1, #offers, 2 do
-    local slots, expiry = string.match(offers[i + 1], '^(%d+) (%d+)$')
+    local slots, expiry, kept = string.match(offers[i + 1], '^(%d+) (%d+) ?(%d*)$')
     if slots and tonumber(expiry) > now then
-      total = total + tonumber(slots)
+      total, headroom = total + tonumber(slots), headroom + (tonumber(kept) or 0)
     else
       redis.call('HDEL', SLOTS, offers[i])
     end
   end
-  return total
+  return total, headroom
 end
 
 -- ms between two slots freeing up, from the moving average of a job's duration (0: unknown)
@@ -68,10 +85,41 @@ local function slot_interval(slots)
   return average / slots
 end
 
-local function count_queued(tenant, band, n)
-  if redis.call('HINCRBY', QUEUED, tenant, n) <= 0 then redis.call('HDEL', QUEUED, tenant) end
+-- n jobs of a tenant's band in or out of its backlog, with what their sequences add beyond one each
+local function count_queued(tenant, band, n, wide)
+  add(QUEUED, tenant, n)
   redis.call('HINCRBY', STATE, 'queued', n)
-  if redis.call('HINCRBY', STATE, 'band:' .. band, n) <= 0 then redis.call('HDEL', STATE, 'band:' .. band) end
+  add(STATE, 'band:' .. band, n)
+  add(STATE, 'wide:' .. band, wide)
+  add(QUEUED, band .. tenant .. '\0', wide)
+end
+
+-- room on the live workers, in slots: their offers less the sequences of the jobs on the request stream (it holds
+-- only jobs not yet acknowledged); with the offers and their headroom. An empty stream has no jobs in flight,
+-- whatever a lost settle left.
+local function room(now)
+  local slots, headroom = capacity(now)
+  local length = redis.call('XLEN', REQUESTS)
+  if length == 0 then
+    redis.call('HDEL', STATE, 'wide')
+    redis.call('DEL', INFLIGHT)
+  end
+  return slots - length - math.max(0, tonumber(redis.call('HGET', STATE, 'wide') or '0')), slots, headroom
+end
+
+-- whether a job of `need` slots of a band and tenant may have them: the last `headroom` free slots only go to one
+-- that holds fewer than that many, so that a tenant that comes in finds a slot at once however busy another is
+local function fits(entity, need, free, headroom)
+  if need > free then return false end
+  return free - need >= headroom or tonumber(redis.call('HGET', INFLIGHT, entity) or '0') + need <= headroom
+end
+
+-- a job onto the request stream; its sequences beyond the first join the stream's wide count
+local function send(job, entity, cost)
+  local sequences = sequences_of(cost)
+  redis.call('XADD', REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
+  add(STATE, 'wide', sequences - 1)
+  add(INFLIGHT, entity, sequences)
 end
 
 local function set_counter(entity, value)
@@ -84,39 +132,56 @@ local function set_counter(entity, value)
   return new
 end
 
--- one job of the backlogged tenant with the least counter in the highest band, onto the request stream
-local function dispatch_one(head)
+local WAITS, HELD_BACK = -1, -2
+
+-- one job of the backlogged tenant with the least counter in the highest band, onto the request stream, if the
+-- room takes all its sequences (all the slots, for one wider than the workers). Returns the slots it takes; WAITS:
+-- it waits for more room, and nothing goes before it, so however wide it is, it waits only for slots to free;
+-- HELD_BACK: only the headroom is left, and its tenant holds too much for it (the next tenant may have it).
+local function dispatch_one(head, room, slots, headroom)
   local band = head:sub(1, BAND_WIDTH)
   local counter = tonumber(head:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH))
   local tenant = head:sub(BAND_WIDTH + COUNTER_WIDTH + 1)
   local entity = band .. tenant
-  redis.call('ZREM', READY, head)
   local member = oldest(entity)
-  if not member then return 0 end
+  if not member then
+    redis.call('ZREM', READY, head)
+    return 0
+  end
   local job, cost = redis.call('HGET', JOBS, member), redis.call('HGET', COSTS, member)
+  local sequences = sequences_of(cost)
+  local need = math.min(sequences, slots)
+  if need > room then return WAITS end
+  if not fits(entity, need, room, headroom) then return HELD_BACK end
+  redis.call('ZREM', READY, head)
   redis.call('ZREM', BACKLOG, member)
   redis.call('HDEL', JOBS, member)
   redis.call('HDEL', COSTS, member)
-  count_queued(tenant, band, -1)
+  count_queued(tenant, band, -1, 1 - sequences)
   local served = counter_text(counter + tonumber(string.match(cost or '0', '^(%S+)')))
   redis.call('HSET', COUNTERS, entity, served)
   redis.call('HSET', STATE, 'last:' .. band, served)
   if oldest(entity) then redis.call('ZADD', READY, 0, band .. served .. tenant) end
   if not job then return 0 end
-  redis.call('XADD', REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
-  return 1
+  send(job, entity, cost)
+  return sequences
 end
 
--- work-conserving: while the live workers have room (their slots, less the jobs on the request stream, which
--- holds only jobs not yet acknowledged), anyone backlogged is served
+-- work-conserving: while the live workers have room, anyone backlogged is served
 local function dispatch(now)
-  local room = math.min(capacity(now) - redis.call('XLEN', REQUESTS), MOST_PER_CALL)
-  local sent = 0
-  while room > 0 do
-    local head = first(READY, '-', '+')
+  local free, slots, headroom = room(now)
+  free = math.min(free, MOST_PER_CALL)
+  local sent, passed = 0, 0
+  while free > 0 do
+    local head = redis.call('ZRANGEBYLEX', READY, '-', '+', 'LIMIT', passed, 1)[1]
     if not head then break end
-    local moved = dispatch_one(head)
-    sent, room = sent + moved, room - moved
+    local taken = dispatch_one(head, free, slots, headroom)
+    if taken == WAITS then break end
+    if taken == HELD_BACK then
+      passed = passed + 1
+    else
+      sent, free = sent + math.min(taken, 1), free - taken
+    end
   end
   return sent
 end
@@ -129,14 +194,15 @@ local tenant, band, cost, job = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_jobs, max_mine, affordable = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local entity = band .. tenant
 local now = now_ms()
-local slots = capacity(now)
+local free, slots, headroom = room(now)
 local interval = slot_interval(slots)
+local sequences = sequences_of(cost)
+local need = math.min(sequences, slots)
 local total = tonumber(redis.call('HGET', STATE, 'queued') or '0')
 if total >= max_jobs then
   return {'queue_full', math.ceil((total - max_jobs + 1) * interval)}
 end
-local room = slots - redis.call('XLEN', REQUESTS)
-if total == 0 and room > 0 and max_mine > 0 and affordable >= 0 then
+if total == 0 and need > 0 and fits(entity, need, free, headroom) and max_mine > 0 and affordable >= 0 then
   -- nobody is backlogged and a slot is free: the job goes straight onto the request stream (no backlog entry,
   -- so no member to withdraw), its tenant's counter moving exactly as the way through the backlog would move it
   local charge = tonumber(string.match(cost, '^(%S+)'))
@@ -145,7 +211,7 @@ if total == 0 and room > 0 and max_mine > 0 and affordable >= 0 then
   local served = counter_text(lifted + charge)
   redis.call('HSET', COUNTERS, entity, served)
   redis.call('HSET', STATE, 'last:' .. band, served)
-  redis.call('XADD', REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
+  send(job, entity, cost)
   return {'ok', '', 1}
 end
 local backlogged = oldest(entity) ~= nil
@@ -154,18 +220,20 @@ local mine = tonumber(redis.call('HGET', QUEUED, tenant) or '0')
 if mine >= max_mine then
   return {'tenant_queue_full', math.ceil((mine - max_mine + 1) * (rivals + 1) * interval)}
 end
--- jobs served before this one: every job of a higher band; in its own band its tenant's queued jobs, and
+-- slots taken before this job's: every queued job's of a higher band; in its own band its tenant's queued jobs', and
 -- about as many of each rival's (the counters take turns)
 local ahead = 0
 local state = redis.call('HGETALL', STATE)
 for i = 1, #state, 2 do
-  local other = string.match(state[i], '^band:(%d+)$')
-  if other and other < band then ahead = ahead + tonumber(state[i + 1]) end
+  local kind, other = string.match(state[i], '^(%a+):(%d+)$')
+  if other and other < band and (kind == 'band' or kind == 'wide') then ahead = ahead + tonumber(state[i + 1]) end
 end
 local queued_here = redis.call('ZLEXCOUNT', BACKLOG, '[' .. entity .. '\0', '(' .. entity .. '\1')
+  + tonumber(redis.call('HGET', QUEUED, entity .. '\0') or '0')
 local in_band = tonumber(redis.call('HGET', STATE, 'band:' .. band) or '0')
-ahead = ahead + queued_here + math.min(in_band - queued_here, (queued_here + 1) * rivals)
-local wait = math.max(0, ahead + 1 - room) * interval
+  + tonumber(redis.call('HGET', STATE, 'wide:' .. band) or '0')
+ahead = ahead + queued_here + math.min(in_band - queued_here, (queued_here + sequences) * rivals)
+local wait = math.max(0, ahead + need - free) * interval
 if wait > affordable then
   return {'wait_exceeds_deadline', math.ceil(wait - affordable)}
 end
@@ -173,7 +241,7 @@ local member = entity .. '\0' .. string.format('%016d', redis.call('HINCRBY', ST
 redis.call('ZADD', BACKLOG, 0, member)
 redis.call('HSET', JOBS, member, job)
 redis.call('HSET', COSTS, member, cost)
-count_queued(tenant, band, 1)
+count_queued(tenant, band, 1, sequences - 1)
 if not backlogged then
   -- back from idle: its counter rises to the least of its band's backlogged tenants (or the last one served),
   -- so idle time is not saved up into a burst; a tie goes to it, the tenant served least recently
@@ -192,12 +260,16 @@ return {'ok', member, dispatch(now)}
 """
 
 DISPATCH = _COMMON + r"""
--- ARGV: the offering worker ('' for none), its slots, how long its offer holds (ms), then for each job that
--- ended: its band and tenant, the correction of its counter, how long it ran (ms). Returns jobs dispatched.
+-- ARGV: the offering worker ('' for none), its slots, how long its offer holds (ms), its headroom, then for each
+-- job that ended: its band and tenant, the correction of its counter, how long it ran (ms), its sequences (its
+-- entry left the request stream). Returns jobs dispatched.
 local now = now_ms()
-offer(ARGV[1], ARGV[2], ARGV[3], now)
-for i = 4, #ARGV, 3 do
+offer(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now)
+for i = 5, #ARGV, 4 do
   local entity, correction, duration = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local sequences = tonumber(ARGV[i + 3])
+  add(STATE, 'wide', 1 - sequences)
+  add(INFLIGHT, entity, -sequences)
   local counter = redis.call('HGET', COUNTERS, entity)
   if counter and correction ~= 0 then set_counter(entity, tonumber(counter) + correction) end
   if duration > 0 then
@@ -237,9 +309,10 @@ local member = ARGV[1]
 if redis.call('ZREM', BACKLOG, member) == 0 then return 0 end
 local entity = member:sub(1, member:find('\0', 1, true) - 1)
 local band, tenant = entity:sub(1, BAND_WIDTH), entity:sub(BAND_WIDTH + 1)
+local cost = redis.call('HGET', COSTS, member)
 redis.call('HDEL', JOBS, member)
 redis.call('HDEL', COSTS, member)
-count_queued(tenant, band, -1)
+count_queued(tenant, band, -1, 1 - sequences_of(cost))
 if not oldest(entity) then
   local counter = redis.call('HGET', COUNTERS, entity)
   if counter then redis.call('ZREM', READY, band .. counter .. tenant) end

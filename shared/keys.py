@@ -147,7 +147,7 @@ def settled(key_id: str, job_id: str) -> str:
     return f"{PREFIX}:settled:{{{key_id}}}:{job_id}"
 
 
-FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots")
+FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots", "inflight")
 """The fair-share scheduler's keys of a model (see shared.fairshare), all under the model's hash tag like its
 request stream, so that each of its scripts touches one Redis Cluster slot:
 
@@ -159,7 +159,8 @@ request stream, so that each of its scripts touches one Redis Cluster slot:
     queued    hash: jobs each tenant holds queued
     state     hash: queued jobs (in all and per band), the last counter served in each band, the sequence of
               backlog members, the moving average of a job's duration
-    slots     hash: the slots each live worker offers, with when its offer expires
+    slots     hash: the slots each live worker offers, with when its offer expires and how many it keeps as headroom
+    inflight  hash: the slots each band and tenant's jobs on the request stream take (dispatched, not yet ended)
 """
 
 

@@ -66,10 +66,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """The simulated engine's time to first token."""
     sim_itl_ms: float = 20.0
     """The simulated engine's time between tokens (one step of its batch)."""
+    sim_prefill_us_per_token: float = 0.0
+    """The simulated engine's prefill cost per prompt token (a word), spent in one lane that all prefills share, in
+    chunks, the most urgent first (as an engine's token budget per step); its time to first token adds it to
+    `sim_ttft_ms`. 0: prefills cost only `sim_ttft_ms`, each on its own."""
     max_model_len: int = 2048
     """Context length the worker allows (prompt plus completion tokens)."""
     max_num_seqs: int = 32
-    """Sequences one worker runs at once; it pulls new jobs only while it has free slots."""
+    """Sequences one worker runs at once (its slots: a job takes one per sequence); it pulls new jobs only while it
+    has free slots, and the edge refuses a job with more sequences than that."""
     stream_interval: int = 1
     """Tokens a stream gathers before the worker sends them on (vLLM's --stream-interval): 1 sends every token
     as the engine makes it; more sends a stream's tokens in fewer, larger events, which costs the worker, Redis
@@ -152,6 +157,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Fair share: what one prompt token costs a tenant's counter."""
     fair_output_weight: float = 2.0
     """Fair share: what one generated token costs a tenant's counter."""
+    fair_headroom: float = 0.0625
+    """Fair share: the part of a worker's slots that a tenant holding that many or more may not fill, so that a
+    tenant that comes in while another keeps every other slot busy finds a slot free at once (rather than waiting
+    for one to end). A worker's setting; 0: every slot to whoever is next, the last one included."""
     max_queued_jobs: int = 4096
     """Jobs one model may hold queued (not yet running); past it new requests get 503 at once."""
     max_queued_per_tenant: int = 1024

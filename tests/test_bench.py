@@ -119,10 +119,11 @@ def _fairness_result() -> fairness.Result:
     plan = fairness.Plan()
     runs = []
     for scheduler, flooded_ms, heavy_share in (("fifo", 2600.0, 0.5), ("fair", 80.0, 0.667)):
-        runs.append(fairness.Run("flood", scheduler, 15.0, {
+        runs += [fairness.Run(f"flood: {shape}", scheduler, 15.0, {
             "tenant-b alone": figures("tenant-b alone", 57.0, 640, 1.0),
             "tenant-b": figures("tenant-b", flooded_ms, 700, 0.015), "tenant-a": figures("tenant-a", 2600.0, 46000,
-                                                                                           0.985)}))
+                                                                                           0.985)})
+                 for shape in fairness.FLOODS]
         runs.append(fairness.Run("weights", scheduler, 15.0, {
             "light": figures("light", 2000.0, round(30000 * (1 - heavy_share)), 1 - heavy_share),
             "heavy": figures("heavy", 2000.0, round(30000 * heavy_share), heavy_share)}))
@@ -135,12 +136,14 @@ def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Pa
     fairness_report.write(_fairness_result(), out, "tokenbus bench fairness")
     text = out.read_text()
     assert "kept" in text and "old" not in text and text.count("## Fair share") == 1
-    assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text and "| fair | 9990 | 20010 | 2.00 | 66.7% |" in text
+    assert "| fair | same length | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text
+    assert "| fair | long prompts | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text
+    assert "| fair | 9990 | 20010 | 2.00 | 66.7% |" in text
     assert (tmp_path / "bench-fairness.png").stat().st_size > 0
     report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
                                vllm_bench=None), out)  # `bench all` writes its sections anew
     text = out.read_text()
-    assert "| fair | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text
+    assert "| fair | mixed lengths | 57 / 57 ms | 80 / 80 ms | 1.4x |" in text
     assert text.count("kept") == 1 and text.count(report.KEPT) == 1  # "## Other" says so; fairness names its run
     report.write(report.Report(command="test", comparison={}, hops=(), throughput=None, many=None,
                                vllm_bench=None), out)

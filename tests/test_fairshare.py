@@ -281,3 +281,71 @@ async def test_fifo_keeps_one_queue_with_the_model_bound(redis: aioredis.Redis) 
     refused = await fifo.enqueue(make_job(fifo.model, "d"))
     assert isinstance(refused, QueueFull)
     assert [job.tenant for _e, job, _t in await fifo.take()] == ["b", "c", "c"]
+
+
+def wide_job(model: str, tenant: str, sequences: int) -> bus.Job:
+    """A completion of one prompt with `sequences` choices."""
+    job = make_job(model, tenant)
+    job.kind, job.prompts, job.params = "completion", ["count"], bus.SamplingParams(n=sequences)
+    return job
+
+
+async def test_a_job_takes_as_many_slots_as_it_has_sequences(redis: aioredis.Redis) -> None:
+    """8 slots hold two jobs of 3 choices, not eight: the third waits for one of them to end."""
+    fair = await pool(redis, slots=8)
+    for _ in range(3):
+        await fair.enqueue(wide_job(fair.model, "a", 3))
+    assert await fair.offer() == 2
+    taken = await fair.take()
+    assert [job.sequences() for _id, job, _ticket in taken] == [3, 3]
+    assert [ticket.sequences for _id, _job, ticket in taken if ticket] == [3, 3]
+    await fair.finish(taken[:1])
+    assert len(await fair.take()) == 1
+
+
+async def test_a_wide_job_is_not_overtaken_by_narrow_ones(redis: aioredis.Redis) -> None:
+    """A job of 4 sequences, next in turn behind 4 running narrow jobs, gets the 4 slots once they free although
+    narrow jobs wait too: each slot that frees waits for it rather than going to a narrow job (it would never
+    have 4)."""
+    fair = await pool(redis, slots=4)
+    for _ in range(10):
+        await fair.enqueue(make_job(fair.model, "narrow"))
+    await fair.offer()
+    running = await fair.take()
+    await fair.enqueue(wide_job(fair.model, "wide", 4))
+    for one in running[:-1]:
+        await fair.finish([one])
+        assert await fair.take() == []
+    await fair.finish(running[-1:])
+    assert [job.tenant for _id, job, _ticket in await fair.take()] == ["wide"]
+
+
+async def test_the_wait_estimate_counts_sequences(redis: aioredis.Redis) -> None:
+    """A job behind wide ones is refused for a deadline that the same number of narrow jobs would let it meet."""
+    narrow, wide = await pool(redis, slots=2), await pool(redis, slots=2)
+    for fair, sequences in ((narrow, 1), (wide, 2)):
+        await fair.offer(slots=0)
+        for _ in range(4):
+            await fair.enqueue(wide_job(fair.model, "a", sequences))
+        await fair.redis.hset(keys.fair_key(fair.model, "state"), "avg_ms", "1000")  # a job runs 1 s
+        await fair.offer()  # two slots: 2 narrow jobs (or 1 wide) leave, the others wait
+    # narrow: 2 jobs ahead, one slot frees each 500 ms: ~1.5 s; wide: 3 jobs of 2 ahead: ~3.5 s
+    assert isinstance(await narrow.enqueue(make_job(narrow.model, "a", deadline_s=2.5)), fairshare.Admitted)
+    assert isinstance(await wide.enqueue(make_job(wide.model, "a", deadline_s=2.5)), WaitExceedsDeadline)
+
+
+async def test_a_tenant_holding_the_headroom_s_worth_leaves_it_to_one_that_comes_in(redis: aioredis.Redis) -> None:
+    """A worker of 8 slots keeping 2 as headroom: a flooding tenant gets 6 of them; a tenant that comes in while it
+    floods gets a slot at once, in the enqueue's own dispatch; the flood's ending jobs make room for more of its own,
+    up to the headroom: two slots stay free for the next tenant to come."""
+    fair = await pool(redis, slots=8)
+    await fair.scheduler.dispatch(fair.model, fairshare.Offer("w", 8, 60_000, headroom=2))
+    for _ in range(20):
+        await fair.enqueue(make_job(fair.model, "flood"))
+    flooding = await fair.take()
+    assert len(flooding) == 6
+    admitted = await fair.enqueue(make_job(fair.model, "newcomer"))
+    assert isinstance(admitted, fairshare.Admitted) and admitted.dispatched == 1
+    assert [job.tenant for _id, job, _ticket in await fair.take()] == ["newcomer"]
+    await fair.finish(flooding[:3])
+    assert [job.tenant for _id, job, _ticket in await fair.take()] == ["flood"] * 2

@@ -90,3 +90,46 @@ async def test_the_jobs_of_a_worker_that_stopped_beating_are_claimed_and_finishe
     kinds = [type(e) for _t, e in events]
     assert kinds == [bus.Started] + [bus.Tokens] * TOKENS + [bus.Final], kinds
     assert not redis_client.xpending(stream, keys.WORKER_GROUP)["pending"]
+
+
+async def test_a_wide_job_waits_for_its_slots_and_nothing_read_after_it_goes_first(
+    redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
+) -> None:
+    """A worker of 4 slots running a job reads a job of 4 choices and a narrow one after it: the wide one starts
+    once the first has ended (never more than 4 sequences in the engine), and the narrow one after the wide one
+    began, although a slot was free for it all along."""
+    model = f"rounds-{uuid.uuid4().hex[:8]}"
+    worker = await start_worker(model, max_num_seqs=4, sim_ttft_ms=10, sim_itl_ms=20, scheduler="fifo")
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
+    first, wide, last = _job(model, reply_to), _job(model, reply_to), _job(model, reply_to)
+    first.params = bus.SamplingParams(max_tokens=10, ignore_eos=True)
+    wide.kind, wide.messages, wide.prompts = "completion", [], ["count"]
+    wide.params = bus.SamplingParams(max_tokens=TOKENS, n=4, ignore_eos=True)
+    busiest = 0
+
+    def engine_load() -> bool:
+        nonlocal busiest
+        busiest = max(busiest, len(worker.engine.running))
+        return False
+
+    with listening(redis_client, reply_to) as listener:
+        for job in (first, wide, last):
+            redis_client.xadd(keys.requests_stream(model), {bus.JOB_FIELD: bus.encode_job(job)})
+        watching = asyncio.create_task(_until(engine_load, 3.0))
+        events = await asyncio.to_thread(_all_events, listener, 3, 10.0)
+        watching.cancel()
+    started = [e.job for _t, e in events if isinstance(e, bus.Started)]
+    ended = {e.job: at for at, e in events if isinstance(e, bus.Final)}
+    assert started == [first.id, wide.id, last.id]
+    began = {e.job: at for at, e in events if isinstance(e, bus.Started)}
+    assert began[wide.id] >= ended[first.id] and began[last.id] >= began[wide.id]
+    assert len(ended) == 3 and 0 < busiest <= 4, (ended, busiest)
+
+
+def _all_events(listener: Any, jobs: int, wait_s: float) -> list[tuple[float, bus.Event]]:
+    """Events of `jobs` jobs on one channel, until each has its Final (or `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    events: list[tuple[float, bus.Event]] = []
+    while time.monotonic() < deadline and sum(isinstance(e, bus.Final) for _t, e in events) < jobs:
+        events += listener.events(max(0.1, deadline - time.monotonic()))
+    return events

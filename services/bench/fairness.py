@@ -2,7 +2,9 @@
 keys, one worker with 64 slots.
 
 flood: tenant A keeps hundreds of streams in flight (each one that ends is replaced at once) while tenant B sends
-one request at a time; B's time to first token is compared with B alone on the same processes.
+one request at a time; B's time to first token is compared with B alone on the same processes. A's flood takes
+three shapes: requests of one length (they start and end together, and the slots free in waves), of mixed lengths,
+and of long prompts (prefill-heavy: the simulated engine's prefills share one lane).
 weights: two tenants with weights 1 and 2 keep the worker saturated; their shares of the tokens served.
 """
 
@@ -28,6 +30,9 @@ from shared.settings import Settings
 SLOTS = 64
 LOAD_TIMEOUT_S = 120.0
 FLOODER, SIPPER, LIGHT, HEAVY = "tenant-a", "tenant-b", "light", "heavy"
+SAME, MIXED, LONG = "same length", "mixed lengths", "long prompts"
+FLOODS = (SAME, MIXED, LONG)
+"""The shapes of A's flood; the run of each is named `flood: {shape}`."""
 WEIGHTS = {FLOODER: 1.0, SIPPER: 1.0, LIGHT: 1.0, HEAVY: 2.0}
 
 Measured = tuple[list[Timing], float, float]
@@ -47,6 +52,9 @@ class Plan:
     window_s: float = 15.0
     sim_ttft_ms: float = 50.0
     sim_itl_ms: float = 20.0
+    sim_prefill_us_per_token: float = 20.0
+    """The simulated engine's prefill lane: B's 16 words cost it next to nothing, a long prompt a chunk or more."""
+    long_prompt_words: int = 1024
     schedulers: tuple[str, ...] = ("fifo", "fair")
 
     @classmethod
@@ -93,7 +101,9 @@ def measure(log: Path, plan: Plan) -> Result:
     for scheduler in plan.schedulers:
         with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms),
                               edge_settings={"auth": "keys", "scheduler": scheduler},
-                              worker_settings={"max_num_seqs": SLOTS, "scheduler": scheduler}) as running:
+                              worker_settings={"max_num_seqs": SLOTS, "scheduler": scheduler,
+                                               "sim_prefill_us_per_token": plan.sim_prefill_us_per_token}
+                              ) as running:
             runs += asyncio.run(_scenarios(running, engine.model, scheduler, plan))
     return Result(plan, runs)
 
@@ -102,16 +112,13 @@ async def _scenarios(running: systems.Running, model: str, scheduler: str, plan:
     keys = await _keys(running.redis_url)
     request = Request(prompt_of(16, random.Random(0)), 16, plan.tokens)
     url = running.base_url + "/v1/chat/completions"
+    runs: list[Run] = []
     async with _session(keys[SIPPER]) as sipper:
         alone = (await _sequential(sipper, url, model, request, plan.alone_requests), 0.0, float("inf"))
-        with Loads(url, model, request, {FLOODER: (keys[FLOODER], plan.flood_streams)}) as loads:
-            await loads.ready()
-            await asyncio.sleep(plan.warmup_s)
-            await _backlogged(running.redis_url, model, plan.flood_streams - SLOTS)
-            opened = time.perf_counter()
-            sipped = await _sequential(sipper, url, model, request, 1 << 30, until=opened + plan.window_s)
-            closed = time.perf_counter()
-            flood = {SIPPER: (sipped, opened, closed), FLOODER: ((await loads.stop())[FLOODER], opened, closed)}
+        for shape in FLOODS:
+            flood = await _flood(running, sipper, url, model, request, shape, keys[FLOODER], plan)
+            runs.append(Run(f"flood: {shape}", scheduler, flood[SIPPER][2] - flood[SIPPER][1],
+                            {**_figures({f"{SIPPER} alone": alone}), **_figures(flood)}))
     with Loads(url, model, request, {tenant: (keys[tenant], plan.weighted_streams) for tenant in (LIGHT, HEAVY)}
                ) as loads:
         await loads.ready()
@@ -121,9 +128,24 @@ async def _scenarios(running: systems.Running, model: str, scheduler: str, plan:
         await asyncio.sleep(plan.window_s)
         closed = time.perf_counter()
         weights = {tenant: (timings, opened, closed) for tenant, timings in (await loads.stop()).items()}
-    flood_figures = {**_figures({f"{SIPPER} alone": alone}), **_figures(flood)}
-    return [Run("flood", scheduler, flood[SIPPER][2] - flood[SIPPER][1], flood_figures),
-            Run("weights", scheduler, closed - opened, _figures(weights))]
+    return [*runs, Run("weights", scheduler, closed - opened, _figures(weights))]
+
+
+async def _flood(running: systems.Running, sipper: aiohttp.ClientSession, url: str, model: str, request: Request,
+                 shape: str, key: str, plan: Plan) -> dict[str, Measured]:
+    """B's requests one at a time while A keeps its flood of one shape in flight, over the measured window."""
+    flooding = request
+    if shape == LONG:
+        flooding = Request(prompt_of(plan.long_prompt_words, random.Random(1)), plan.long_prompt_words,
+                           request.max_tokens)
+    with Loads(url, model, flooding, {FLOODER: (key, plan.flood_streams)}, mixed=shape != SAME) as loads:
+        await loads.ready()
+        await asyncio.sleep(plan.warmup_s)
+        await _backlogged(running.redis_url, model, plan.flood_streams - SLOTS)
+        opened = time.perf_counter()
+        sipped = await _sequential(sipper, url, model, request, 1 << 30, until=opened + plan.window_s)
+        closed = time.perf_counter()
+        return {SIPPER: (sipped, opened, closed), FLOODER: ((await loads.stop())[FLOODER], opened, closed)}
 
 
 async def _keys(redis_url: str) -> dict[str, str]:
@@ -168,13 +190,14 @@ class Loads:
     """Tenants that keep `streams` requests in flight each, every one in a process of its own as separate
     clients would be (so that reading their streams does not delay the measured tenant's client)."""
 
-    def __init__(self, url: str, model: str, request: Request, tenants: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, url: str, model: str, request: Request, tenants: dict[str, tuple[str, int]],
+                 mixed: bool = True) -> None:
         context = multiprocessing.get_context("spawn")
         self.started = context.Event()
         self.stopping = context.Event()
         self.results: multiprocessing.Queue[tuple[str, list[Timing]]] = context.Queue()
         self.processes = [context.Process(target=_load, name=f"load-{tenant}", args=(
-            tenant, key, streams, url, model, request, self.started, self.stopping, self.results))
+            tenant, key, streams, url, model, request, mixed, self.started, self.stopping, self.results))
             for tenant, (key, streams) in tenants.items()]
 
     def __enter__(self) -> Loads:
@@ -201,11 +224,11 @@ class Loads:
         return dict(found)
 
 
-def _load(tenant: str, key: str, streams: int, url: str, model: str, request: Request, started: Any, stopping: Any,
-          results: Any) -> None:
+def _load(tenant: str, key: str, streams: int, url: str, model: str, request: Request, mixed: bool, started: Any,
+          stopping: Any, results: Any) -> None:
     """One load's process: `streams` requests in flight until `stopping`, each replaced as soon as it ends.
-    Their lengths vary around the request's (half to one and a half times): requests of one length that start
-    together would end together, and the worker's slots would free in waves rather than one by one."""
+    Mixed, their lengths vary around the request's (half to one and a half times); else all have its length, and
+    as they start together they end together: the worker's slots free in waves rather than one by one."""
 
     async def run() -> list[Timing]:
         timings: list[Timing] = []
@@ -214,7 +237,8 @@ def _load(tenant: str, key: str, streams: int, url: str, model: str, request: Re
 
             async def stream() -> None:
                 while not stopping.is_set():
-                    tokens = lengths.randint(request.max_tokens // 2, request.max_tokens * 3 // 2)
+                    tokens = (lengths.randint(request.max_tokens // 2, request.max_tokens * 3 // 2) if mixed
+                              else request.max_tokens)
                     timings.append(await send(session, url, "chat", model,
                                               Request(request.prompt, request.prompt_words, tokens)))
 

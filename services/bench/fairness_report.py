@@ -18,22 +18,24 @@ def fairness_section(result: fairness.Result, command: str, image: str | None) -
         FAIRNESS_HEADING, "",
         f"Made by `{command}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, on the machine above. One edge with API "
         f"keys, one simulated worker with {fairness.SLOTS} slots (TTFT {plan.sim_ttft_ms:.0f} ms, ITL "
-        f"{plan.sim_itl_ms:.0f} ms), streamed chat requests of 16 prompt words; B asks for {plan.tokens} tokens a "
-        f"request, the loading tenants for {plan.tokens // 2} to {plan.tokens * 3 // 2} (of one length they would "
-        "start and end together, and the slots would free in waves). Each scheduler runs on fresh processes; each "
-        "loading tenant is a client process of its own. Figures are taken over the measured window, after "
-        f"{plan.warmup_s:.0f} s of load.", "",
+        f"{plan.sim_itl_ms:.0f} ms, prefills in one lane at {plan.sim_prefill_us_per_token:g} us a prompt word, "
+        f"the most urgent first), streamed chat requests of 16 prompt words; B asks for {plan.tokens} tokens a "
+        f"request. A's flood takes three shapes: {fairness.SAME} ({plan.tokens} tokens each: they start and end "
+        f"together, and the slots free in waves), {fairness.MIXED} ({plan.tokens // 2} to {plan.tokens * 3 // 2} "
+        f"tokens) and {fairness.LONG} ({plan.long_prompt_words} words, mixed lengths: prefill-heavy). Each "
+        "scheduler runs on fresh processes; each loading tenant is a client process of its own. Figures are taken "
+        f"over the measured window, after {plan.warmup_s:.0f} s of load.", "",
         f"**Tenant A keeps {plan.flood_streams} streams in flight while tenant B sends one request at a time** "
         f"(B alone: {plan.alone_requests} requests before A starts).", "",
-        "| scheduler | B alone TTFT p50 / p99 | B during the flood TTFT p50 / p99 | B p50 / alone | A TTFT p50 / p99 "
-        "| B's requests | window | tokens/s served | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scheduler | A's flood | B alone TTFT p50 / p99 | B during the flood TTFT p50 / p99 | B p50 / alone "
+        "| A TTFT p50 / p99 | B's requests | window | tokens/s served | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for scheduler in plan.schedulers:
-        run = result.run("flood", scheduler)
+    for scheduler, shape in ((s, f) for s in plan.schedulers for f in fairness.FLOODS):
+        run = result.run(f"flood: {shape}", scheduler)
         alone, b, a = (run.tenants[name] for name in (f"{fairness.SIPPER} alone", fairness.SIPPER, fairness.FLOODER))
         lines.append(
-            f"| {scheduler} | {alone.ttft_ms.p50:.0f} / {alone.ttft_ms.p99:.0f} ms | {b.ttft_ms.p50:.0f} / "
+            f"| {scheduler} | {shape} | {alone.ttft_ms.p50:.0f} / {alone.ttft_ms.p99:.0f} ms | {b.ttft_ms.p50:.0f} / "
             f"{b.ttft_ms.p99:.0f} ms | {b.ttft_ms.p50 / alone.ttft_ms.p50:.1f}x | {a.ttft_ms.p50:.0f} / "
             f"{a.ttft_ms.p99:.0f} ms | {b.requests} | {run.window_s:.1f} s | "
             f"{(a.tokens + b.tokens) / run.window_s:.0f} | {a.failed + b.failed + alone.failed} |")
@@ -56,12 +58,15 @@ def fairness_plot(result: fairness.Result, out_dir: Path) -> str:
     import matplotlib.pyplot as plt
 
     schedulers = result.plan.schedulers
-    fig, (ttft, shares) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ttft, shares) = plt.subplots(1, 2, figsize=(12, 4))
     places = range(len(schedulers))
-    for offset, (name, label) in enumerate(((f"{fairness.SIPPER} alone", "B alone"),
-                                            (fairness.SIPPER, "B while A floods"))):
-        ttft.bar([p + offset * 0.4 for p in places],
-                 [result.run("flood", s).tenants[name].ttft_ms.p50 for s in schedulers], width=0.4, label=label)
+    width = 0.8 / (1 + len(fairness.FLOODS))
+    bars = [("B alone", f"{fairness.FLOODS[0]}", f"{fairness.SIPPER} alone")] + [
+        (f"B, A's flood: {shape}", shape, fairness.SIPPER) for shape in fairness.FLOODS]
+    for offset, (label, shape, name) in enumerate(bars):
+        ttft.bar([p + offset * width for p in places],
+                 [result.run(f"flood: {shape}", s).tenants[name].ttft_ms.p50 for s in schedulers], width=width,
+                 label=label)
     ttft.set_yscale("log")
     ttft.set_ylabel("B's time to first token p50 (ms)")
     ttft.set_title(f"A keeps {result.plan.flood_streams} streams in flight")
@@ -72,8 +77,9 @@ def fairness_plot(result: fairness.Result, out_dir: Path) -> str:
     shares.axhline(1 / 3, color="gray", linestyle="--", linewidth=1)
     shares.set_ylabel("share of tokens served")
     shares.set_title("weights 1 : 2 (dashed: 1/3 and 2/3)")
+    ttft.set_xticks([p + 0.4 - width / 2 for p in places], schedulers)
+    shares.set_xticks([p + 0.2 for p in places], schedulers)
     for ax in (ttft, shares):
-        ax.set_xticks([p + 0.2 for p in places], schedulers)
         ax.legend()
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

@@ -21,7 +21,7 @@ PRUNE_AFTER_S = 300.0
 
 
 class ModelDirectory:
-    """The models of live workers, and one worker's heartbeat for each."""
+    """The models of live workers, and for each the heartbeat of its worker with the most slots."""
 
     def __init__(self, redis: aioredis.Redis, expected: list[str] | None = None, refresh_s: float = 2.0) -> None:
         self.redis = redis
@@ -86,7 +86,8 @@ class ModelDirectory:
         for raw in map(heartbeats.__getitem__, names):
             if isinstance(raw, bytes):  # None: that heartbeat expired
                 info = bus.decode_info(raw)
-                found.setdefault(info.model, info)
+                if info.model not in found or info.slots > found[info.model].slots:  # the largest job it can run
+                    found[info.model] = info
                 workers.add(info.worker)
                 live[info.model] = live.get(info.model, 0) + 1
                 free[info.model] = free.get(info.model, 0) + max(0, info.slots - info.running)

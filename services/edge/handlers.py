@@ -18,7 +18,7 @@ from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
-from shared import bus, keys, metrics
+from shared import bus, fairshare, keys, metrics
 from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
 from shared.settings import Settings
 
@@ -32,9 +32,11 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     arrival, caller = plan.arrival, caller_of(request)
     deadline = arrival.started + settings.request_timeout_s
     info = gateway.directory.models.get(plan.job.model)
+    fairshare.check_fits(plan.job, info)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
-    if plan.stream:  # kept to be resumed: its request and event log count against its tenant's storage
+    resumable = plan.stream and sse.wants_ids(request)
+    if resumable:  # kept to be resumed: its request and event log count against its tenant's storage
         await request.app[STORE].charge_stream(caller.tenant, caller.key, plan.job, len(body))
     try:
         admission = await admitter.admit(caller, plan.job, info.max_model_len if info else 0)
@@ -44,7 +46,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     metrics.TENANT_REQUESTS.labels(*tenant, "admitted").inc()
     request[RATE_HEADERS] = admission.headers
     record = None
-    if plan.stream and sse.wants_ids(request):  # kept so that any edge can resume the stream
+    if resumable:  # kept so that any edge can resume the stream
         ttl_ms = int((settings.request_timeout_s + settings.replay_ttl_s) * 1000)
         stream = plan.record(body, caller.tenant, caller.key_id, admission.lease)
         record = (keys.job_record(arrival.job_id), _records.encode(stream), ttl_ms)

@@ -108,6 +108,9 @@ class VllmEngine:
             # an embedding model keeps its own (short) context; --max-model-len is for generation
             max_model_len=None if self.settings.task == "embed" else self.settings.max_model_len,
             max_num_seqs=self.settings.max_num_seqs,
+            # the worker ranks each job by its tenant's standing: a tenant using little goes before one using much
+            # among the requests waiting for a prefill, and is the last to be preempted when the cache runs out
+            scheduling_policy="priority",
             stream_interval=self.settings.stream_interval,
             max_logprobs=20,
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
@@ -243,10 +246,11 @@ class VllmEngine:
 
     # generation
 
-    async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
-        """Generates the job's tokens: Tokens events per engine step, then one Final."""
+    async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+        """Generates the job's tokens: Tokens events per engine step, then one Final; the engine serves a lower
+        `priority` first."""
         if job.kind == "embedding":
-            async for event in self._embed(job):
+            async for event in self._embed(job, priority):
                 yield event
             return
         counts = Counts()
@@ -254,7 +258,8 @@ class VllmEngine:
         request_ids = [job.id] if len(runs) == 1 else [f"{job.id}-{i}" for i in range(len(runs))]
         self.requests[job.id] = request_ids
         try:
-            streams = [self._one(job, rid, run, counts) for rid, run in zip(request_ids, runs, strict=True)]
+            streams = [self._one(job, rid, run, counts, priority)
+                       for rid, run in zip(request_ids, runs, strict=True)]
             async for event in _interleaved(streams):
                 yield event
         finally:
@@ -282,13 +287,15 @@ class VllmEngine:
                 runs.append(_Run(index, choice, prompt + had, params, echo_ids=prompt))
         return runs
 
-    async def _one(self, job: bus.Job, request_id: str, run: _Run, counts: Counts) -> AsyncIterator[bus.Output]:
+    async def _one(self, job: bus.Job, request_id: str, run: _Run, counts: Counts,
+                   priority: int) -> AsyncIterator[bus.Output]:
         top = job.params.logprobs
         first = True
         if run.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
             yield bus.Tokens(job=job.id, text="", token_ids=[], choice=run.choice, finish_reason="length")
             return
-        outputs = self.llm.generate({"prompt_token_ids": run.ids}, run.params, request_id).__aiter__()
+        outputs = self.llm.generate({"prompt_token_ids": run.ids}, run.params, request_id,
+                                    priority=priority).__aiter__()
         while True:
             try:
                 out = await outputs.__anext__()
@@ -320,7 +327,7 @@ class VllmEngine:
         return bus.Prompt(job=job.id, index=index, token_ids=ids, logprobs=logprobs,
                           first_token=first_token)
 
-    async def _embed(self, job: bus.Job) -> AsyncIterator[bus.Output]:
+    async def _embed(self, job: bus.Job, priority: int) -> AsyncIterator[bus.Output]:
         """One vector per input, in input order; inputs longer than the context are an error (or cut)."""
         from vllm import PoolingParams
 
@@ -337,7 +344,7 @@ class VllmEngine:
         request_ids = [f"{job.id}-{i}" for i in range(len(prompts))]
         self.requests[job.id] = request_ids
         try:
-            streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="embed"))
+            streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="embed"), priority)
                        for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True)) if i not in done]
             async for event in _interleaved(streams):
                 yield event
@@ -346,9 +353,9 @@ class VllmEngine:
         yield bus.Final(job=job.id, prompt_tokens=sum(map(len, prompts)), completion_tokens=0)
 
     async def _embed_one(
-        self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any
+        self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any, priority: int
     ) -> AsyncIterator[bus.Output]:
-        async for out in self.llm.encode({"prompt_token_ids": ids}, params, request_id):
+        async for out in self.llm.encode({"prompt_token_ids": ids}, params, request_id, priority=priority):
             if out.finished:
                 yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(),
                                     prompt_tokens=len(ids))

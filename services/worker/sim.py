@@ -2,8 +2,9 @@
 
 It behaves like a continuously batching engine with fixed timings: each request waits `ttft` (its
 prefill), then joins the running batch, which produces one token for every running request per step of
-`itl`. Its text is a counting placeholder, not language: token n of a choice is " t{n}", so a client can
-check that a stream that moved between workers lost and repeated nothing.
+`itl`. With a prefill cost per prompt token, prompts also pass one by one through a prefill lane, the most
+urgent (the lowest priority value) first. Its text is a counting placeholder, not language: token n of a
+choice is " t{n}", so a client can check that a stream that moved between workers lost and repeated nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from services.worker.prefill import PrefillLane
 from shared import bus, metrics
 from shared.settings import Settings
 
@@ -59,6 +61,7 @@ class SimEngine:
         in the simulated engine (the worker never gives it more than its slots)."""
         self.aborted: set[str] = set()
         self.stepper: asyncio.Task[None] | None = None
+        self.prefills = PrefillLane(settings.sim_prefill_us_per_token / 1e6)
 
     def start(self) -> None:
         """Nothing to load."""
@@ -66,6 +69,7 @@ class SimEngine:
     def shutdown(self) -> None:
         if self.stepper is not None:
             self.stepper.cancel()
+        self.prefills.stop()
 
     async def _step(self) -> None:
         """One token for every running sequence per step, like a batching engine."""
@@ -95,10 +99,11 @@ class SimEngine:
         running.set(len(self.running))
         usage.set(min(1.0, len(self.running) / max(1, self.slots)))
 
-    async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
-        deadline = time.monotonic() + self.ttft_s
+    async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
         prompts = len(job.prompts) or 1
         prompt_tokens, dropped = self._prompt(job)
+        await self.prefills.prefill(prompt_tokens, priority)
+        deadline = time.monotonic() + self.ttft_s
         sequences = self._sequences(job, prompts * job.params.n)  # made before the prefill's end, not after it
         carried = sum(seq.produced - 1 for seq in sequences)
         await _sleep_until(deadline)  # prefill, which yields each sequence's first token

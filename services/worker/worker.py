@@ -23,6 +23,7 @@ from services.worker.parsing.output import JobOutput, for_job
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
+from services.worker.slots import Slots
 from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
 from shared.errors import (
     EngineError,
@@ -52,6 +53,8 @@ CHECK_FIRST_AFTER_MS = 1000
 """A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
 starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
 sent while it waits also reaches the worker on the cancel channel."""
+PRIORITY_BAND_SPAN = 1_000_000
+"""Engine priorities of one band lie within this span (a tenant's slots over its weight), below a lower band's."""
 CHECK_WAIT_S = 5.0
 """How long an older job waits for that check (it rides the publisher's next write, which waits out a Redis
 outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
@@ -63,7 +66,9 @@ class Engine(Protocol):
     max_model_len: int
     dimensions: int
 
-    def run(self, job: bus.Job) -> AsyncIterator[bus.Output]: ...
+    def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+        """The job's outputs; among requests waiting in the engine, a lower `priority` goes first."""
+        ...
 
     async def abort(self, job_id: str) -> None: ...
 
@@ -187,6 +192,8 @@ class Worker:
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()
+        self.slots = Slots(settings.max_num_seqs)
+        """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
         self.slot_freed = asyncio.Event()
         self.stopping = False
         self.crashed = asyncio.Event()
@@ -200,7 +207,7 @@ class Worker:
         """The cancel and route subscription: quiet for long stretches, so no socket timeout."""
         self.scheduler = SchedulerLink(
             fairshare.for_settings(self.redis, settings), self.model,
-            fairshare.Offer(self.id, settings.max_num_seqs, int(settings.heartbeat_ttl_s * 1000)))
+            fairshare.Offer.of(self.id, settings))
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.beats = rawpipe.Pipelines(self.redis, keep=False)
@@ -305,7 +312,8 @@ class Worker:
                 raise
 
     def _free_slots(self) -> int:
-        return self.settings.max_num_seqs - len(self.tasks_by_job)
+        """Slots new jobs may fill (a read takes at most one job per slot): none while a wide job waits for its own."""
+        return self.slots.open()
 
     async def _pull(self) -> None:
         """Reads jobs into free slots. The scheduler's dispatch fills the request stream at the first read (this
@@ -399,7 +407,8 @@ class Worker:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
         logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
         try:
-            await work
+            async with self.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
+                await work
         finally:
             self.runs.pop(run.job.id, None)
             self.tasks_by_job.pop(run.job.id, None)
@@ -558,7 +567,7 @@ class Worker:
         run.began = time.monotonic()
         try:
             async with asyncio.timeout(remaining_s):
-                async for event in self.engine.run(job):
+                async for event in self.engine.run(job, self._standing(job)):
                     if job.id in self.aborted or run.muted:
                         # the cancel may have come before the engine knew the request: abort again
                         await self.engine.abort(job.id)
@@ -575,6 +584,15 @@ class Worker:
         finally:
             running.dec()
         return "aborted" if job.id in self.aborted else "finished"
+
+    def _standing(self, job: bus.Job) -> int:
+        """The job's engine priority, its tenant's fair-share standing here: the slots the tenant's running jobs of
+        its band hold, over its weight (a tenant using little goes first); a higher band goes before any of a
+        lower one."""
+        held = sum(run.job.sequences() for run in self.runs.values()
+                   if run.began and run.job is not job and (run.job.tenant, run.job.priority) == (job.tenant,
+                                                                                                  job.priority))
+        return int(held / max(job.weight, 1e-3)) - job.priority * PRIORITY_BAND_SPAN
 
     async def abort(self, job_id: str, abandoned: bool = False) -> None:
         """Aborts a running job in the engine; its generator then ends by itself."""
@@ -642,7 +660,7 @@ class Worker:
             info = bus.encode_info(bus.WorkerInfo(
                 worker=self.id, model=self.model, task=self.settings.task,
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
-                slots=self.settings.max_num_seqs, running=len(self.tasks_by_job),
+                slots=self.settings.max_num_seqs, running=self.slots.used,
             ))
             pipe = self.beats.pipeline()
             pipe.execute_command("SET", key, info, "PX", ttl_ms)
