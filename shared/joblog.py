@@ -28,6 +28,20 @@ def _position(event: bus.Event) -> int:
     return event.seq
 
 
+PAGE_ENTRIES = 256
+"""Entries (one owner's write each: a step's events of the job) one read of a log takes."""
+
+
+async def read_page(redis: aioredis.Redis, job_id: str, after: str) -> tuple[list[bus.Event], str, bool]:
+    """The events of the log's entries after entry id `after` ("" for the start), at most PAGE_ENTRIES of them,
+    in position order within the page; the id of the last entry read, and whether more may follow."""
+    entries = await redis.xrange(keys.job_log(job_id), min=f"({after}" if after else "-", count=PAGE_ENTRIES)
+    if not entries:
+        return [], after, False
+    last = entries[-1][0]
+    return parse(entries), last.decode() if isinstance(last, bytes) else str(last), len(entries) == PAGE_ENTRIES
+
+
 async def read(redis: aioredis.Redis, job_id: str) -> list[bus.Event]:
     """Every event in the job's log, in position order (not yet judged: see shared.sequence)."""
     return parse(await redis.xrange(keys.job_log(job_id)))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from services.edge.jobevents import JobEvents
+from services.edge.jobevents import LOG_PAGE_EVENTS, JobEvents
 from shared import bus
-from shared.errors import ContextLengthExceeded, RequestTimeout, WorkerLost
+from shared.errors import ContextLengthExceeded, RequestTimeout, StreamAbandoned, WorkerLost
 
 TOKENS = [bus.Tokens(job="j", text=t, token_ids=[i], seq=i) for i, t in enumerate("abc")]
 FINAL = bus.Final(job="j", prompt_tokens=1, completion_tokens=3, seq=3)
@@ -200,8 +201,8 @@ async def test_a_job_taken_over_continues_without_repeats_and_drops_the_old_owne
 async def test_a_gap_is_filled_from_the_log_before_later_events() -> None:
     log = _owned(1, 0, "a", "b", "c", "d")
 
-    async def read_log(job_id: str) -> list[bus.Event]:
-        return log
+    async def read_log(job_id: str, after: str) -> tuple[list[bus.Event], str, bool]:
+        return (log, "1-0", False) if not after else ([], after, False)
 
     events = JobEvents("j", time.monotonic() + 5, read_log)
     events.offer(log[0])
@@ -217,4 +218,54 @@ async def test_a_new_owner_that_starts_behind_what_was_delivered_ends_the_stream
         events.offer(event)
     assert [e.text for e in events.ready() if isinstance(e, bus.Tokens)] == ["a", "b", "c"]
     with pytest.raises(WorkerLost):
+        await events.next()
+
+
+def _paged(entries: list[list[bus.Event]], page: int, reads: list[int]) -> Callable[..., Any]:
+    """A log reader over `entries` (one owner's write each), `page` entries a read; records each read's start."""
+    async def read_log(job_id: str, after: str) -> tuple[list[bus.Event], str, bool]:
+        start = int(after) if after else 0
+        reads.append(start)
+        chunk = entries[start:start + page]
+        events = sorted((e for entry in chunk for e in entry), key=lambda e: e.seq)
+        return events, str(start + len(chunk)), start + page < len(entries)
+
+    return read_log
+
+
+async def test_a_resumed_stream_reads_its_log_a_page_at_a_time_as_its_client_takes_it() -> None:
+    texts = [f"t{i}" for i in range(3000)]
+    log = [*_owned(1, 0, *texts), bus.Final(job="j", prompt_tokens=1, completion_tokens=3000, seq=3001, epoch=1)]
+    reads: list[int] = []
+    events = JobEvents("j", time.monotonic() + 5, _paged([[e] for e in log], 256, reads))
+    events.gap_at = 0  # as a resumed stream starts
+    got: list[str] = []
+    most = 0
+    while (event := await events.next()) is not None and not isinstance(event, bus.Final):
+        most = max(most, len(events.buffer))
+        if isinstance(event, bus.Tokens):
+            got.append(event.text)
+    assert got == texts and isinstance(event, bus.Final)
+    assert most < LOG_PAGE_EVENTS + 256  # never the whole log at once
+    assert len(reads) == len(set(reads)) == -(-len(log) // 256)  # each entry read once
+
+
+async def test_a_write_repeated_after_a_later_one_is_taken_in_order_across_pages() -> None:
+    tokens = _owned(1, 0, "a", "b", "c", "d", "e")
+    entries = [[tokens[0]], [tokens[1]], [tokens[3]], [tokens[4]], [tokens[5]], [tokens[2]]]  # "b" again at the end
+    events = JobEvents("j", time.monotonic() + 5, _paged(entries, 2, []))
+    events.gap_at = 0
+    got = []
+    while (event := await events.next()) is not None:
+        got += [e.text for e in [event, *events.ready()] if isinstance(e, bus.Tokens)]
+        if got == ["a", "b", "c", "d", "e"]:
+            break
+    assert got == ["a", "b", "c", "d", "e"]
+
+
+async def test_a_cancelled_job_whose_log_ends_without_its_end_is_abandoned() -> None:
+    events = JobEvents("j", time.monotonic() + 5, _paged([[e] for e in _owned(1, 0, "a")], 256, []))
+    events.gap_at, events.abandoned = 0, True
+    assert [e.text for e in [await events.next(), *events.ready()] if isinstance(e, bus.Tokens)] == ["a"]
+    with pytest.raises(StreamAbandoned):
         await events.next()

@@ -166,3 +166,25 @@ async def test_while_events_flow_the_reader_looks_at_the_waiting_requests_and_th
     assert flowing.count("reader") >= 6 and "ticker" not in flowing
     assert rounds[len(flowing):].count("ticker") >= 3  # quiet: every 2 * TICK_S
     assert len(events.ready()) == 30
+
+
+async def test_a_job_log_is_read_in_pages_each_entry_once(redis_url: str) -> None:
+    from shared import joblog
+
+    job_id = f"paged-{uuid.uuid4().hex}"
+    client = redis_clients.pooled(redis_url, "test", 1)
+    try:
+        for seq in range(joblog.PAGE_ENTRIES * 2 + 10):
+            token = bus.Tokens(job=job_id, text=str(seq), token_ids=[seq], seq=seq, epoch=1)
+            await client.xadd(keys.job_log(job_id), {bus.EVENTS_FIELD: bus.encode_events([token])})
+        seen: list[int] = []
+        after, more, pages = "", True, 0
+        while more:
+            events, after, more = await joblog.read_page(client, job_id, after)
+            assert len(events) <= joblog.PAGE_ENTRIES
+            seen += [event.seq for event in events]
+            pages += 1
+        assert seen == list(range(joblog.PAGE_ENTRIES * 2 + 10)) and pages == 3
+        assert await joblog.read_page(client, job_id, after) == ([], after, False)
+    finally:
+        await client.aclose()

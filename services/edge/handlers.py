@@ -19,7 +19,7 @@ from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
 from shared import bus, fairshare, keys, metrics
-from shared.errors import InvalidRequest, NotFound, RateLimited, StreamAbandoned
+from shared.errors import InvalidRequest, NotFound, RateLimited
 from shared.settings import Settings
 
 OVMS_PREFIX = "/v3"
@@ -142,10 +142,7 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
     events: JobEvents | None = None
     try:
         async with gateway.follow(job_id, deadline) as events:
-            if cancelled:  # a job cancelled before it ran never ends by itself
-                await events.fill()
-                if not any(isinstance(e, bus.Final | bus.Error) for e in events.buffer):
-                    events.fail(StreamAbandoned("The stream was cancelled before it finished."))
+            events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
                                       after=after)

@@ -15,15 +15,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from shared import bus
-from shared.errors import RequestTimeout, TokenbusError, WorkerLost, from_kind, kind_of
+from shared.errors import RequestTimeout, StreamAbandoned, TokenbusError, WorkerLost, from_kind, kind_of
 from shared.sequence import Sequencer, Verdict
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[bus.Event], bool]
 """Takes an event on the spot (True), or leaves it to the waiting request (False)."""
-LogReader = Callable[[str], Awaitable[list[bus.Event]]]
-"""Reads a job's whole event log."""
+LogReader = Callable[[str, str], Awaitable[tuple[list[bus.Event], str, bool]]]
+"""Reads a page of a job's event log after an entry id: (events, the last entry id read, whether more follow)."""
+LOG_PAGE_EVENTS = 512
+"""Events read from the log that may wait for the client before the next page is read: a resumed stream
+replays its log a page at a time, as its client takes it, not all at once."""
 
 
 class JobEvents:
@@ -66,6 +69,15 @@ class JobEvents:
         """When the relay's ticker first saw the job's owner without a heartbeat."""
         self.kept = False
         """Its request left while the job ran on, kept for a resume (see Gateway._let_go)."""
+        self.log_cursor = ""
+        """The id of the last log entry read: the next read starts after it (an owner only appends)."""
+        self.log_unread = False
+        """Part of the log is still to be read once the client has taken what was read."""
+        self.log_ahead: dict[int, list[bus.Event]] = {}
+        """Events read from the log ahead of the next position (a write repeated after a later one landed): they
+        are taken when their position comes."""
+        self.abandoned = False
+        """The job was cancelled before it finished: a log that ends without its end ends the stream."""
 
     @property
     def owner(self) -> str:
@@ -114,7 +126,7 @@ class JobEvents:
         """The next event, or None when woken by a tick without one (the caller may send a keep-alive)."""
         if self.failure is not None:
             raise self.failure
-        if not self.buffer and self.gap_at is not None:
+        if not self.buffer and (self.gap_at is not None or self.log_unread):
             await self.fill()
         if not self.buffer:
             if time.monotonic() >= self.deadline:
@@ -129,19 +141,38 @@ class JobEvents:
         return self._take(self.buffer.popleft())
 
     async def fill(self) -> None:
-        """Reads the events this request missed from the job's log."""
-        wanted, self.gap_at = self.gap_at or 0, None
-        if self.log_reader is None:
+        """Reads the events this request missed from the job's log, a page at a time."""
+        wanted, self.gap_at = self.gap_at, None
+        if self.log_reader is None or not await self.catch_up():
             return
-        await self.catch_up()
-        if self.sequencer.next_seq <= wanted and not self.finished:
+        if wanted is not None and self.sequencer.next_seq <= wanted and not self.finished:
             self.fail(WorkerLost("Events of this stream were lost with its worker."))
+        elif self.abandoned and not self.finished and not any(isinstance(e, bus.Final | bus.Error)
+                                                               for e in self.buffer):
+            self.fail(StreamAbandoned("The stream was cancelled before it finished."))
 
-    async def catch_up(self) -> None:
-        """Offers every event of the job's log (those already taken are dropped as repeats): what the edge may
-        have missed while it was not subscribed."""
-        if self.log_reader is not None:
-            for event in await self.log_reader(self.job_id):
+    async def catch_up(self) -> bool:
+        """Offers the job's log after what was read of it (what the edge may have missed while it was not
+        subscribed), until its end or until LOG_PAGE_EVENTS wait for the client; True once read to the end."""
+        if self.log_reader is None:
+            return True
+        more = True
+        while more and len(self.buffer) < LOG_PAGE_EVENTS:
+            events, self.log_cursor, more = await self.log_reader(self.job_id, self.log_cursor)
+            for event in events:
+                self._offer_logged(event)
+        self.log_unread = more
+        return not more
+
+    def _offer_logged(self, event: bus.Event) -> None:
+        if self.sequencer.judge(event) is Verdict.GAP:
+            self.log_ahead.setdefault(event.seq, []).append(event)
+            if len(self.log_ahead) > self.max_buffered:  # positions missing for good
+                self.fail(WorkerLost("Events of this stream were lost with its worker."))
+            return
+        self.offer(event)
+        while (ahead := self.log_ahead.pop(self.sequencer.next_seq, None)) is not None:
+            for event in ahead:
                 self.offer(event)
 
     def ready(self) -> list[bus.Output]:

@@ -123,8 +123,8 @@ class EventRelay:
         if not self.jobs:
             self.busy.clear()
 
-    async def read_log(self, job_id: str) -> list[bus.Event]:
-        return await joblog.read(self.commands, job_id)
+    async def read_log(self, job_id: str, after: str) -> tuple[list[bus.Event], str, bool]:
+        return await joblog.read_page(self.commands, job_id, after)
 
     def redis_down(self) -> bool:
         """True once Redis has not answered for the configured time (new requests are refused at once)."""
