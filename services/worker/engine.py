@@ -110,13 +110,17 @@ class VllmEngine:
             enforce_eager=self.settings.enforce_eager or current_platform.is_cpu(),
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
-        self.tokenizer = self.llm.get_tokenizer()
-        self.encoder = PromptEncoder(self.tokenizer)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.use_tokenizer(self.llm.get_tokenizer())
         self.max_model_len = self.llm.model_config.max_model_len
-        self.native_tools = conversation.template_uses_tools(getattr(self.tokenizer, "chat_template", None))
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Prompts are made with this tokenizer and its chat template (the engine's, or a test's)."""
+        self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.native_tools = conversation.template_uses_tools(getattr(tokenizer, "chat_template", None))
 
     def shutdown(self) -> None:
         if self.encoder is not None:
