@@ -1,5 +1,5 @@
 """Responses' truncation "auto" with SmolLM2's tokenizer and chat template, without an engine: which turns stay,
-and that a long conversation takes a few renders."""
+and that a long conversation takes a few renders, made off the event loop."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ WORDS = ["the", "sea", "is", "deep", "and", "wide", "and", "ships", "go", "over"
 
 
 class CountingTokenizer:
-    """SmolLM2's tokenizer, counting the chat template's renders."""
+    """SmolLM2's tokenizer, counting the chat template's renders and noting the threads they ran on."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -120,13 +120,14 @@ async def test_a_conversation_that_fits_is_rendered_once(engine: VllmEngine, smo
     assert len(engine.tokenizer.threads) == 1
 
 
-async def test_five_thousand_turns_take_a_few_renders(engine: VllmEngine, smollm2: Any) -> None:
+async def test_five_thousand_turns_take_a_few_renders_off_the_loop(engine: VllmEngine, smollm2: Any) -> None:
     rng = random.Random(5000)
     messages = [("system", "Answer briefly."), *conversation_of(rng, 5000, 20)]
     engine.max_model_len = 2048
     [ids] = await engine.prompt_ids(chat(messages, max_tokens=16))
     renders = engine.tokenizer.threads
     assert 2 <= len(renders) <= 4  # the whole, a guess and its neighbour; one per dropped turn was ~4,900
+    assert threading.get_ident() not in renders  # a render of thousands of turns would hold the loop
     # the most turns that fit, found here by halving with the template itself
     first, last = 1, len(messages) - 1  # dropping messages[1:first] does not fit; dropping messages[1:last] does
     while last - first > 1:

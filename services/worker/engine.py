@@ -32,6 +32,10 @@ def _configure_environment(settings: Settings) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+_INLINE_RENDER_MESSAGES = 32
+"""Conversations up to this many messages are rendered on the loop: a thread's round trip costs more."""
+
+
 @dataclass
 class Counts:
     prompt_tokens: int = 0
@@ -158,7 +162,11 @@ class VllmEngine:
     async def _rendered(self, job: bus.Job, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None) -> list[int]:
         """The conversation through the chat template, as token ids."""
-        return await self._encode(self._template(job, messages, tools), add_special_tokens=False)
+        if len(messages) <= _INLINE_RENDER_MESSAGES:
+            text = self._template(job, messages, tools)
+        else:  # a long one would hold the loop that streams every running job's tokens
+            text = await asyncio.to_thread(self._template, job, messages, tools)
+        return await self._encode(text, add_special_tokens=False)
 
     async def _truncated(self, job: bus.Job, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          ids: list[int]) -> list[int]:
