@@ -11,6 +11,7 @@ messages of role `tool`. No template is ever given `content: None`.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -98,3 +99,96 @@ def _fallback(job: bus.Job, fmt: ToolFormat) -> list[dict[str, Any]]:
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
+
+
+MAX_RENDERS = 7
+"""Full renders of a truncated conversation, the first included; past them it keeps the fitting one it has,
+which may then drop a turn or a few more than needed."""
+_GUESSES = 5
+"""Renders, the first included, after which the next ones halve the range instead of following the estimate (one
+that keeps missing, from a template whose turns do not add up, still ends within MAX_RENDERS)."""
+
+
+def estimate_text(message: dict[str, Any]) -> str:
+    """What a template writes of a message besides its framing: the text its size is estimated from."""
+    calls = message.get("tool_calls")
+    return message["content"] + message.get("reasoning", "") + (orjson.dumps(calls).decode() if calls else "")
+
+
+class Truncation:
+    """Truncation "auto": the fewest of the oldest turns to drop for the prompt to fit, in a few full renders.
+
+    The turns that can go are every message but the system ones and the last of the others, oldest first, as
+    when one was dropped per render. A template's turns add up (special tokens end each one): a render that
+    drops `k` turns is estimated from a rendered one by the dropped turns' own tokens plus a per-turn framing
+    measured between two renders, so a guess usually lands on the answer, and the next render confirms that
+    one turn fewer would not fit.
+    """
+
+    def __init__(self, messages: list[dict[str, Any]], sizes: list[int], ids: list[int], limit: int) -> None:
+        """`sizes`: each message's `estimate_text` in tokens; `ids`: the whole conversation rendered."""
+        self.messages = messages
+        self.order = [i for i, m in enumerate(messages) if m["role"] != "system"][:-1]
+        self.dropped = [0]
+        """Tokens of the first k droppable turns, k = 0 .. all (running totals)."""
+        for i in self.order:
+            self.dropped.append(self.dropped[-1] + sizes[i])
+        self.limit = limit
+        self.tokens: dict[int, int] = {}
+        """Exact prompt tokens of the renders made, by turns dropped."""
+        self.framing = max(0, len(ids) - sum(sizes)) / max(1, len(messages))
+        """The first guess at a turn's tokens beyond its text: all that the render adds, spread over the turns."""
+        self.fits_not = 0
+        self.fits = len(self.order)
+        """Turns dropped: the most known too long, the fewest known to fit (or all there are)."""
+        self.ids: list[int] | None = None
+        """The prompt with `fits` turns dropped, once rendered."""
+        self.record(0, ids)
+
+    async def run(self, render: Callable[[list[dict[str, Any]]], Awaitable[list[int]]]) -> list[int]:
+        """The prompt's ids, rendering (and tokenizing) each conversation tried with `render`."""
+        while (k := self.next()) is not None:
+            self.record(k, await render(self.kept(k)))
+        assert self.ids is not None  # next() ends only once the answer is rendered
+        return self.ids
+
+    def kept(self, k: int) -> list[dict[str, Any]]:
+        """The conversation without its first `k` droppable turns."""
+        gone = set(self.order[:k])
+        return [m for i, m in enumerate(self.messages) if i not in gone]
+
+    def next(self) -> int | None:
+        """How many turns to drop in the next render; None when `ids` is the answer."""
+        spare = MAX_RENDERS - len(self.tokens) - (1 if self.ids is None else 0)  # the answer's render kept back
+        if self.fits - self.fits_not <= 1 or spare <= 0:
+            return self.fits if self.ids is None else None
+        if len(self.tokens) > _GUESSES:  # the first render and the guesses
+            return (self.fits_not + self.fits) // 2
+        return self._guess()
+
+    def record(self, k: int, ids: list[int]) -> None:
+        """The render that dropped `k` turns."""
+        self.tokens[k] = len(ids)
+        if len(ids) <= self.limit or k == self.fits:
+            self.fits, self.ids = k, ids
+        else:
+            self.fits_not = k
+
+    def _guess(self) -> int:
+        """The fewest turns whose estimated tokens bring the longest render known too long under the limit."""
+        low, framing = self.fits_not, self._framing()
+        excess = self.tokens[low] - self.limit
+        k = low + 1
+        while k < self.fits - 1 and self.dropped[k] - self.dropped[low] + framing * (k - low) < excess:
+            k += 1
+        return k
+
+    def _framing(self) -> float:
+        """Tokens a turn costs beyond its own text, from the two renders nearest the answer (or the first)."""
+        low, high = self.fits_not, self.fits
+        if high not in self.tokens:
+            low, high = 0, self.fits_not
+        if high == low:
+            return self.framing
+        return max(0.0, (self.tokens[low] - self.tokens[high] - (self.dropped[high] - self.dropped[low]))
+                   / (high - low))

@@ -32,6 +32,10 @@ def _configure_environment(settings: Settings) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+_INLINE_RENDER_MESSAGES = 32
+"""Conversations up to this many messages are rendered on the loop: a thread's round trip costs more."""
+
+
 @dataclass
 class Counts:
     prompt_tokens: int = 0
@@ -117,14 +121,18 @@ class VllmEngine:
             enforce_eager=self.settings.enforce_eager or current_platform.is_cpu(),
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
-        self.tokenizer = self.llm.get_tokenizer()
-        self.encoder = PromptEncoder(self.tokenizer)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.use_tokenizer(self.llm.get_tokenizer())
         self.max_model_len = self.llm.model_config.max_model_len
-        self.native_tools = conversation.template_uses_tools(getattr(self.tokenizer, "chat_template", None))
-        self.template_vars = template_kwargs.template_variables(getattr(self.tokenizer, "chat_template", None))
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Prompts are made with this tokenizer and its chat template (the engine's, or a test's)."""
+        self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+        self.native_tools = conversation.template_uses_tools(getattr(tokenizer, "chat_template", None))
+        self.template_vars = template_kwargs.template_variables(getattr(tokenizer, "chat_template", None))
 
     def shutdown(self) -> None:
         if self.encoder is not None:
@@ -154,15 +162,30 @@ class VllmEngine:
 
     async def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
-        while True:
-            ids = await self._encode(self._template(job, messages, tools), add_special_tokens=False)
-            if not job.truncate or self._fits(job, len(ids)):
-                return ids
-            # truncation "auto": drop the oldest turn after the system messages, keep the last one
-            droppable = [i for i, m in enumerate(messages) if m["role"] != "system"][:-1]
-            if not droppable:
-                return ids
-            del messages[droppable[0]]
+        ids = await self._rendered(job, messages, tools)
+        if not job.truncate or self._fits(job, len(ids)):
+            return ids
+        return await self._truncated(job, messages, tools, ids)
+
+    async def _rendered(self, job: bus.Job, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None) -> list[int]:
+        """The conversation through the chat template, as token ids."""
+        if len(messages) <= _INLINE_RENDER_MESSAGES:
+            text = self._template(job, messages, tools)
+        else:  # a long one would hold the loop that streams every running job's tokens
+            text = await asyncio.to_thread(self._template, job, messages, tools)
+        return await self._encode(text, add_special_tokens=False)
+
+    async def _truncated(self, job: bus.Job, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         ids: list[int]) -> list[int]:
+        """truncation "auto": the oldest turns after the system messages dropped until it fits (the last kept)."""
+        assert self.encoder is not None, "the engine is not started"
+        texts = [conversation.estimate_text(m) for m in messages]
+        sizes = [len(each) for each in await self.encoder.encode_many(texts, add_special_tokens=False)]
+        cut = conversation.Truncation(messages, sizes, ids, self._prompt_room(job))
+        ids = await cut.run(lambda kept: self._rendered(job, kept, tools))
+        messages[:] = cut.kept(cut.fits)  # what the model sees, for the caller to count and the store to keep
+        return ids
 
     async def prompt_ids(self, job: bus.Job, counts: Counts | None = None) -> list[list[int]]:
         """Token ids of each prompt: the chat template for chat jobs, the text as it is otherwise."""
@@ -186,8 +209,12 @@ class VllmEngine:
         """The text of generated tokens, as the engine would have streamed it."""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=job.params.skip_special_tokens))
 
+    def _prompt_room(self, job: bus.Job) -> int:
+        """The most prompt tokens that leave room for the job's max_tokens (or one token)."""
+        return self.max_model_len - max(job.params.max_tokens or 0, 1)
+
     def _fits(self, job: bus.Job, prompt_tokens: int) -> bool:
-        return prompt_tokens + max(job.params.max_tokens or 0, 1) <= self.max_model_len
+        return prompt_tokens <= self._prompt_room(job)
 
     def _budget(self, job: bus.Job, ids: list[int]) -> tuple[list[int], int]:
         """The prompt as it will run and the most tokens it may generate, or a context-length error."""

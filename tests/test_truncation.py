@@ -1,0 +1,187 @@
+"""Responses' truncation "auto" with SmolLM2's tokenizer and chat template, without an engine: which turns stay,
+and that a long conversation takes a few renders, made off the event loop."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from services.worker import conversation
+from services.worker.engine import Counts, VllmEngine
+from services.worker.models import default_chat_model_dir
+from shared import bus
+from shared.settings import Settings
+
+WORDS = ["the", "sea", "is", "deep", "and", "wide", "and", "ships", "go", "over", "it", "at", "night", "under", "stars"]
+
+
+class CountingTokenizer:
+    """SmolLM2's tokenizer, counting the chat template's renders and noting the threads they ran on."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.threads: list[int] = []
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        self.threads.append(threading.get_ident())
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    return AutoTokenizer.from_pretrained(default_chat_model_dir())
+
+
+@pytest.fixture(scope="module")
+def prepared(smollm2: Any) -> Iterator[VllmEngine]:
+    engine = VllmEngine(Settings(max_model_len=512), default_chat_model_dir())
+    engine.use_tokenizer(CountingTokenizer(smollm2))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def engine(prepared: VllmEngine) -> VllmEngine:
+    prepared.tokenizer.threads.clear()
+    prepared.max_model_len = 512
+    return prepared
+
+
+def chat(messages: list[tuple[str, str]], max_tokens: int = 16) -> bus.Job:
+    return bus.Job(id="j", model="m", reply_to="r", deadline_ms=0, truncate=True,
+                   messages=[bus.Message(role=role, content=content) for role, content in messages],
+                   params=bus.SamplingParams(max_tokens=max_tokens))
+
+
+def rendered(tokenizer: Any, messages: list[tuple[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def one_per_render(tokenizer: Any, messages: list[tuple[str, str]], room: int) -> list[int]:
+    """The algorithm this replaces: render, and while too long drop the oldest turn but the system ones and the
+    last (one render per dropped turn)."""
+    messages = list(messages)
+    while True:
+        ids = rendered(tokenizer, messages)
+        droppable = [i for i, (role, _) in enumerate(messages) if role != "system"][:-1]
+        if len(ids) <= room or not droppable:
+            return ids
+        del messages[droppable[0]]
+
+
+def conversation_of(rng: random.Random, turns: int, longest: int) -> list[tuple[str, str]]:
+    """Alternating turns of random length, sometimes a system message first and one in the middle."""
+    out = [("user" if i % 2 == 0 else "assistant", " ".join(rng.choices(WORDS, k=rng.randint(1, longest))))
+           for i in range(turns)]
+    if rng.random() < 0.5:
+        out.insert(0, ("system", "Answer briefly."))
+    if rng.random() < 0.5:
+        out.insert(len(out) // 2, ("system", "Now answer in French."))  # a developer message, as the edge sends it
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+async def test_the_same_turns_are_kept_as_when_one_was_dropped_per_render(
+    engine: VllmEngine, smollm2: Any, seed: int
+) -> None:
+    rng = random.Random(seed)
+    messages = conversation_of(rng, rng.randint(1, 30), rng.choice([5, 40, 300]))
+    max_tokens = rng.choice([1, 16, 200, 480])
+    [ids] = await engine.prompt_ids(chat(messages, max_tokens))
+    assert ids == one_per_render(smollm2, messages, 512 - max_tokens)
+
+
+async def test_system_messages_and_the_last_turn_stay_and_the_oldest_turns_go(
+    engine: VllmEngine, smollm2: Any
+) -> None:
+    long = " ".join(WORDS * 12)  # 180 tokens
+    messages = [("system", "Be brief."), ("user", long), ("assistant", long), ("system", "Answer in French."),
+                ("user", long), ("assistant", "Oui."), ("user", "And the sea?")]
+    counts = Counts()
+    [ids] = await engine.prompt_ids(chat(messages, max_tokens=200), counts)
+    assert ids == rendered(smollm2, [messages[0], messages[3], *messages[4:]])
+    assert counts.dropped_messages == 2  # what the stored history leaves out
+    [ids] = await engine.prompt_ids(chat(messages, max_tokens=300), counts)
+    assert ids == rendered(smollm2, [messages[0], messages[3], *messages[5:]])
+    assert counts.dropped_messages == 3
+
+
+async def test_a_conversation_that_fits_is_rendered_once(engine: VllmEngine, smollm2: Any) -> None:
+    messages = [("user", "Hi"), ("assistant", "Hello!"), ("user", "And the sea?")]
+    [ids] = await engine.prompt_ids(chat(messages))
+    assert ids == rendered(smollm2, messages)
+    assert len(engine.tokenizer.threads) == 1
+
+
+async def test_five_thousand_turns_take_a_few_renders_off_the_loop(engine: VllmEngine, smollm2: Any) -> None:
+    rng = random.Random(5000)
+    messages = [("system", "Answer briefly."), *conversation_of(rng, 5000, 20)]
+    engine.max_model_len = 2048
+    [ids] = await engine.prompt_ids(chat(messages, max_tokens=16))
+    renders = engine.tokenizer.threads
+    assert 2 <= len(renders) <= 4  # the whole, a guess and its neighbour; one per dropped turn was ~4,900
+    assert threading.get_ident() not in renders  # a render of thousands of turns would hold the loop
+    # the most turns that fit, found here by halving with the template itself
+    first, last = 1, len(messages) - 1  # dropping messages[1:first] does not fit; dropping messages[1:last] does
+    while last - first > 1:
+        middle = (first + last) // 2
+        fits = len(rendered(smollm2, [messages[0], *messages[middle:]])) <= 2048 - 16
+        first, last = (first, middle) if fits else (middle, last)
+    assert ids == rendered(smollm2, [messages[0], *messages[last:]])
+    assert len(ids) <= 2048 - 16
+
+
+def truncate(hidden: list[int], sizes: list[int], limit: int) -> tuple[int, int]:
+    """Tokens of the prompt kept and renders made, for turns that take `hidden` tokens and are estimated at
+    `sizes`."""
+    messages = [{"role": "user", "content": "x"} for _ in hidden]
+
+    def tokens(kept: list[dict[str, Any]]) -> list[int]:
+        here = {id(m) for m in kept}
+        return [0] * sum(cost for m, cost in zip(messages, hidden, strict=True) if id(m) in here)
+
+    cut = conversation.Truncation(messages, sizes, tokens(messages), limit)
+    renders = 1
+    while (k := cut.next()) is not None:
+        cut.record(k, tokens(cut.kept(k)))
+        renders += 1
+    assert cut.ids is not None
+    return len(cut.ids), renders
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_an_estimate_that_misses_still_keeps_the_most_turns_that_fit(seed: int) -> None:
+    """Turns that cost up to half more or less than their text says: the first guesses miss, later ones land."""
+    rng = random.Random(seed)
+    hidden = [rng.randint(5, 60) for _ in range(rng.randint(10, 3000))]
+    sizes = [int(cost * rng.uniform(0.5, 1.5)) for cost in hidden]
+    limit = rng.randint(100, sum(hidden) - 1)
+    kept, renders = truncate(hidden, sizes, limit)
+    suffix = 0  # the longest run of newest turns that fits: what dropping one turn per render kept
+    for cost in reversed(hidden[:-1]):
+        if suffix + cost + hidden[-1] > limit:
+            break
+        suffix += cost
+    assert kept == suffix + hidden[-1]
+    assert renders <= 7
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_turns_that_do_not_add_up_still_end_within_the_bound(seed: int) -> None:
+    """Turns whose cost their text does not tell: guesses miss, halving ends it, and what is kept fits."""
+    rng = random.Random(seed)
+    hidden = [rng.choice([1, 50, 400]) for _ in range(1000)]
+    limit = rng.randint(1000, sum(hidden) - 1)
+    kept, renders = truncate(hidden, [1] * len(hidden), limit)
+    assert kept <= limit
+    assert renders <= 7  # MAX_RENDERS, stated here so that raising it is seen
