@@ -155,5 +155,19 @@ def test_struct_limits_are_declared_not_hand_checked() -> None:
     """The caps above live in the request structs, so /openapi.json shows them to clients."""
     schema = msgspec.json.schema(chat.ChatCompletionRequest)
     defs = schema["$defs"]["ChatCompletionRequest"]["properties"]
-    assert defs["messages"]["maxItems"] == 8192
+    assert defs["messages"]["maxItems"] == 2048
     assert defs["logit_bias"]["anyOf"][0]["maxProperties"] == 300
+
+
+def test_a_continued_conversation_is_bounded_with_its_history() -> None:
+    from services.edge.formats import responses
+    from services.edge.store import Conversation
+
+    req = decode(json.dumps({"model": "m", "input": "next", "previous_response_id": "resp_1"}).encode(),
+                 responses.ResponsesRequest)
+    added = responses.input_messages(req)
+    history = [bus.Message(role="user", content="x")] * 2047
+    responses.check_length(req, Conversation(history=history), added)
+    with pytest.raises(InvalidRequest) as caught:
+        responses.check_length(req, Conversation(history=[*history, history[0]]), added)
+    assert caught.value.param == "previous_response_id"

@@ -142,6 +142,7 @@ async def plan_responses(request: web.Request, body: bytes, given: Arrival | Non
                            param="previous_response_id")
         conversation = found
     added = responses.input_messages(req, conversation.history)
+    responses.check_length(req, conversation, added)
     if req.store and given is None:  # a resumed stream was checked when it began
         await store.check_room(caller.tenant, caller.key, len(body))
     arrival = given or arrive(request, "resp_")

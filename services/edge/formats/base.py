@@ -28,8 +28,9 @@ class Out(msgspec.Struct, kw_only=True):
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 StopList = Annotated[list[StopString], msgspec.Meta(max_length=1024)]
 MAX_STOP_CHARS = 32768
-MAX_MESSAGES = 8192
-"""Messages (Chat) or input items (Responses) of one request: each is rendered and tokenized by the worker."""
+MAX_MESSAGES = 2048
+"""Messages of one conversation (Chat's `messages`, Responses' input items with the history they continue): the
+worker renders and tokenizes each (2,048 take it well under half a second, truncation included)."""
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")

@@ -185,6 +185,16 @@ def _result(item: InputItem, i: int) -> bus.Message:
     return bus.Message(role="tool", content=text, tool_call_id=item.call_id)
 
 
+def check_length(req: ResponsesRequest, conversation: Conversation, added: list[bus.Message]) -> None:
+    """A conversation continued with `previous_response_id` holds at most MAX_MESSAGES messages, as one sent
+    whole does (the history comes from the store, so the request struct cannot bound it)."""
+    total = len(conversation.history) + len(added)
+    if total > MAX_MESSAGES:
+        raise InvalidRequest(f"The conversation would hold {total} messages with the responses it continues; at "
+                             f"most {MAX_MESSAGES} are served. Start a new one (with a summary of this one).",
+                             param="previous_response_id" if req.previous_response_id else "input")
+
+
 def input_messages(req: ResponsesRequest, history: list[bus.Message] | None = None) -> list[bus.Message]:
     """This turn's input as messages: a function_call joins the assistant turn before it (or starts one), a
     function_call_output is a `tool` message, and must answer a call made before it; a reasoning item's text
