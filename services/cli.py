@@ -17,7 +17,8 @@ EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "res
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
                  "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
-                 "max_queued_per_tenant", "queue_timeout_s", "fair_input_weight", "fair_output_weight"]
+                 "max_queued_per_tenant", "max_queued_bytes_per_tenant", "queue_timeout_s", "fair_input_weight",
+                 "fair_output_weight"]
 WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "sim_prefill_us_per_token",
                    "max_model_len", "max_num_seqs", "stream_interval", "kv_cache_gib",

@@ -264,7 +264,8 @@ class FairShare(Scheduler):
         charge = max(1.0, input_price * job.prompt_estimate + output_price * job.output_budget)
         cost = Ticket("", charge, input_price, output_price, job.sequences()).fields()
         args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
-                self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job)]
+                self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job),
+                self.settings.max_queued_bytes_per_tenant]
         _pipelined(pipe, self._enqueue, job.model, args)
 
 

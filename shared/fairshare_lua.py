@@ -85,9 +85,10 @@ local function slot_interval(slots)
   return average / slots
 end
 
--- n jobs of a tenant's band in or out of its backlog, with what their sequences add beyond one each
-local function count_queued(tenant, band, n, wide)
+-- n jobs of a tenant's band in or out of its backlog, with what their sequences add beyond one each, and their bytes
+local function count_queued(tenant, band, n, wide, bytes)
   add(QUEUED, tenant, n)
+  add(QUEUED, tenant .. '\0bytes', bytes)
   redis.call('HINCRBY', STATE, 'queued', n)
   add(STATE, 'band:' .. band, n)
   add(STATE, 'wide:' .. band, wide)
@@ -157,7 +158,7 @@ local function dispatch_one(head, room, slots, headroom)
   redis.call('ZREM', BACKLOG, member)
   redis.call('HDEL', JOBS, member)
   redis.call('HDEL', COSTS, member)
-  count_queued(tenant, band, -1, 1 - sequences)
+  count_queued(tenant, band, -1, 1 - sequences, -(job and #job or 0))
   local served = counter_text(counter + tonumber(string.match(cost or '0', '^(%S+)')))
   redis.call('HSET', COUNTERS, entity, served)
   redis.call('HSET', STATE, 'last:' .. band, served)
@@ -189,9 +190,11 @@ end
 
 ENQUEUE = _COMMON + r"""
 -- ARGV: tenant, band, cost ('charge input_price output_price'), job, max jobs queued, max queued per tenant,
--- the wait the job can afford (ms). Returns {'ok', backlog member, jobs dispatched} or {refusal, retry in ms}.
+-- the wait the job can afford (ms), max bytes queued per tenant (0: none). Returns {'ok', backlog member, jobs
+-- dispatched} or {refusal, retry in ms}.
 local tenant, band, cost, job = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_jobs, max_mine, affordable = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local max_bytes = tonumber(ARGV[8] or '0')
 local entity = band .. tenant
 local now = now_ms()
 local free, slots, headroom = room(now)
@@ -217,8 +220,9 @@ end
 local backlogged = oldest(entity) ~= nil
 local rivals = redis.call('ZLEXCOUNT', READY, band_range(band)) - (backlogged and 1 or 0)
 local mine = tonumber(redis.call('HGET', QUEUED, tenant) or '0')
-if mine >= max_mine then
-  return {'tenant_queue_full', math.ceil((mine - max_mine + 1) * (rivals + 1) * interval)}
+local mine_bytes = tonumber(redis.call('HGET', QUEUED, tenant .. '\0bytes') or '0')
+if mine >= max_mine or (max_bytes > 0 and mine > 0 and mine_bytes + #job > max_bytes) then
+  return {'tenant_queue_full', math.ceil((mine - math.min(mine, max_mine) + 1) * (rivals + 1) * interval)}
 end
 -- slots taken before this job's: every queued job's of a higher band; in its own band its tenant's queued jobs', and
 -- about as many of each rival's (the counters take turns)
@@ -241,7 +245,7 @@ local member = entity .. '\0' .. string.format('%016d', redis.call('HINCRBY', ST
 redis.call('ZADD', BACKLOG, 0, member)
 redis.call('HSET', JOBS, member, job)
 redis.call('HSET', COSTS, member, cost)
-count_queued(tenant, band, 1, sequences - 1)
+count_queued(tenant, band, 1, sequences - 1, #job)
 if not backlogged then
   -- back from idle: its counter rises to the least of its band's backlogged tenants (or the last one served),
   -- so idle time is not saved up into a burst; a tie goes to it, the tenant served least recently
@@ -310,9 +314,10 @@ if redis.call('ZREM', BACKLOG, member) == 0 then return 0 end
 local entity = member:sub(1, member:find('\0', 1, true) - 1)
 local band, tenant = entity:sub(1, BAND_WIDTH), entity:sub(BAND_WIDTH + 1)
 local cost = redis.call('HGET', COSTS, member)
+local bytes = redis.call('HSTRLEN', JOBS, member)
 redis.call('HDEL', JOBS, member)
 redis.call('HDEL', COSTS, member)
-count_queued(tenant, band, -1, 1 - sequences_of(cost))
+count_queued(tenant, band, -1, 1 - sequences_of(cost), -bytes)
 if not oldest(entity) then
   local counter = redis.call('HGET', COUNTERS, entity)
   if counter then redis.call('ZREM', READY, band .. counter .. tenant) end

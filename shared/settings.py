@@ -165,6 +165,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Jobs one model may hold queued (not yet running); past it new requests get 503 at once."""
     max_queued_per_tenant: int = 1024
     """Jobs one tenant may hold queued for one model; past it its new requests get 429 at once."""
+    max_queued_bytes_per_tenant: int = 64 * 1024 * 1024
+    """Bytes of jobs one tenant may hold queued for one model (Redis memory is everyone's; a job is about the size
+    of its request); past it its new requests get 429 at once, though a tenant with nothing queued may always
+    queue one. 0: no bound."""
     queue_timeout_s: float = 120.0
     """A job that waited longer than this for a worker is never started; its client gets an error."""
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import aiohttp
 import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, Edge, Worker, metric_value
+from tests.conftest import MODEL, Edge, Worker, _stop, metric_value, start_edge
 
 pytestmark = pytest.mark.engine
 
@@ -174,6 +175,30 @@ async def test_a_disconnect_aborts_the_engine_request_within_a_second(served: Ed
     while await _aborts(worker) == before:
         assert time.monotonic() - gone < 1.0, "the engine did not abort within 1 s"
         await asyncio.sleep(0.02)
+
+
+async def test_closing_a_plain_sdk_stream_stops_the_engine_within_a_second_even_with_a_resume_window(
+    served: Edge, worker: Worker, redis_url: str, tmp_path: Path
+) -> None:
+    """Stop means stop: the SDK asked for no event ids, so its job is not kept for a resume it cannot make."""
+    edge = start_edge(redis_url, tmp_path, resume_window_s=10)
+    try:
+        before = await _aborts(worker)
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+            stream = await client.chat.completions.create(model=MODEL, messages=STORY, stream=True,
+                                                          max_tokens=1500, extra_body={"ignore_eos": True})
+            chunks = 0
+            async for _chunk in stream:
+                chunks += 1
+                if chunks >= 5:
+                    break
+            await stream.close()  # the user pressed Stop
+            gone = time.monotonic()
+        while await _aborts(worker) == before:
+            assert time.monotonic() - gone < 1.0, "the engine did not abort within 1 s"
+            await asyncio.sleep(0.02)
+    finally:
+        _stop(edge.process)
 
 
 async def test_two_concurrent_streams_both_finish(client: openai.AsyncOpenAI) -> None:

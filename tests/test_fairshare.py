@@ -253,6 +253,29 @@ async def test_the_tenant_bound_refuses_with_429_and_spares_other_tenants(redis:
     assert await fair.state("queued") == 4
 
 
+async def test_the_bytes_a_tenant_holds_queued_are_bounded_and_given_back(redis: aioredis.Redis) -> None:
+    """Redis memory is everyone's: a tenant's queued jobs may hold at most max_queued_bytes_per_tenant, and
+    the bytes come back as its jobs are dispatched or withdrawn."""
+    fair = await pool(redis, slots=0, max_queued_bytes_per_tenant=250_000)
+    big = make_job(fair.model, "hoarder")
+    big.messages = [bus.Message(role="user", content="x" * 100_000)]
+    first = await fair.enqueue(big)
+    assert isinstance(first, fairshare.Admitted)
+    assert isinstance(await fair.enqueue(big), fairshare.Admitted)
+    refused = await fair.enqueue(big)
+    assert isinstance(refused, TenantQueueFull) and refused.code == "tenant_queue_full"
+    assert isinstance(await fair.enqueue(make_job(fair.model, "hoarder")), fairshare.Admitted)  # small ones fit
+    assert isinstance(await fair.enqueue(big), TenantQueueFull)
+    assert isinstance(await fair.enqueue(make_job(fair.model, "modest")), fairshare.Admitted)
+    pipe = redis.pipeline(transaction=False)
+    fair.scheduler.withdraw(pipe, fair.model, first.member)
+    await pipe.execute()
+    assert isinstance(await fair.enqueue(big), fairshare.Admitted)  # the withdrawn job's bytes came back
+    await fair.offer(10)
+    await fair.finish(await fair.take())
+    assert await redis.hget(keys.fair_key(fair.model, "queued"), "hoarder\0bytes") is None  # all dispatched
+
+
 async def test_a_wait_longer_than_the_deadline_is_refused(redis: aioredis.Redis) -> None:
     """One slot, jobs lasting 1 s on average (as the settled jobs said), 5 queued: a job with 2 s left cannot
     start in time, one with a minute can; a tenant with nothing queued skips most of the queue."""
