@@ -113,16 +113,13 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _leaving(self, events: JobEvents, resumable: bool = True) -> AsyncIterator[None]:
         """Stop means stop: a client that closes its connection cancels its job, unless it asked for a stream it
-        can resume (`resumable`); an edge that is going away (its handlers cancelled) keeps every job."""
+        can resume (`resumable`); so does an edge that is going away (its handlers cancelled): a job nobody can
+        resume is not worth running on."""
         try:
             yield
-        except ClientGone:
+        except (ClientGone, asyncio.CancelledError):
             if not events.finished or events.failing:
                 await self._let_go(events, keep=resumable)
-            raise
-        except asyncio.CancelledError:
-            if not events.finished or events.failing:
-                await self._let_go(events, keep=True)
             raise
         except BaseException:
             if not events.finished or events.failing:
