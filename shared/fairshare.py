@@ -8,8 +8,8 @@ job of the backlogged tenant with the least counter, in the highest priority ban
 stream while the live workers have room for it, and charges its estimated cost to that counter; edges dispatch
 after each enqueue, workers before each read and when jobs end. When a job ends its worker corrects the charge
 with the tokens really used. A tenant that comes back from idle starts at the least counter of those waiting, so
-idle time does not turn into a burst; a tenant alone gets every slot but the headroom: each worker's offer keeps a
-few slots that a tenant holding that many or more may not fill, so that a tenant coming in while another floods
+idle time does not turn into a burst; a tenant alone gets every slot, and each worker offers a few more, its
+headroom, that a tenant holding that many or more may not fill, so that a tenant coming in while another floods
 finds one free at once instead of waiting for one of the flood's jobs to end.
 
 Workers keep taking jobs from the request stream through their consumer group, so ownership, reclaims and
@@ -29,7 +29,7 @@ from shared import bus, keys
 from shared.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
 from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
 from shared.rawpipe import PipelineLike, field_map
-from shared.settings import Settings
+from shared.settings import Settings, engine_seqs, headroom_seqs
 
 Arg = bytes | str | int | float
 """A script argument."""
@@ -93,7 +93,7 @@ class Offer:
 
     worker: str
     slots: int
-    """Engine sequences it runs at once (its max_num_seqs)."""
+    """Engine sequences it runs at once (its max_num_seqs and headroom)."""
     ttl_ms: int
     headroom: int = 0
     """Of its slots, those a tenant holding that many or more may not fill (Settings.fair_headroom)."""
@@ -104,8 +104,7 @@ class Offer:
     @classmethod
     def of(cls, worker: str, settings: Settings) -> Offer:
         """A worker's offer: its slots and headroom as its settings have them, good for a heartbeat's TTL."""
-        headroom = int(settings.max_num_seqs * settings.fair_headroom) if settings.scheduler == "fair" else 0
-        return cls(worker, settings.max_num_seqs, int(settings.heartbeat_ttl_s * 1000), headroom)
+        return cls(worker, engine_seqs(settings), int(settings.heartbeat_ttl_s * 1000), headroom_seqs(settings))
 
 
 NO_OFFER = Offer("", 0, 0)

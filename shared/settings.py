@@ -158,9 +158,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     fair_output_weight: float = 2.0
     """Fair share: what one generated token costs a tenant's counter."""
     fair_headroom: float = 0.0625
-    """Fair share: the part of a worker's slots that a tenant holding that many or more may not fill, so that a
-    tenant that comes in while another keeps every other slot busy finds a slot free at once (rather than waiting
-    for one to end). A worker's setting; 0: every slot to whoever is next, the last one included."""
+    """Fair share: sequences a worker runs beyond --max-num-seqs (this share of it, rounded down), only for tenants
+    holding no more than that many: a tenant that comes in while another keeps every slot busy finds one free at
+    once, rather than waiting for one to end, and a tenant alone still fills every slot. A worker's setting; 0:
+    none."""
     max_queued_jobs: int = 4096
     """Jobs one model may hold queued (not yet running); past it new requests get 503 at once."""
     max_queued_per_tenant: int = 1024
@@ -171,6 +172,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     queue one. 0: no bound."""
     queue_timeout_s: float = 120.0
     """A job that waited longer than this for a worker is never started; its client gets an error."""
+
+
+def headroom_seqs(settings: Settings) -> int:
+    """Sequences a worker runs beyond max_num_seqs for tenants using little (fair_headroom; none with fifo)."""
+    return int(settings.max_num_seqs * settings.fair_headroom) if settings.scheduler == "fair" else 0
+
+
+def engine_seqs(settings: Settings) -> int:
+    """Sequences a worker's engine runs at once: its slots and the headroom beyond them."""
+    return settings.max_num_seqs + headroom_seqs(settings)
 
 
 def _flag(name: str) -> str:

@@ -86,14 +86,18 @@ async def test_a_byte_quota_refuses_what_does_not_fit(stack: Stack) -> None:
 async def test_a_resumable_stream_is_charged_its_request(stack: Stack) -> None:
     async for tight in sdk(stack, create_key(stack, "--tenant", "streams", "--storage-bytes", "3000",
                                              "--storage-items", "1")):
+        resumable = {"Accept": "text/event-stream"}  # it asks for event ids, as EventSource clients do
         small = await tight.chat.completions.create(model="fault-model", messages=[{"role": "user", "content": "x"}],
-                                                    max_tokens=100, stream=True)
+                                                    max_tokens=100, stream=True, extra_headers=resumable)
         assert [chunk async for chunk in small]
         await ask(tight)  # a stream is not an item: the one stored response still fits
         big = [{"role": "user", "content": "word " * 400}]
         with pytest.raises(openai.RateLimitError) as caught:  # its 2 kB request is kept to be resumed: no room
-            await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10, stream=True)
+            await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10, stream=True,
+                                                extra_headers=resumable)
         assert caught.value.code == "storage_quota_exceeded"
+        plain = await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10, stream=True)
+        assert [chunk async for chunk in plain]  # a plain stream cannot be resumed: nothing kept, nothing charged
         answer = await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10)
         assert answer.choices[0].message.content  # not kept: not charged
 

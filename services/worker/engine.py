@@ -20,7 +20,7 @@ from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from shared import bus, metrics
 from shared.errors import ContextLengthExceeded, InvalidRequest
-from shared.settings import Settings
+from shared.settings import Settings, engine_seqs
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class VllmEngine:
             served_model_name=[self.settings.model],
             # an embedding model keeps its own (short) context; --max-model-len is for generation
             max_model_len=None if self.settings.task == "embed" else self.settings.max_model_len,
-            max_num_seqs=self.settings.max_num_seqs,
+            max_num_seqs=engine_seqs(self.settings),  # the fair scheduler's headroom included
             # the worker ranks each job by its tenant's standing: a tenant using little goes before one using much
             # among the requests waiting for a prefill, and is the last to be preempted when the cache runs out
             scheduling_policy="priority",

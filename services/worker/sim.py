@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from services.worker.prefill import PrefillLane
 from shared import bus, metrics
-from shared.settings import Settings
+from shared.settings import Settings, engine_seqs
 
 DEFAULT_MAX_TOKENS = 128
 SPIN_S = 0.0015
@@ -55,7 +55,7 @@ class SimEngine:
         self.max_model_len = settings.max_model_len
         self.dimensions = 0
         self.running: list[_Sequence] = []
-        self.slots = settings.max_num_seqs
+        self.slots = engine_seqs(settings)
         self.gauges = (metrics.ENGINE_RUNNING.labels(settings.model), metrics.KV_CACHE_USAGE.labels(settings.model))
         """Running sequences, and the share of the slots they fill (the simulated engine's cache); nothing waits
         in the simulated engine (the worker never gives it more than its slots)."""

@@ -35,7 +35,7 @@ from shared.errors import (
     kind_of,
 )
 from shared.limits import Settlements
-from shared.settings import Settings
+from shared.settings import Settings, engine_seqs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,7 +192,7 @@ class Worker:
         self.runs: dict[str, Run] = {}
         self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()
-        self.slots = Slots(settings.max_num_seqs)
+        self.slots = Slots(engine_seqs(settings))
         """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
         self.slot_freed = asyncio.Event()
         self.stopping = False
