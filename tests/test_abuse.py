@@ -127,6 +127,8 @@ def attacks(model: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]
     return [
         ("suffix x prompts x n", "/v1/completions",
          {"model": model, "prompt": ["p"] * 256, "n": 16, "suffix": "s" * 100_000, "max_tokens": 1}, {}),
+        ("prompts x n: 4,096 sequences", "/v1/completions",
+         {"model": model, "prompt": ["p"] * 256, "n": 16, "max_tokens": 1}, {}),
         ("echo x n", "/v1/completions",
          {"model": model, "prompt": ["p" * 400_000] * 16, "n": 16, "echo": True, "max_tokens": 1}, {}),
         ("instruction x inputs", "/v1/embeddings",

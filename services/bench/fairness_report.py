@@ -7,9 +7,14 @@ from pathlib import Path
 
 from services.bench import fairness
 from services.bench.report import splice
+from shared.settings import Settings, headroom_seqs
 
 FAIRNESS_HEADING = "## Fair share between tenants (simulated engine)"
 FAIRNESS_PLOT = "bench-fairness.png"
+
+
+def _headroom() -> int:
+    return headroom_seqs(Settings(max_num_seqs=fairness.SLOTS))
 
 
 def fairness_section(result: fairness.Result, command: str, image: str | None) -> list[str]:
@@ -24,7 +29,9 @@ def fairness_section(result: fairness.Result, command: str, image: str | None) -
         f"together, and the slots free in waves), {fairness.MIXED} ({plan.tokens // 2} to {plan.tokens * 3 // 2} "
         f"tokens) and {fairness.LONG} ({plan.long_prompt_words} words, mixed lengths: prefill-heavy). Each "
         "scheduler runs on fresh processes; each loading tenant is a client process of its own. Figures are taken "
-        f"over the measured window, after {plan.warmup_s:.0f} s of load.", "",
+        f"over the measured window, after {plan.warmup_s:.0f} s of load. With fair share the worker runs "
+        f"{_headroom()} sequences beyond its slots (`--fair-headroom`) for a tenant running no more than that many, "
+        "and gives the engine each job's priority from its tenant's standing.", "",
         f"**Tenant A keeps {plan.flood_streams} streams in flight while tenant B sends one request at a time** "
         f"(B alone: {plan.alone_requests} requests before A starts).", "",
         "| scheduler | A's flood | B alone TTFT p50 / p99 | B during the flood TTFT p50 / p99 | B p50 / alone "
