@@ -152,8 +152,39 @@ def attacks(model: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]
     ]
 
 
+async def resume_to_skip_the_concurrency_limit(stack: Stack, key: dict[str, Any]) -> list[int]:
+    """Tenant A, `--max-concurrency 1`: opens resumable streams, leaves each after its first bytes and resumes them
+    all on the other edge; the statuses of the streams it tried to open while one was left running."""
+    url = stack.edges[0].url + "/v1/chat/completions"
+    statuses: list[int] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", url, json=chat_body(stack.model, 100), headers=bearer(key), limit=2)
+        for _ in range(3):
+            answer = await http.post(url, json=chat_body(stack.model, 100), headers={
+                **bearer(key), "Accept": "text/event-stream"})
+            statuses.append(answer.status_code)
+        tail = await sse_frames(http, "GET", f"{stack.edges[1].url}/v1/streams/{head[-1][0].rsplit(':', 1)[0]}",
+                                headers={**bearer(key), "Last-Event-ID": head[-1][0]})
+    assert tail[-1][1] == "[DONE]"
+    return statuses
+
+
+async def fill_the_store(stack: Stack, key: dict[str, Any]) -> list[str]:
+    """Tenant A stores responses until its storage quota refuses one: the codes of the refusals."""
+    codes = []
+    async with openai.AsyncOpenAI(base_url=stack.edges[1].url + "/v1", api_key=key["key"], max_retries=0) as sdk:
+        for _ in range(8):
+            try:
+                await sdk.responses.create(model=stack.model, input="keep this", max_output_tokens=4)
+            except openai.RateLimitError as refused:
+                codes.append(str(refused.code))
+    return codes
+
+
 async def test_every_attack_gets_a_clean_answer_while_b_streams_unharmed(stack: Stack) -> None:
     a = create_key(stack, "--tenant", "a", "--rpm", "6000")
+    a_one = create_key(stack, "--tenant", "a-one", "--max-concurrency", "1")
+    a_store = create_key(stack, "--tenant", "a-store", "--storage-items", "3")
     b = create_key(stack, "--tenant", "b")
     alone = await b_first_tokens(stack, b, lambda: False)
     before = [peak_rss_mb(edge.process.pid) for edge in stack.edges]
@@ -163,13 +194,17 @@ async def test_every_attack_gets_a_clean_answer_while_b_streams_unharmed(stack: 
     attacker = spawn.Process(target=flood, args=([e.url for e in stack.edges], a["key"], bodies, ROUNDS, found))
     attacker.start()
     try:
-        under = await b_first_tokens(stack, b, attacker.is_alive)
+        under, resumed, stored = await asyncio.gather(
+            b_first_tokens(stack, b, attacker.is_alive), resume_to_skip_the_concurrency_limit(stack, a_one),
+            fill_the_store(stack, a_store))
         await asyncio.to_thread(attacker.join, 60)
     finally:
         attacker.kill()
     answers = [found.get(timeout=1) for _ in range(ROUNDS * 2 * len(bodies))]
     after = [peak_rss_mb(edge.process.pid) for edge in stack.edges]
     assert all(400 <= status < 500 and shaped for _name, status, shaped in answers), answers
+    assert resumed == [429, 429, 429]  # the stream left running still holds the key's one lease
+    assert stored == ["storage_quota_exceeded"] * 5
     assert max(b - a for a, b in zip(before, after, strict=True)) < MAX_RSS_GROWTH_MB, (before, after)
     p50_alone, p50_under = statistics.median(alone), statistics.median(under)
     assert p50_under <= 1.5 * p50_alone, f"B's TTFT p50: {p50_under:.3f} s under attack, {p50_alone:.3f} s alone"
