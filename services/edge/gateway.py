@@ -47,8 +47,8 @@ class Gateway:
     async def submit(self, job: bus.Job, deadline: float, record: Record | None = None,
                      on_refused: Callable[[bus.Job], Awaitable[None]] | None = None) -> AsyncIterator[JobEvents]:
         """Enqueues the job (with its resume record, if any) or raises its refusal; the block reads its events.
-        Leaving early cancels the job, unless it has a resume record and its client went away after it started
-        (kept for a resume), or the edge itself is going away. A job that cannot be queued (Redis failed, or
+        Leaving early cancels the job, unless it has a resume record and its client (or this edge, draining) went
+        away after it started: then it is kept for a resume. A job that cannot be queued (Redis failed, or
         admission refused it) is handed to `on_refused` (its rate limits' admission is given back) before the
         error leaves."""
         events = self.relay.register(job.id, deadline)
