@@ -150,6 +150,9 @@ class Job(Base):
     """Completion tokens the job may generate, all choices together: what admission reserves."""
     charge: Charge | None = None
     """The rate-limit reservation to settle with the real usage when the job ends (None: no limits)."""
+    replayable: bool = False
+    """Its client may resume the stream (it asked for event ids): the worker charges the job's event log to its
+    tenant's storage when the job ends (shared.storage)."""
     handovers: int = 0
     """How many times a draining worker handed this job on (0: as the edge enqueued it). A job with
     handovers, or one reclaimed from a dead worker, continues from its event log."""

@@ -50,7 +50,7 @@ def stored_response(tenant: str, response_id: str) -> str:
 
 def storage_tally(tenant: str) -> str:
     """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
-    (r:<response id>, s:<stream id>)."""
+    (r:<response id>, s:<job id>, l:<job id>: see shared.storage)."""
     return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:tally"
 
 

@@ -88,7 +88,7 @@ async def test_a_resumable_stream_is_charged_its_request(stack: Stack) -> None:
                                              "--storage-items", "1")):
         resumable = {"Accept": "text/event-stream"}  # it asks for event ids, as EventSource clients do
         small = await tight.chat.completions.create(model="fault-model", messages=[{"role": "user", "content": "x"}],
-                                                    max_tokens=100, stream=True, extra_headers=resumable)
+                                                    max_tokens=2, stream=True, extra_headers=resumable)
         assert [chunk async for chunk in small]
         await ask(tight)  # a stream is not an item: the one stored response still fits
         big = [{"role": "user", "content": "word " * 400}]
@@ -100,6 +100,30 @@ async def test_a_resumable_stream_is_charged_its_request(stack: Stack) -> None:
         assert [chunk async for chunk in plain]  # a plain stream cannot be resumed: nothing kept, nothing charged
         answer = await tight.chat.completions.create(model="fault-model", messages=big, max_tokens=10)
         assert answer.choices[0].message.content  # not kept: not charged
+
+
+async def test_a_resumable_streams_event_log_is_charged_once_it_ends(stack: Stack) -> None:
+    async for tight in sdk(stack, create_key(stack, "--tenant", "logs", "--storage-bytes", "10000",
+                                             "--storage-items", "0")):
+        resumable = {"Accept": "text/event-stream"}
+        long = await tight.completions.create(model="fault-model", prompt="x", max_tokens=500, stream=True,
+                                              extra_headers=resumable)
+        assert len([chunk async for chunk in long]) >= 500
+        # its log (an entry per token, kept to be replayed) is charged by the worker once the job ended: more
+        # than the 10 kB, so the next stream that would keep one is refused
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            try:
+                short = await tight.completions.create(model="fault-model", prompt="x", max_tokens=1, stream=True,
+                                                       extra_headers=resumable)
+                assert [chunk async for chunk in short]
+            except openai.RateLimitError as exc:
+                assert exc.code == "storage_quota_exceeded"
+                break
+            assert asyncio.get_running_loop().time() < deadline, "the log was never charged"
+            await asyncio.sleep(0.05)
+        plain = await tight.completions.create(model="fault-model", prompt="x", max_tokens=5, stream=True)
+        assert [chunk async for chunk in plain]  # nothing kept: still served
 
 
 async def test_expired_responses_give_their_space_back(stack: Stack) -> None:

@@ -37,6 +37,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
     resumable = plan.stream and sse.wants_ids(request)
     if resumable:  # kept to be resumed: its request and event log count against its tenant's storage
+        plan.job.replayable = True
         await request.app[STORE].charge_stream(caller.tenant, caller.key, plan.job, len(body))
     try:
         admission = await admitter.admit(caller, plan.job, info.max_model_len if info else 0)

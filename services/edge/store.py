@@ -29,39 +29,17 @@ from shared.apikeys import KeyRecord
 from shared.background import looping
 from shared.errors import NotFound, Overloaded, StorageFull
 from shared.settings import Settings
+from shared.storage import TRIM_EXPIRED
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_EVERY = 16
 """A chain holds a whole copy of its history at least every this many responses: what bounds the reads of one
 resolution (each a round trip) at the price of one copy per this many turns."""
-TRIM_BATCH = 256
-"""Expired items a script takes off the tally at most per call: a long backlog drains over calls, and no single
-call holds Redis for long."""
 MEMORY_POLL_S = 10.0
 """How often an edge reads Redis's memory use for its metrics (the 80% alert reads them)."""
 
-_TRIM = """
-local tally, expiry = KEYS[1], KEYS[2]
-local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1], 'LIMIT', 0, TRIM_BATCH)
--- an item is a stored response; a stream's request counts bytes only (a busy tenant streams thousands)
-local function counted(member)
-  return string.sub(member, 1, 2) == 'r:' and 1 or 0
-end
-for _, member in ipairs(gone) do
-  local size = redis.call('HGET', tally, member)
-  if size then
-    redis.call('HINCRBY', tally, 'bytes', -tonumber(size))
-    redis.call('HINCRBY', tally, 'items', -counted(member))
-    redis.call('HDEL', tally, member)
-  end
-  redis.call('ZREM', expiry, member)
-end
-local held = tonumber(redis.call('HGET', tally, 'bytes') or '0')
-local items = tonumber(redis.call('HGET', tally, 'items') or '0')
-""".replace("TRIM_BATCH", str(TRIM_BATCH))
-
-_CHARGE = _TRIM + """
+_CHARGE = TRIM_EXPIRED + """
 -- ARGV: now, max bytes (0: none), max items (0: none), member, bytes, expires at (ms; 0: only check), value
 -- or '' (KEYS[3] is its key), then the members of the responses in KEYS[4...]
 local member, size, at = ARGV[4], tonumber(ARGV[5]), ARGV[6]
@@ -90,7 +68,7 @@ end
 return {1, held + size, items + one, '0'}
 """
 
-_DELETE = _TRIM + """
+_DELETE = TRIM_EXPIRED + """
 if redis.call('DEL', KEYS[3]) == 0 then
   return 0
 end
@@ -199,9 +177,10 @@ class ResponseStore:
 
     async def charge_stream(self, tenant: str, key: KeyRecord | None, job: bus.Job, body_bytes: int) -> None:
         """Charges a resumable stream's request (kept to resume it, up to --max-body-bytes) until its log expires
-        at the latest. Its event log is not charged: the edge cannot see its size, and charging what it may grow
-        to (max_tokens events) for as long as it may live would refuse a tenant's ordinary streaming; a log is
-        bounded by --replay-max-events, and the logs alive at once by the tenant's concurrency."""
+        at the latest, or refuses the stream when its tenant's storage is full. Its event log is charged by the
+        worker when the job ends (shared.storage), as written: charging what it may grow to (max_tokens events)
+        for as long as it may live would refuse a tenant's ordinary streaming. So a tenant overshoots its quota
+        by at most the logs of the streams it has running, each bounded by --replay-max-events."""
         expires_ms = job.deadline_ms + int(self.settings.replay_ttl_s * 1000)
         await self._charge_or_refuse(tenant, self.quota(key), f"s:{job.id}", body_bytes, expires_ms,
                                      "a streamed request is kept to be resumed", None)

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 
 from shared import bus, keys, metrics
 from shared.rawpipe import Arg, PipelineLike, Pipelines
+from shared.storage import LOG_ENTRY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class _Batch:
     logs: dict[str, list[bus.Event]] = field(default_factory=dict)
     expiries: dict[str, int] = field(default_factory=dict)
     acks: list[tuple[str, str, bytes]] = field(default_factory=list)
+    log_bytes: dict[str, int] = field(default_factory=dict)
+    """What its log entries take, for the jobs whose logs are sized (set when its commands are made)."""
     notes: list[Any] = field(default_factory=list)
     followups: list[tuple[list[tuple[Arg, ...]], Callable[[list[Any]], None]]] = field(default_factory=list)
 
@@ -111,6 +114,8 @@ class EventPublisher:
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
+        self.log_sizes: dict[str, int] = {}
+        """Bytes written to each sized job's log so far (see size_log)."""
 
     def publish(self, reply_to: str, event: bus.Event, log_ttl_ms: int = 0) -> None:
         """Queues an event (stamped already) for its edge and its job's log; `log_ttl_ms` sets the log's expiry."""
@@ -119,6 +124,15 @@ class EventPublisher:
         if log_ttl_ms:
             self.batch.expiries[event.job] = log_ttl_ms
         self._wake()
+
+    def size_log(self, job_id: str) -> None:
+        """Counts from now on what the job's log entries take, until logged_bytes takes the count."""
+        self.log_sizes.setdefault(job_id, 0)
+
+    def logged_bytes(self, job_id: str) -> int:
+        """What the job's log entries written since size_log took (those written, not those still queued), and
+        stops counting them."""
+        return self.log_sizes.pop(job_id, 0)
 
     def ack_after(self, stream: str, group: str, entry_id: bytes, note: Any = None) -> None:
         """Acknowledges a job entry in the same write as (and after) its events published so far; `note` (if
@@ -214,8 +228,11 @@ class EventPublisher:
     def _commands(self, batch: _Batch) -> list[tuple[Arg, ...]]:
         commands: list[tuple[Arg, ...]] = []
         for job_id, events in batch.logs.items():
+            payload = bus.encode_events(events)
             commands.append(("XADD", keys.job_log(job_id), "MAXLEN", "~", self.log_max_events, "*",
-                             bus.EVENTS_FIELD, bus.encode_events(events)))
+                             bus.EVENTS_FIELD, payload))
+            if job_id in self.log_sizes:
+                batch.log_bytes[job_id] = len(payload) + LOG_ENTRY_BYTES
             if ttl_ms := batch.expiries.get(job_id):
                 commands.append(("PEXPIRE", keys.job_log(job_id), ttl_ms))
         for channel, events in batch.live.items():
@@ -280,16 +297,18 @@ class EventPublisher:
             except (RedisError, OSError, TimeoutError) as exc:  # keep the events: a short outage must not lose them
                 log.warning("writing %d event batches failed (%s); retrying", len(batch.live), exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
+        self._count(batch)
         if self.after_acks is not None and acked > essential:
             self.after_acks.done(results[essential:acked])
         at = acked
         for commands, on_replies in batch.followups:
             on_replies(results[at:at + len(commands)])
             at += len(commands)
-        self._count(batch)
 
-    @staticmethod
-    def _count(batch: _Batch) -> None:
+    def _count(self, batch: _Batch) -> None:
+        for job_id, size in batch.log_bytes.items():
+            if job_id in self.log_sizes:
+                self.log_sizes[job_id] += size
         metrics.EVENT_FLUSHES.inc()
         metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 

@@ -36,6 +36,7 @@ from shared.errors import (
 )
 from shared.limits import Settlements
 from shared.settings import Settings, engine_seqs
+from shared.storage import LogCharges
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -222,6 +223,7 @@ class Worker:
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
         self.settlements = Settlements(self.redis)
+        self.log_charges = LogCharges(self.redis)
         self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
         self.tasks: list[asyncio.Task[None]] = []
         self.background: set[asyncio.Task[Any]] = set()
@@ -406,6 +408,8 @@ class Worker:
     async def _finishing(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
         logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
+        if run.job.replayable:
+            self.publisher.size_log(run.job.id)
         try:
             async with self.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
                 await work
@@ -418,6 +422,8 @@ class Worker:
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
             if not run.muted:  # this owner ended the job: settle what it cost its key
                 self._settle(run)
+            if run.job.replayable:
+                self.publisher.then([], lambda _replies: self._charge_log(run.job))
 
     async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
@@ -490,6 +496,13 @@ class Worker:
         command = self.settlements.command(job, prompt, completion)
         if command is not None:
             self.publisher.then([command], lambda replies: self._settled(job, prompt, completion, replies[0]))
+
+    def _charge_log(self, job: bus.Job) -> None:
+        """Charges what this worker wrote to the job's log (written by now: this runs after the job's last write)
+        to its tenant's storage, for as long as the log is kept after its end."""
+        size = self.publisher.logged_bytes(job.id)
+        if size:
+            self._in_background(self.log_charges.charge(job, size, int(self.settings.replay_ttl_s * 1000)))
 
     def _settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
         """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)
