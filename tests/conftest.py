@@ -190,8 +190,5 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
     Redis is reached over TCP, or over a Unix socket where a test is parametrized with "unix"."""
     from tests.stack import Stack  # it builds on this module
 
-    running = Stack(tmp_path, unix_socket=getattr(request, "param", "tcp") == "unix")
-    try:
+    with Stack(tmp_path, unix_socket=getattr(request, "param", "tcp") == "unix") as running:
         yield running
-    finally:
-        running.close()

@@ -104,6 +104,12 @@ class Stack:
                 state[worker.metrics_url] = metric_value(text, "tokenbus_worker_running_jobs")
         return {name: value for name, value in state.items() if value}
 
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for process in [e.process for e in self.edges] + [w.process for w in self.workers]:
             _stop(process)

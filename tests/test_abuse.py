@@ -33,14 +33,11 @@ ROUNDS = 2
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(tmp_path_factory.mktemp("abuse"))
-    try:
+    with Stack(tmp_path_factory.mktemp("abuse")) as running:
         running.worker(sim_ttft_ms=20, sim_itl_ms=10, max_num_seqs=64, max_model_len=4096)
         for _ in range(2):
             running.edge(auth="keys", lease_ttl_s=3, resume_window_s=RESUME_WINDOW_S)
         yield running
-    finally:
-        running.close()
 
 
 def peak_rss_mb(pid: int) -> float:

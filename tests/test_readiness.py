@@ -15,11 +15,8 @@ from tests.stack import Stack
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    running = Stack(tmp_path, model="chat-model")
-    try:
+    with Stack(tmp_path, model="chat-model") as running:
         yield running
-    finally:
-        running.close()
 
 
 async def test_ready_waits_for_every_configured_model(stack: Stack) -> None:

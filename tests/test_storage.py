@@ -28,15 +28,12 @@ SHORT_TTL_S = 1.5
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(tmp_path_factory.mktemp("storage"))
-    try:
+    with Stack(tmp_path_factory.mktemp("storage")) as running:
         running.worker(sim_ttft_ms=1, sim_itl_ms=1, max_num_seqs=64, max_model_len=CONTEXT)
         running.edge(auth="keys", storage_items=DEFAULT_ITEMS, storage_bytes=10_000_000)
         running.edge(auth="keys", storage_items=DEFAULT_ITEMS, storage_bytes=10_000_000,
                      response_ttl_s=SHORT_TTL_S)
         yield running
-    finally:
-        running.close()
 
 
 async def sdk(stack: Stack, key: dict[str, Any], edge: int = 0) -> AsyncIterator[openai.AsyncOpenAI]:

@@ -25,14 +25,11 @@ LEASE_TTL_S = 3
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(tmp_path_factory.mktemp("tenancy"))
-    try:
+    with Stack(tmp_path_factory.mktemp("tenancy")) as running:
         running.worker(sim_ttft_ms=1, sim_itl_ms=5, max_num_seqs=256, max_model_len=4096)
         for _ in range(3):
             running.edge(auth="keys", lease_ttl_s=LEASE_TTL_S, resume_window_s=0)
         yield running
-    finally:
-        running.close()
 
 
 def tokenbus(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
