@@ -6,6 +6,7 @@ field, before anything is queued; the engine's own compile errors come back as a
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal
 
 import jsonschema_rs
@@ -132,8 +133,10 @@ def regex(pattern: Any, param: str) -> bus.Constraint:
     if len(pattern) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is longer than {MAX_SPEC_BYTES} characters.", param=param)
     try:
-        re.compile(pattern)
-    except re.error as exc:
+        with warnings.catch_warnings():  # a FutureWarning ("possible nested set") is not a refusal
+            warnings.simplefilter("ignore")
+            re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:  # nested too deeply; a repetition beyond 2**32
         raise InvalidRequest(f"`{param}` is not a valid regular expression: {exc}", param=param) from None
     return bus.Constraint(kind="regex", spec=pattern)
 
