@@ -265,13 +265,13 @@ def run(settings: Settings) -> int:
     with _redis_for(settings) as url:
         models = [m for m in (settings.model, settings.embedding_model) if m]
         settings = msgspec.structs.replace(_with_redis(settings, url), ready_models=",".join(models))
-        worker = spawn("worker", settings)
+        worker = spawn("worker", _metrics_on(settings, 1))
         edge = spawn("edge", settings)
         children = [edge, worker]
         if settings.embedding_model:
             embedder = msgspec.structs.replace(
-                settings, task="embed", model=settings.embedding_model, model_dir=settings.embedding_model_dir,
-                kv_cache_gib=1.0, metrics_port=0,
+                _metrics_on(settings, 2), task="embed", model=settings.embedding_model,
+                model_dir=settings.embedding_model_dir, kv_cache_gib=1.0,
             )
             children.append(spawn("worker", embedder))
         try:
@@ -302,6 +302,12 @@ def _redis_for(settings: Settings) -> Iterator[str]:
         with private_redis(data_dir=str(data_dir), unix_socket=True) as url:
             log.info("started a private redis-server at %s (data in %s)", url, data_dir)
             yield url
+
+
+def _metrics_on(settings: Settings, offset: int) -> Settings:
+    """A child's metrics port: the edge's is --metrics-port, the worker's the next, the embedder's the one after."""
+    port = settings.metrics_port + offset if settings.metrics_port else 0
+    return msgspec.structs.replace(settings, metrics_port=port)
 
 
 def _with_redis(settings: Settings, url: str) -> Settings:
