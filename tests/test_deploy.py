@@ -65,6 +65,30 @@ def test_the_compose_stack_is_ready_for_production() -> None:
         assert (ROOT / path).exists(), path
 
 
+def test_the_compose_monitoring_is_private() -> None:
+    """The metrics name tenants: only the proxy is published on every interface, Prometheus and Grafana on
+    loopback, Grafana with a password from a secret file (not in git) and no anonymous viewers."""
+    loaded = compose()
+    services = loaded["services"]
+    published = {name: service.get("ports", []) for name, service in services.items()}
+    assert published.pop("proxy") == ["8000:8000"]
+    assert published.pop("prometheus") == ["127.0.0.1:9090:9090"]
+    assert published.pop("grafana") == ["127.0.0.1:3000:3000"]
+    assert not any(published.values()), published  # edges, workers, Redis: the compose network only
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_SECURITY_ADMIN_PASSWORD" not in grafana
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    secret = Path(loaded["secrets"]["grafana_admin_password"]["file"])
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(secret)], cwd=ROOT, timeout=10)
+    assert ignored.returncode == 0, f"{secret} must stay out of git"
+    scraped = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
+    ports = {job["job_name"]: job["dns_sd_configs"][0]["port"] if "dns_sd_configs" in job else
+             {int(target.split(":")[1]) for target in job["static_configs"][0]["targets"]} for job in scraped}
+    assert ports == {"tokenbus-edge": 9400, "tokenbus-worker": {9400}}
+    assert services["edge"]["environment"]["TOKENBUS_METRICS_PORT"] == "9400"
+    assert "/metrics" in (ROOT / "deploy" / "compose" / "nginx.conf").read_text()  # refused, not routed
+
+
 @pytest.mark.parametrize("image", ["edge", "worker-cpu", "worker-gpu"])
 def test_each_dockerfile_passes_hadolint(image: str) -> None:
     """hadolint's rules, with the two exceptions deploy/docker/.hadolint.yaml gives its reasons for."""
