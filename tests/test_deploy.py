@@ -1,6 +1,7 @@
 """The deployment files, checked offline (no Docker engine, no cluster runs here): the compose file against
 the Compose Specification's schema and what production needs of it, the Prometheus rules with promtool
-(including their unit tests), the dashboard's expressions."""
+(including their unit tests), the dashboard's expressions, the Kubernetes manifests against their schemas and
+how their pods are hardened."""
 
 from __future__ import annotations
 
@@ -181,3 +182,42 @@ def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None
 def test_the_operator_rules_are_the_prometheus_rules() -> None:
     operator = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
     assert operator["spec"]["groups"] == yaml.safe_load((PROMETHEUS / "rules.yml").read_text())["groups"]
+
+
+def test_every_pod_is_hardened_and_every_image_pinned() -> None:
+    """What deploy/k8s/base/hardening.yaml gives every pod, checked on what both overlays render."""
+    version = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for overlay in ("gpu", "cpu"):
+        for doc in (d for d in rendered(overlay) if d["kind"] in ("Deployment", "StatefulSet")):
+            pod, name = doc["spec"]["template"]["spec"], doc["metadata"]["name"]
+            assert pod["automountServiceAccountToken"] is False, name
+            assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] >= 10000, name
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            for container in pod["containers"] + pod.get("initContainers", []):
+                security = container["securityContext"]
+                assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"], name
+                assert security["capabilities"] == {"drop": ["ALL"]}, name
+                assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+                assert "memory" in container["resources"]["limits"], name
+                mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                assert "/tmp" in mounted or name == "tokenbus-redis", name  # Redis writes only its /data
+                image = container["image"]
+                assert ":" in image and not image.endswith(":latest"), image
+                if image.startswith("tokenbus/"):
+                    assert image.endswith(f":{version}"), image
+
+
+def test_the_metrics_are_scraped_off_the_api_port() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered("gpu")}
+    api = docs[("Service", "tokenbus")]["spec"]["ports"]
+    assert [p["targetPort"] for p in api] == ["http"]
+    monitor = docs[("ServiceMonitor", "tokenbus")]["spec"]
+    assert [e["port"] for e in monitor["endpoints"]] == ["metrics"]
+    scraped = {name for (kind, name), d in docs.items()
+               if kind == "Service" and d["metadata"].get("labels", {}).get("tokenbus.io/metrics") == "true"}
+    assert scraped == {"tokenbus-edge", "tokenbus-worker"}  # the job names the alerting rules use
+    for name in ("tokenbus-edge", "tokenbus-worker", "tokenbus-embedder"):
+        container = docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["TOKENBUS_METRICS_PORT"] == "9400", name
+        assert {"name": "metrics", "containerPort": 9400} in container["ports"], name
