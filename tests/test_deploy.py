@@ -1,11 +1,13 @@
 """The deployment files, checked offline (no Docker engine, no cluster runs here): the compose file against
 the Compose Specification's schema and what production needs of it, the Prometheus rules with promtool
 (including their unit tests), the dashboard's expressions, the Kubernetes manifests against their schemas and
-how their pods are hardened."""
+how their pods are hardened; checkov over the rendered manifests, the Dockerfiles and the compose file, and
+bandit over the code (each finding left is skipped where it is, with its reason)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -221,3 +223,51 @@ def test_the_metrics_are_scraped_off_the_api_port() -> None:
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["TOKENBUS_METRICS_PORT"] == "9400", name
         assert {"name": "metrics", "containerPort": 9400} in container["ports"], name
+
+
+def tool(env: str, *candidates: Path) -> Path:
+    """A checker installed beside the project (its path in `env`, or the first candidate that exists); the
+    test is skipped, saying so, only where none is installed."""
+    import os
+
+    for path in ([Path(os.environ[env])] if env in os.environ else []) + list(candidates):
+        if path.is_file():
+            return path
+    pytest.skip(f"{candidates[0].name} is not installed (set {env}, or run `bash deploy/install.sh dev`)")
+
+
+CHECKOV = ("TOKENBUS_CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov")
+"""checkov pins its own dependencies, which conflict with tokenbus's: it has a virtual environment of its own."""
+
+
+def checkov(*args: str) -> subprocess.CompletedProcess[str]:
+    """checkov offline: no external checks or modules downloaded, nothing uploaded."""
+    return subprocess.run([str(tool(*CHECKOV)), *args, "--compact", "--quiet", "--skip-download"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_checkov_passes_the_manifests_the_dockerfiles_and_the_compose_file(tmp_path: Path) -> None:
+    """The manifests as both overlays render them, the Dockerfiles, and (checkov has no Compose checks) the
+    compose file and deploy/ for secrets. A check that does not apply is skipped in the file, with its reason:
+    `# checkov:skip=CKV_...: reason`, or the manifests' `checkov.io/skipN: CKV_...=reason` annotations."""
+    for overlay in ("gpu", "cpu"):
+        (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(rendered(overlay)))
+    for args in (["-d", str(tmp_path), "-d", "deploy/docker", "--framework", "kubernetes,dockerfile"],
+                 ["-d", "deploy", "-f", "docker-compose.yml", "--framework", "secrets"]):
+        checked = checkov(*args)
+        assert checked.returncode == 0, checked.stdout[-6000:] + checked.stderr[-2000:]
+    skips = [value for overlay in ("gpu", "cpu") for doc in rendered(overlay)
+             for key, value in doc["metadata"].get("annotations", {}).items() if key.startswith("checkov.io/skip")]
+    assert skips and all(len(value.split("=")) == 2 and value.split("=")[1].strip() for value in skips), skips
+
+
+def test_bandit_passes_the_code() -> None:
+    """bandit over shared/ and services/; each finding left is a `# nosec BXXX: reason` on its line."""
+    bandit = tool("TOKENBUS_BANDIT", Path(sys.executable).parent / "bandit")
+    checked = subprocess.run([str(bandit), "-q", "-r", "shared", "services"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+    assert checked.returncode == 0, checked.stdout[-6000:]
+    for path in [*(ROOT / "shared").rglob("*.py"), *(ROOT / "services").rglob("*.py")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "# nosec" in line:
+                assert re.search(r"# nosec B\d{3}(, B\d{3})*: \S", line), f"{path}:{number}: a skip needs its reason"

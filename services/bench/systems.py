@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
+import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import time
 from collections.abc import Iterator
@@ -63,7 +63,7 @@ def gpu_name() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,  # nosec B607, B603: nvidia-smi is where the driver puts it; our own argv, no shell
                                 text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -84,7 +84,7 @@ class Running:
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # nosec B603: our own argv, no shell
 
 
 def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
