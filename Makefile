@@ -2,10 +2,17 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test bench lint typecheck unit clean
+.PHONY: install lock locked run test bench lint typecheck unit clean
 
 install:
 	bash deploy/install.sh all
+
+# Every install reads deploy/locks/: after a change to pyproject's dependencies or deploy/versions.env, `make lock`.
+lock: install
+	$(BIN)/python deploy/lock.py
+
+locked:
+	python3 deploy/lock.py --check
 
 run: install
 	$(BIN)/tokenbus run
@@ -16,7 +23,7 @@ lint:
 typecheck:
 	$(BIN)/mypy
 
-test: install lint typecheck
+test: locked install lint typecheck
 	$(BIN)/python -m pytest
 
 bench: install
