@@ -7,9 +7,10 @@ BIN := $(VENV)/bin
 install:
 	bash deploy/install.sh all
 
-# Every install reads deploy/locks/: after a change to pyproject's dependencies or deploy/versions.env, `make lock`.
+# Every install reads deploy/locks/: after a change to pyproject's dependencies or deploy/versions.env, `make lock`
+# (LOCK_ARGS=--upgrade for the newest releases allowed).
 lock: install
-	$(BIN)/python deploy/lock.py
+	$(BIN)/python deploy/lock.py $(LOCK_ARGS)
 
 locked:
 	python3 deploy/lock.py --check

@@ -1,5 +1,6 @@
 """The locks every install reads: `make lock` runs this to write them with uv; `--check` (in `make test`) tells,
-offline and in a second, whether each is still what its inputs give.
+offline and in a second, whether each is still what its inputs give. uv keeps the versions a lock has where they
+still fit; other arguments go to uv (`make lock LOCK_ARGS=--upgrade` takes the newest releases allowed).
 
 One lock per install, each `uv pip compile` output with hashes, which pip installs with `--no-deps`:
 
@@ -128,8 +129,8 @@ def uv() -> str:
     return found
 
 
-def compile_lock(lock: Lock, excludes: Path) -> None:
-    command = [uv(), "pip", "compile", "pyproject.toml", "-", "--generate-hashes", "--quiet",
+def compile_lock(lock: Lock, excludes: Path, options: list[str]) -> None:
+    command = [uv(), "pip", "compile", *options, "pyproject.toml", "-", "--generate-hashes", "--quiet",
                "--custom-compile-command", "make lock", "--excludes", str(excludes),
                "--python-version", versions()[lock.python], "--python-platform", PLATFORM,
                "-o", str(lock.path.relative_to(ROOT))]
@@ -152,7 +153,7 @@ def main() -> None:
         excludes = Path(tmp) / "excluded.txt"
         excludes.write_text("\n".join(EXCLUDED))
         for lock in ALL:  # the locks others are compiled within come first
-            compile_lock(lock, excludes)
+            compile_lock(lock, excludes, sys.argv[1:])
 
 
 if __name__ == "__main__":
