@@ -155,7 +155,9 @@ async def resume_to_skip_the_concurrency_limit(stack: Stack, key: dict[str, Any]
     url = stack.edges[0].url + "/v1/chat/completions"
     statuses: list[int] = []
     async with httpx.AsyncClient(timeout=30) as http:
-        head = await sse_frames(http, "POST", url, json=chat_body(stack.model, 100), headers=bearer(key), limit=2)
+        # left running ~4 s (its resume window is 3 s): the three tries below find it holding the lease on a busy
+        # machine too
+        head = await sse_frames(http, "POST", url, json=chat_body(stack.model, 400), headers=bearer(key), limit=2)
         for _ in range(3):
             answer = await http.post(url, json=chat_body(stack.model, 100), headers={
                 **bearer(key), "Accept": "text/event-stream"})
