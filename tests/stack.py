@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import redis
 
-from services.supervisor import RedisServer, free_port
+from services.supervisor import RedisServer, TlsFiles, free_port
 from shared import keys
 from tests.conftest import Edge, Worker, _env, _spawn, _stop, metric_value, start_edge
 
@@ -29,15 +29,23 @@ class Stack:
     model: str = "fault-model"
     unix_socket: bool = False
     """Redis reached over a Unix socket, as `tokenbus run` reaches its private one, rather than loopback TCP."""
+    secrets: Path | None = None
+    """A folder of password files named after deploy/redis/users.acl's users: Redis runs with those users, as
+    deployed (the processes are started with a user's settings; this stack's own client logs in as `login`)."""
+    tls: TlsFiles | None = None
+    """Redis speaks TLS only, and asks clients for a certificate (processes get redis_tls_* settings)."""
+    login: dict[str, str] = field(default_factory=dict)
+    """The username and password of this stack's own client (by default Redis's default user)."""
     redis: RedisServer = field(init=False)
     edges: list[Edge] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         (self.root / "redis").mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(str(self.root / "redis"), unix_socket=self.unix_socket)
+        self.redis = RedisServer(str(self.root / "redis"), unix_socket=self.unix_socket,
+                                 secrets_dir=str(self.secrets) if self.secrets else None, tls=self.tls)
         self.url = self.redis.start()
-        self.client = redis.Redis.from_url(self.url)
+        self.client = redis.Redis.from_url(self.url, **self.redis.client_options(), **self.login)
 
     def edge(self, **settings: Any) -> Edge:
         edge = start_edge(self.url, self.root, f"edge{len(self.edges)}", model=self.model,
