@@ -20,4 +20,7 @@ grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$template" | while read -r keyw
         echo "$keyword $user $rules" >> "$out"
     fi
 done
+if [ "$(id -u)" = 0 ] && id redis > /dev/null 2>&1; then
+    chown redis "$out"  # the redis image's entrypoint runs redis-server as its redis user
+fi
 exec "$@" --aclfile "$out"
