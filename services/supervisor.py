@@ -94,7 +94,7 @@ class RedisServer:
     a container or a cluster, is reached over TCP, as its URL says.)"""
 
     def __init__(self, data_dir: str, port: int | None = None, unix_socket: bool = False,
-                 secrets_dir: str | None = None, tls: TlsFiles | None = None) -> None:
+                 secrets_dir: str | None = None, tls: TlsFiles | None = None, acl: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("redis-server is not installed: run `make install`, or set TOKENBUS_REDIS_URL")
@@ -106,6 +106,7 @@ class RedisServer:
         if unix_socket:
             self.socket_path, self.socket_folder = _socket_path(data_dir)
         self.secrets_dir = secrets_dir
+        self.acl = acl or str(DEPLOY_REDIS / "users.acl")
         self.tls = tls
         scheme = "rediss" if tls else "redis"
         self.url = f"unix://{self.socket_path}?db=0" if self.socket_path else f"{scheme}://127.0.0.1:{self.port}/0"
@@ -130,10 +131,11 @@ class RedisServer:
         env = None
         if self.secrets_dir is not None:  # the deployments' users, through the script that starts theirs
             command = ["sh", str(REDIS_START), *command]
-            env = dict(os.environ, TOKENBUS_REDIS_SECRETS=self.secrets_dir,
+            env = dict(os.environ, TOKENBUS_REDIS_ACL=self.acl, TOKENBUS_REDIS_SECRETS=self.secrets_dir,
                        TOKENBUS_REDIS_ACL_OUT=os.path.join(self.data_dir, "users.acl"))
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
-        _wait_for_redis(self.url, self.proc, self.client_options())
+        probe = {"username": "tokenbus-health", "password": "probe"} if self.secrets_dir is not None else {}
+        _wait_for_redis(self.url, self.proc, {**self.client_options(), **probe})
         return self.url
 
     def kill(self) -> None:
@@ -237,7 +239,7 @@ def _wait_for_cluster(url: str, masters: int, timeout_s: float = 30.0) -> None:
 
 def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], options: dict[str, Any] | None = None,
                     timeout_s: float = 10.0) -> None:
-    """Until Redis answers a PING (which its anonymous user may send, ACL or not)."""
+    """Until Redis answers a PING (with `options` that log in as a user allowed to)."""
     client = redis.Redis.from_url(url, **(options or {}))
     deadline = time.monotonic() + timeout_s
     while True:

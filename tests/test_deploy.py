@@ -77,13 +77,14 @@ def acl_users() -> dict[str, str]:
     return {name: rules for _user, name, rules in lines}
 
 
-def test_the_redis_users_have_no_password_and_the_anonymous_user_only_pings() -> None:
+def test_the_redis_users_have_no_password_and_nobody_logs_in_as_default() -> None:
     users = acl_users()
-    assert users["default"].split()[-2:] == ["-@all", "+ping"]
+    assert users["default"].split()[0] == "off"  # its permissions are the append-only file's replay
+    assert users["tokenbus-health"].split()[-2:] == ["-@all", "+ping"]
     assert set(SERVICE_USERS.values()) | {"tokenbus-keda"} <= set(users)
     for name, rules in users.items():
         assert not any(rule.startswith((">", "#")) for rule in rules.split()), name  # start.sh adds them
-        if name != "default":
+        if name not in ("default", "tokenbus-health"):
             assert "-@dangerous" in rules and "+@all" not in rules and "~*" not in rules.split(), name
     assert "~tokenbus:apikeys" in users["tokenbus-admin"].split()
     assert not any("~tokenbus:apikeys" in rule and not rule.startswith("%R~")

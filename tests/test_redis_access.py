@@ -105,15 +105,19 @@ def create_key(stack: Stack, passwords: Path, *flags: str) -> str:
     return key
 
 
-async def stream(stack: Stack, key: str) -> str:
-    async with openai.AsyncOpenAI(base_url=stack.edges[0].url + "/v1", api_key=key, max_retries=0,
-                                  timeout=30) as client:
+def openai_client(stack: Stack, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.edges[0].url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def stream(stack: Stack, key: str) -> tuple[str, str]:
+    """A streamed chat's text, and the id of a stored response (read back)."""
+    async with openai_client(stack, key) as client:
         chunks = await client.chat.completions.create(
             model=stack.model, messages=[{"role": "user", "content": "one two three"}], max_tokens=5, stream=True)
         text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
         stored = await client.responses.create(model=stack.model, input="one two", max_output_tokens=3)
         assert (await client.responses.retrieve(stored.id)).output_text == stored.output_text
-    return text
+    return text, stored.id
 
 
 def assert_no_password_in_logs(stack: Stack, passwords: Path) -> None:
@@ -127,7 +131,13 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
         stack.worker(sim_ttft_ms=1, sim_itl_ms=1, **login(passwords, "tokenbus-worker"))
         stack.edge(auth="keys", **login(passwords, "tokenbus-edge"))
         key = create_key(stack, passwords)
-        assert len((await stream(stack, key)).split()) == 5
+        text, stored = await stream(stack, key)
+        assert len(text.split()) == 5
+        stack.redis.stop()  # what scripts and transactions wrote comes back from the append-only file
+        stack.redis.start()
+        async with openai_client(stack, key) as client:
+            assert (await client.responses.retrieve(stored)).id == stored
+        assert len((await stream(stack, key))[0].split()) == 5
         assert_no_password_in_logs(stack, passwords)
         response = keys.stored_response("acl", "resp_x")
         denied: dict[str, list[tuple[Any, ...]]] = {
@@ -148,13 +158,15 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
         with client_of(stack, passwords, "tokenbus-keda") as keda:  # what KEDA's trigger reads
             assert keda.xlen(keys.requests_stream(stack.model)) >= 0
             assert keda.xinfo_groups(keys.requests_stream(stack.model))[0]["name"] == keys.WORKER_GROUP.encode()
-        anonymous = redis.Redis.from_url(stack.url)
-        assert anonymous.ping()  # the health probes'
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            anonymous.hgetall(keys.API_KEYS)
-        with pytest.raises(redis.exceptions.AuthenticationError):
-            redis.Redis.from_url(stack.url, username="tokenbus-admin", password="guessed").ping()
-        anonymous.close()
+        with redis.Redis.from_url(stack.url) as anonymous, pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.ping()  # NOAUTH
+        with redis.Redis.from_url(stack.url, username="tokenbus-health", password="any") as probe:
+            assert probe.ping()
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                probe.hgetall(keys.API_KEYS)
+        for user in ("tokenbus-admin", "default"):
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                redis.Redis.from_url(stack.url, username=user, password="guessed").ping()
 
 
 async def test_a_stream_is_served_over_tls(tmp_path: Path, passwords: Path, tls: TlsFiles) -> None:
@@ -166,7 +178,7 @@ async def test_a_stream_is_served_over_tls(tmp_path: Path, passwords: Path, tls:
         stack.edge(auth="keys", **login(passwords, "tokenbus-edge"), **tls_settings(tls))
         key = create_key(stack, passwords, "--redis-tls-ca-file", tls.ca, "--redis-tls-cert-file", tls.cert,
                          "--redis-tls-key-file", tls.key)
-        assert len((await stream(stack, key)).split()) == 5
+        assert len((await stream(stack, key))[0].split()) == 5
         assert_no_password_in_logs(stack, passwords)
         with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):  # TLS only
             redis.Redis(port=stack.redis.port, username="tokenbus-worker",
