@@ -2,10 +2,18 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test bench lint typecheck unit clean
+.PHONY: install lock locked run test bench lint typecheck unit clean
 
 install:
 	bash deploy/install.sh all
+
+# Every install reads deploy/locks/: after a change to pyproject's dependencies or deploy/versions.env, `make lock`
+# (LOCK_ARGS=--upgrade for the newest releases allowed).
+lock: install
+	$(BIN)/python deploy/lock.py $(LOCK_ARGS)
+
+locked:
+	python3 deploy/lock.py --check
 
 run: install
 	$(BIN)/tokenbus run
@@ -16,7 +24,7 @@ lint:
 typecheck:
 	$(BIN)/mypy
 
-test: install lint typecheck
+test: locked install lint typecheck
 	$(BIN)/python -m pytest
 
 bench: install
@@ -27,4 +35,4 @@ unit:
 	$(BIN)/python -m pytest -m "not engine"
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-checkov .mypy_cache .ruff_cache .pytest_cache

@@ -21,12 +21,12 @@ EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", 
                  "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "max_queued_bytes_per_tenant", "queue_timeout_s", "fair_input_weight",
-                 "fair_output_weight"]
+                 "fair_output_weight", "metrics_port", "metrics_host"]
 WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "sim_prefill_us_per_token",
                    "max_model_len", "max_num_seqs", "stream_interval", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "enforce_eager", "heartbeat_interval_s", "heartbeat_ttl_s",
-                   "metrics_port", "host", "log_level", "log_format", "resume_window_s", "replay_ttl_s",
+                   "metrics_port", "metrics_host", "host", "log_level", "log_format", "resume_window_s", "replay_ttl_s",
                    "replay_max_events",
                    "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",
                    "fair_input_weight", "fair_output_weight", "fair_headroom"]

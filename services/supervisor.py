@@ -7,7 +7,7 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
+import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import tempfile
 import threading
@@ -133,7 +133,7 @@ class RedisServer:
             command = ["sh", str(REDIS_START), *command]
             env = dict(os.environ, TOKENBUS_REDIS_ACL=self.acl, TOKENBUS_REDIS_SECRETS=self.secrets_dir,
                        TOKENBUS_REDIS_ACL_OUT=os.path.join(self.data_dir, "users.acl"))
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)  # nosec B603: our own argv, no shell
         probe = {"username": "tokenbus-health", "password": "probe"} if self.secrets_dir is not None else {}
         _wait_for_redis(self.url, self.proc, {**self.client_options(), **probe})
         return self.url
@@ -185,14 +185,14 @@ def private_redis_cluster(masters: int = 3) -> Iterator[str]:
             for port in ports:
                 node_dir = os.path.join(workdir, str(port))
                 os.makedirs(node_dir)
-                procs.append(subprocess.Popen(
+                procs.append(subprocess.Popen(  # nosec B603: our own argv, no shell
                     [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                      "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "yes",
                      "--appendfsync", "everysec", "--dir", node_dir, "--loglevel", "warning"],
                     stdout=subprocess.DEVNULL))
             for port, proc in zip(ports, procs, strict=True):
                 _wait_for_redis(f"redis://127.0.0.1:{port}", proc)
-            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
+            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",  # nosec B603: our own argv, no shell
                             "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
             _wait_for_cluster(f"redis://127.0.0.1:{ports[0]}", masters)
             yield f"redis://127.0.0.1:{ports[0]}"
@@ -262,7 +262,7 @@ def child_env(settings: Settings) -> dict[str, str]:
 
 
 def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=child_env(settings))
+    return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=child_env(settings))  # nosec B603: our own argv, no shell
 
 
 def wait_until_ready(base_url: str, children: list[subprocess.Popen[bytes]], timeout_s: float) -> bool:
@@ -273,7 +273,7 @@ def wait_until_ready(base_url: str, children: list[subprocess.Popen[bytes]], tim
         if any(child.poll() is not None for child in children):
             return False
         try:
-            with urllib.request.urlopen(base_url + "/ready", timeout=2) as answer:
+            with urllib.request.urlopen(base_url + "/ready", timeout=2) as answer:  # nosec B310: our own edge's http:// URL
                 if answer.status == 200:
                     return True
         except (urllib.error.URLError, OSError):
@@ -303,17 +303,17 @@ def run(settings: Settings) -> int:
     with _redis_for(settings) as url:
         models = [m for m in (settings.model, settings.embedding_model) if m]
         settings = msgspec.structs.replace(_with_redis(settings, url), ready_models=",".join(models))
-        worker = spawn("worker", settings)
+        worker = spawn("worker", _metrics_on(settings, 1))
         edge = spawn("edge", settings)
         children = [edge, worker]
         if settings.embedding_model:
             embedder = msgspec.structs.replace(
-                settings, task="embed", model=settings.embedding_model, model_dir=settings.embedding_model_dir,
-                kv_cache_gib=1.0, metrics_port=0,
+                _metrics_on(settings, 2), task="embed", model=settings.embedding_model,
+                model_dir=settings.embedding_model_dir, kv_cache_gib=1.0,
             )
             children.append(spawn("worker", embedder))
         try:
-            host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+            host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host  # nosec B104: a comparison; binds nothing
             if wait_until_ready(f"http://{host}:{settings.port}", children, WORKER_READY_TIMEOUT_S):
                 log.info("ready: http://%s:%d serves %s", settings.host, settings.port, " and ".join(models))
             else:
@@ -340,6 +340,12 @@ def _redis_for(settings: Settings) -> Iterator[str]:
         with private_redis(data_dir=str(data_dir), unix_socket=True) as url:
             log.info("started a private redis-server at %s (data in %s)", url, data_dir)
             yield url
+
+
+def _metrics_on(settings: Settings, offset: int) -> Settings:
+    """A child's metrics port: the edge's is --metrics-port, the worker's the next, the embedder's the one after."""
+    port = settings.metrics_port + offset if settings.metrics_port else 0
+    return msgspec.structs.replace(settings, metrics_port=port)
 
 
 def _with_redis(settings: Settings, url: str) -> Settings:

@@ -128,7 +128,7 @@ class HeldConnection:
     async def send_unread(self, commands: list[tuple[Arg, ...]]) -> None:
         """Sends commands and leaves their replies unread until `read_unread`; a failure raises (RedisError or
         OSError) and drops the connection with whatever was unread on it."""
-        assert self.keep, "replies left unread need a connection that stays"
+        assert self.keep, "replies left unread need a connection that stays"  # nosec B101: an invariant (tokenbus never runs with -O)
         if self.try_send_unread(commands):
             return
         async with self.lock, asyncio.timeout(COMMAND_TIMEOUT_S):

@@ -49,7 +49,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     redis_tls_key_file: str = ""
     """The private key of --redis-tls-cert-file."""
     host: str = "127.0.0.1"
-    """Address the edge (and the worker's metrics endpoint) listens on."""
+    """Address the edge's API listens on (and the metrics endpoint, unless --metrics-host)."""
     port: int = 8000
     """Port the edge listens on."""
     model: str = DEFAULT_MODEL_NAME
@@ -119,7 +119,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     keepalive_interval_s: float = 15.0
     """Seconds between SSE keep-alive comments while a stream waits."""
     metrics_port: int = 0
-    """Port of the worker's Prometheus endpoint; 0 means none."""
+    """Port of the process's Prometheus endpoint (`/metrics` of an edge or a worker; never the API's port: the
+    metrics name tenants); 0 means none. `tokenbus run` serves its edge's there and its workers' on the next
+    ports."""
+    metrics_host: str = ""
+    """Address the metrics endpoint listens on; empty: --host's. In a pod 0.0.0.0 (Prometheus scrapes the pod's
+    address); on a shared host keep it private."""
     log_level: str = "INFO"
     """Logging level of every process."""
     log_format: str = "text"

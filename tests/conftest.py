@@ -43,6 +43,8 @@ class Edge:
     process: subprocess.Popen[bytes]
     url: str
     log: Path
+    metrics_url: str
+    """Its /metrics, on a port of its own (not the API's)."""
 
 
 GPU_SHARE = 0.2
@@ -89,10 +91,10 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: object) -> Edge:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = log_dir / f"{name}.log"
-    process = _spawn("edge", _env(redis_url, **{"port": port, "keepalive_interval_s": 1, "auth": "none",
-                                                **settings}), log)
+    process = _spawn("edge", _env(redis_url, **{"port": port, "metrics_port": metrics_port, "keepalive_interval_s": 1,
+                                                "auth": "none", **settings}), log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -100,7 +102,7 @@ def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: ob
             raise RuntimeError(f"the edge exited: {log.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return Edge(process, url, log)
+                return Edge(process, url, log, f"http://127.0.0.1:{metrics_port}/metrics")
         except httpx.TransportError:
             time.sleep(0.1)
     raise RuntimeError("the edge did not start")

@@ -132,7 +132,7 @@ class Stack:
         state: dict[str, float] = {"pending": self.pending()}
         async with httpx.AsyncClient() as http:
             for edge in (e for e in self.edges if e.process.poll() is None):
-                text = (await http.get(edge.url + "/metrics")).text
+                text = (await http.get(edge.metrics_url)).text
                 state[edge.url] = metric_value(text, "tokenbus_edge_requests_in_flight")
             for worker in (w for w in self.workers if w.process.poll() is None):
                 text = (await http.get(worker.metrics_url)).text

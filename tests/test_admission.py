@@ -111,7 +111,7 @@ async def test_past_the_bounds_requests_are_refused_at_once_and_nothing_is_queue
     assert answers["tenant"].status_code == 429 and answers["tenant"].json()["error"]["code"] == "tenant_queue_full"
     assert all(int(answer.headers["Retry-After"]) >= 1 for answer in answers.values())
     assert tgi.status_code == 429 and tgi.json()["error_type"] == "overloaded" and tgi.headers["Retry-After"]
-    refusals = await metric(tight.url + "/metrics", "tokenbus_edge_admission_refusals_total",
+    refusals = await metric(tight.metrics_url, "tokenbus_edge_admission_refusals_total",
                             {"reason": "queue_full"})
     assert refusals == 2
     await stack.settled()

@@ -1,10 +1,13 @@
 """The deployment files, checked offline (no Docker engine, no cluster runs here): the compose file against
 the Compose Specification's schema and what production needs of it, the Prometheus rules with promtool
-(including their unit tests), the dashboard's expressions."""
+(including their unit tests), the dashboard's expressions, the Kubernetes manifests against their schemas and
+how their pods are hardened; checkov over the rendered manifests, the Dockerfiles and the compose file, and
+bandit over the code (each finding left is skipped where it is, with its reason)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -104,9 +107,33 @@ def test_every_compose_service_logs_in_to_redis_as_its_own_user() -> None:
         assert env["TOKENBUS_REDIS_USERNAME"] == user and services[name]["secrets"] == [user], name
         assert env["TOKENBUS_REDIS_PASSWORD_FILE"] == f"/run/secrets/{user}", name
         assert "@" not in env["TOKENBUS_REDIS_URL"], name  # no password in a URL
-    for secret in loaded["secrets"].values():  # made by the operator, never committed
-        assert secret["file"].startswith("./deploy/redis/secrets/")
-    assert "deploy/redis/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+    for user in SERVICE_USERS.values():  # made by the operator, never committed
+        secret = loaded["secrets"][user]["file"]
+        assert subprocess.run(["git", "check-ignore", "-q", secret], cwd=ROOT, timeout=10).returncode == 0, secret
+
+
+def test_the_compose_monitoring_is_private() -> None:
+    """The metrics name tenants: only the proxy is published on every interface, Prometheus and Grafana on
+    loopback, Grafana with a password from a secret file (not in git) and no anonymous viewers."""
+    loaded = compose()
+    services = loaded["services"]
+    published = {name: service.get("ports", []) for name, service in services.items()}
+    assert published.pop("proxy") == ["8000:8000"]
+    assert published.pop("prometheus") == ["127.0.0.1:9090:9090"]
+    assert published.pop("grafana") == ["127.0.0.1:3000:3000"]
+    assert not any(published.values()), published  # edges, workers, Redis: the compose network only
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_SECURITY_ADMIN_PASSWORD" not in grafana
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    secret = Path(loaded["secrets"]["grafana_admin_password"]["file"])
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(secret)], cwd=ROOT, timeout=10)
+    assert ignored.returncode == 0, f"{secret} must stay out of git"
+    scraped = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
+    ports = {job["job_name"]: job["dns_sd_configs"][0]["port"] if "dns_sd_configs" in job else
+             {int(target.split(":")[1]) for target in job["static_configs"][0]["targets"]} for job in scraped}
+    assert ports == {"tokenbus-edge": 9400, "tokenbus-worker": {9400}}
+    assert services["edge"]["environment"]["TOKENBUS_METRICS_PORT"] == "9400"
+    assert "/metrics" in (ROOT / "deploy" / "compose" / "nginx.conf").read_text()  # refused, not routed
 
 
 @pytest.mark.parametrize("image", ["edge", "worker-cpu", "worker-gpu"])
@@ -245,3 +272,90 @@ def assert_only_tokenbus_reaches_redis(docs: dict[tuple[str, str], Any]) -> None
 def test_the_operator_rules_are_the_prometheus_rules() -> None:
     operator = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
     assert operator["spec"]["groups"] == yaml.safe_load((PROMETHEUS / "rules.yml").read_text())["groups"]
+
+
+def test_every_pod_is_hardened_and_every_image_pinned() -> None:
+    """What deploy/k8s/base/hardening.yaml gives every pod, checked on what both overlays render."""
+    version = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for overlay in ("gpu", "cpu"):
+        for doc in (d for d in rendered(overlay) if d["kind"] in ("Deployment", "StatefulSet")):
+            pod, name = doc["spec"]["template"]["spec"], doc["metadata"]["name"]
+            assert pod["automountServiceAccountToken"] is False, name
+            assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] >= 10000, name
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            for container in pod["containers"] + pod.get("initContainers", []):
+                security = container["securityContext"]
+                assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"], name
+                assert security["capabilities"] == {"drop": ["ALL"]}, name
+                assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+                assert "memory" in container["resources"]["limits"], name
+                mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                assert "/tmp" in mounted or name == "tokenbus-redis", name  # Redis writes only its /data
+                image = container["image"]
+                assert ":" in image and not image.endswith(":latest"), image
+                if image.startswith("tokenbus/"):
+                    assert image.endswith(f":{version}"), image
+
+
+def test_the_metrics_are_scraped_off_the_api_port() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered("gpu")}
+    api = docs[("Service", "tokenbus")]["spec"]["ports"]
+    assert [p["targetPort"] for p in api] == ["http"]
+    monitor = docs[("ServiceMonitor", "tokenbus")]["spec"]
+    assert [e["port"] for e in monitor["endpoints"]] == ["metrics"]
+    scraped = {name for (kind, name), d in docs.items()
+               if kind == "Service" and d["metadata"].get("labels", {}).get("tokenbus.io/metrics") == "true"}
+    assert scraped == {"tokenbus-edge", "tokenbus-worker"}  # the job names the alerting rules use
+    for name in ("tokenbus-edge", "tokenbus-worker", "tokenbus-embedder"):
+        container = docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["TOKENBUS_METRICS_PORT"] == "9400", name
+        assert {"name": "metrics", "containerPort": 9400} in container["ports"], name
+
+
+def tool(env: str, *candidates: Path) -> Path:
+    """A checker installed beside the project (its path in `env`, or the first candidate that exists); the
+    test is skipped, saying so, only where none is installed."""
+    import os
+
+    for path in ([Path(os.environ[env])] if env in os.environ else []) + list(candidates):
+        if path.is_file():
+            return path
+    pytest.skip(f"{candidates[0].name} is not installed (set {env}, or run `bash deploy/install.sh dev`)")
+
+
+CHECKOV = ("TOKENBUS_CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov")
+"""checkov pins its own dependencies, which conflict with tokenbus's: it has a virtual environment of its own."""
+
+
+def checkov(*args: str) -> subprocess.CompletedProcess[str]:
+    """checkov offline: no external checks or modules downloaded, nothing uploaded."""
+    return subprocess.run([str(tool(*CHECKOV)), *args, "--compact", "--quiet", "--skip-download"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_checkov_passes_the_manifests_the_dockerfiles_and_the_compose_file(tmp_path: Path) -> None:
+    """The manifests as both overlays render them, the Dockerfiles, and (checkov has no Compose checks) the
+    compose file and deploy/ for secrets. A check that does not apply is skipped in the file, with its reason:
+    `# checkov:skip=CKV_...: reason`, or the manifests' `checkov.io/skipN: CKV_...=reason` annotations."""
+    for overlay in ("gpu", "cpu"):
+        (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(rendered(overlay)))
+    for args in (["-d", str(tmp_path), "-d", "deploy/docker", "--framework", "kubernetes,dockerfile"],
+                 ["-d", "deploy", "-f", "docker-compose.yml", "--framework", "secrets"]):
+        checked = checkov(*args)
+        assert checked.returncode == 0, checked.stdout[-6000:] + checked.stderr[-2000:]
+    skips = [value for overlay in ("gpu", "cpu") for doc in rendered(overlay)
+             for key, value in doc["metadata"].get("annotations", {}).items() if key.startswith("checkov.io/skip")]
+    assert skips and all(len(value.split("=")) == 2 and value.split("=")[1].strip() for value in skips), skips
+
+
+def test_bandit_passes_the_code() -> None:
+    """bandit over shared/ and services/; each finding left is a `# nosec BXXX: reason` on its line."""
+    bandit = tool("TOKENBUS_BANDIT", Path(sys.executable).parent / "bandit")
+    checked = subprocess.run([str(bandit), "-q", "-r", "shared", "services"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+    assert checked.returncode == 0, checked.stdout[-6000:]
+    for path in [*(ROOT / "shared").rglob("*.py"), *(ROOT / "services").rglob("*.py")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "# nosec" in line:
+                assert re.search(r"# nosec B\d{3}(, B\d{3})*: \S", line), f"{path}:{number}: a skip needs its reason"

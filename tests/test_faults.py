@@ -286,7 +286,7 @@ async def test_a_stopped_edge_drains_its_streams_and_exits(stack: Stack) -> None
     streams = [asyncio.create_task(stream_text(edge.url, stack.model, 150)) for _ in range(8)]
     async with httpx.AsyncClient() as http:
         for _ in range(100):  # until all eight are in flight
-            if metric_value((await http.get(edge.url + "/metrics")).text, "tokenbus_edge_requests_in_flight") >= 8:
+            if metric_value((await http.get(edge.metrics_url)).text, "tokenbus_edge_requests_in_flight") >= 8:
                 break
             await asyncio.sleep(0.1)
     edge.process.send_signal(signal.SIGTERM)

@@ -55,7 +55,7 @@ def api(redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.Temp
 
 def _five_hundreds(edge: Edge) -> dict[str, float]:
     """The edge's own count of 5xx answers, by route (a client may not have seen them all)."""
-    text = httpx.get(edge.url + "/metrics", timeout=5).text
+    text = httpx.get(edge.metrics_url, timeout=5).text
     return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
             if line.startswith("tokenbus_edge_requests_total{") and 'status="5' in line}
 

@@ -2,7 +2,8 @@
 processes on loopback (two edges with keys, a `--engine sim` worker, a redis-server) with the project's
 rules loaded, while clients stream, send a bad request and run into a rate limit. Then every recording rule
 and every dashboard expression returns data, every alerting rule evaluates without error over series that
-exist, and the edge's and the worker's metrics stay apart, with no `_created` series."""
+exist, and the edge's and the worker's metrics stay apart, with no `_created` series. Each process's metrics
+are on a port of its own, never the API's."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ async def test_prometheus_scrapes_the_stack_and_every_rule_and_panel_has_data(st
     edges = [stack.edge(auth="keys"), stack.edge(auth="keys")]
     worker = stack.worker()
     free, limited = create_key(stack, "--tenant", "free"), create_key(stack, "--tenant", "tight", "--rpm", "2")
-    prometheus, url = start_prometheus(tmp_path, [host_port(e.url) for e in edges], [host_port(worker.metrics_url)])
+    prometheus, url = start_prometheus(tmp_path, [host_port(e.metrics_url) for e in edges],
+                                       [host_port(worker.metrics_url)])
     try:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             deadline = time.monotonic() + 30
@@ -74,6 +76,8 @@ async def test_prometheus_scrapes_the_stack_and_every_rule_and_panel_has_data(st
             await drive(stack, [e.url for e in edges], free, limited)
             await asyncio.sleep(4)  # a few scrapes and rule evaluations after the load
             await check_everything(http)
+            # the metrics name tenants: the API's port, which clients reach, does not serve them
+            assert (await http.get(edges[0].url + "/metrics")).status_code == 404
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=20)

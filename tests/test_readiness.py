@@ -49,8 +49,9 @@ def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_ke
     from services.supervisor import free_port
     from tests.conftest import ROOT
 
-    port = free_port()
-    env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path), "TOKENBUS_ENGINE": "sim", "TOKENBUS_PORT": str(port)}
+    port, metrics = free_port(), _free_ports_in_a_row(3)
+    env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path), "TOKENBUS_ENGINE": "sim", "TOKENBUS_PORT": str(port),
+           "TOKENBUS_METRICS_PORT": str(metrics)}
     env.pop("TOKENBUS_REDIS_URL", None)
     env.pop("TOKENBUS_AUTH", None)
     log = tmp_path / "run.log"
@@ -71,6 +72,29 @@ def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_ke
         assert chat.status_code == 200
         assert "without API keys" in log.read_text()
         assert "private redis-server at unix://" in log.read_text()  # its processes share the machine
+        # the edge's metrics on --metrics-port, the worker's and the embedder's on the next two; none on the API's
+        texts = [httpx.get(f"http://127.0.0.1:{metrics + i}/metrics", timeout=5).text for i in range(3)]
+        assert "tokenbus_edge_ready 1.0" in texts[0]
+        assert 'model="SmolLM2-135M-Instruct"' in texts[1] and 'model="all-MiniLM-L6-v2"' in texts[2]
+        assert httpx.get(url + "/metrics", timeout=5).status_code == 404
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=60)
+
+
+def _free_ports_in_a_row(count: int) -> int:
+    """The first of `count` consecutive free loopback ports."""
+    import socket
+    from contextlib import ExitStack
+
+    from services.supervisor import free_port
+
+    while True:
+        first = free_port()
+        with ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first

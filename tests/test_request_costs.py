@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.edge.estimate import estimate, text_tokens
-from services.edge.formats import chat, completions, embeddings, structured
+from services.edge.formats import calling, chat, completions, embeddings, structured
 from services.edge.formats.base import decode
 from services.edge.handlers import parse_event_id
 from services.worker.models import default_chat_model_dir
@@ -125,6 +125,24 @@ def test_a_deeply_nested_schema_is_refused() -> None:
         deep = {"type": "object", "properties": {"a": deep}}
     with pytest.raises(InvalidRequest, match="nested deeper"):
         structured.checked_schema(deep, "tools")
+
+
+@pytest.mark.parametrize("pattern", ["(" * 1000 + "a" + ")" * 1000, "a{99999999999}", "(unclosed"])
+def test_a_pattern_re_cannot_compile_is_a_400_naming_it(pattern: str) -> None:
+    """A recursion or an overflow while compiling was a 500."""
+    with pytest.raises(InvalidRequest) as caught:
+        structured.regex(pattern, "structured_outputs.regex")
+    assert caught.value.param == "structured_outputs.regex"
+
+
+def test_a_forced_choice_of_a_function_whose_defs_are_no_object_is_a_400() -> None:
+    """`$defs` is no keyword of draft 4, so `5` is valid there; lifting it to the combined schema was a 500."""
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "$defs": 5}
+    assert calling._lift_defs([bus.Tool(name="f", parameters=draft4)])[0] == [draft4]
+    with pytest.raises(InvalidRequest) as caught:  # the combined schema is of draft 2020-12
+        chat_job(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                 tools=[{"type": "function", "function": {"name": "f", "parameters": draft4}}])
+    assert caught.value.param == "tools"
 
 
 def test_the_functions_parameters_are_bounded_all_together() -> None:

@@ -30,7 +30,8 @@ async def test_health_ready_and_metrics(served: Edge) -> None:
         ready = await http.get("/ready")
         assert ready.status_code == 200
         assert MODEL in ready.json()["models"]
-        text = (await http.get("/metrics")).text
+        assert (await http.get("/metrics")).status_code == 404  # the metrics are on a port of their own
+        text = (await http.get(served.metrics_url)).text
     assert metric_value(text, "tokenbus_edge_requests_total", {"route": "/v1/chat/completions",
                                                                 "status": "200"}) >= 1
     assert metric_value(text, "tokenbus_edge_time_to_first_token_seconds_count", {"model": MODEL}) >= 1
@@ -53,7 +54,7 @@ async def test_the_worker_reports_what_its_engine_holds_and_the_edge_what_stream
             for name in ("tokenbus_worker_engine_running_sequences", "tokenbus_worker_kv_cache_usage_ratio"):
                 seen[name] = max(seen.get(name, 0.0), metric_value(text, name, {"model": MODEL}))
         worker_text = text
-        edge_text = (await http.get(served.url + "/metrics")).text
+        edge_text = (await http.get(served.metrics_url)).text
     assert seen["tokenbus_worker_engine_running_sequences"] >= 1 and seen["tokenbus_worker_kv_cache_usage_ratio"] > 0
     assert metric_value(edge_text, "tokenbus_edge_inter_token_latency_seconds_count", {"model": MODEL}) >= 100
     assert metric_value(edge_text, "tokenbus_edge_prompt_tokens_total", {"model": MODEL}) > 0

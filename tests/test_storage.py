@@ -178,6 +178,6 @@ async def test_the_history_stored_is_the_one_truncation_ran(stack: Stack) -> Non
 
 async def test_the_edge_reports_redis_memory_against_its_maxmemory(stack: Stack) -> None:
     async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(stack.edges[0].url + "/metrics")).text
+        text = (await http.get(stack.edges[0].metrics_url)).text
     assert metric_value(text, "tokenbus_edge_redis_maxmemory_bytes") == REDIS_MAXMEMORY_BYTES
     assert 0 < metric_value(text, "tokenbus_edge_redis_used_memory_bytes") < REDIS_MAXMEMORY_BYTES

@@ -137,7 +137,7 @@ async def test_rpm_is_exact_across_three_edges(stack: Stack) -> None:
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     assert refused.headers["x-ratelimit-limit-requests"] == "10"
     async with httpx.AsyncClient() as http:
-        texts = [(await http.get(e.url + "/metrics")).text for e in stack.edges]
+        texts = [(await http.get(e.metrics_url)).text for e in stack.edges]
     counted = {outcome: sum(metric_value(text, "tokenbus_edge_tenant_requests_total",
                                          {"tenant": "rpm", "outcome": outcome}) for text in texts)
                for outcome in ("admitted", "requests")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
+import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import time
 from contextlib import ExitStack
@@ -231,7 +231,7 @@ def vllm_bench_serve(engine: systems.Engine, log_dir: Path, prompts: int = 16) -
                 "--model", engine.model, "--tokenizer", str(engine.model_dir), "--dataset-name", "random",
                 "--random-input-len", "64", "--random-output-len", "32", "--num-prompts", str(prompts),
                 "--max-concurrency", "4", "--ignore-eos"]
-        done = subprocess.run([sys.executable, "-m", "services.bench.vllm_bench", *args],
+        done = subprocess.run([sys.executable, "-m", "services.bench.vllm_bench", *args],  # nosec B603: our own argv, no shell
                               capture_output=True, text=True, timeout=600)
     return done.returncode, result_block(done.stdout + done.stderr)
 

@@ -110,7 +110,7 @@ def measure(log: Path, plan: Plan) -> Result:
 
 async def _scenarios(running: systems.Running, model: str, scheduler: str, plan: Plan) -> list[Run]:
     keys = await _keys(running.redis_url)
-    request = Request(prompt_of(16, random.Random(0)), 16, plan.tokens)
+    request = Request(prompt_of(16, random.Random(0)), 16, plan.tokens)  # nosec B311: a benchmark's seeded workload
     url = running.base_url + "/v1/chat/completions"
     runs: list[Run] = []
     async with _session(keys[SIPPER]) as sipper:
@@ -136,7 +136,7 @@ async def _flood(running: systems.Running, sipper: aiohttp.ClientSession, url: s
     """B's requests one at a time while A keeps its flood of one shape in flight, over the measured window."""
     flooding = request
     if shape == LONG:
-        flooding = Request(prompt_of(plan.long_prompt_words, random.Random(1)), plan.long_prompt_words,
+        flooding = Request(prompt_of(plan.long_prompt_words, random.Random(1)), plan.long_prompt_words,  # nosec B311: a benchmark's seeded workload
                            request.max_tokens)
     with Loads(url, model, flooding, {FLOODER: (key, plan.flood_streams)}, mixed=shape != SAME) as loads:
         await loads.ready()
@@ -232,7 +232,7 @@ def _load(tenant: str, key: str, streams: int, url: str, model: str, request: Re
 
     async def run() -> list[Timing]:
         timings: list[Timing] = []
-        lengths = random.Random(tenant)
+        lengths = random.Random(tenant)  # nosec B311: a benchmark's seeded workload
         async with _session(key) as session:
 
             async def stream() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
+import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import time
 from dataclasses import dataclass
@@ -51,7 +51,7 @@ async def _subscribed(path: str, channel: str) -> tuple[asyncio.StreamReader, as
     parser = hiredis.Reader()
     while (reply := parser.gets()) is False:
         parser.feed(await reader.read(65536))
-    assert reply[0] == b"subscribe", reply
+    assert reply[0] == b"subscribe", reply  # nosec B101: an invariant (tokenbus never runs with -O)
     return reader, writer, parser
 
 
@@ -103,10 +103,10 @@ def measure(round_trips: int = 300, gap_s: float = 0.01, pin: bool = True) -> Ho
     run = [sys.executable, "-m", "services.bench.floor"]
     with edge_bench.pinned_apart(pin), private_redis(unix_socket=True) as url:
         path = urlparse(url).path
-        with subprocess.Popen([*run, "echo", path], stdout=subprocess.PIPE, text=True) as echoer:
+        with subprocess.Popen([*run, "echo", path], stdout=subprocess.PIPE, text=True) as echoer:  # nosec B603: our own argv, no shell
             try:
-                assert echoer.stdout is not None and echoer.stdout.readline().strip() == READY, "no echo"
-                pinged = subprocess.run([*run, "ping", path, str(round_trips), str(gap_s)], capture_output=True,
+                assert echoer.stdout is not None and echoer.stdout.readline().strip() == READY, "no echo"  # nosec B101: an invariant (tokenbus never runs with -O)
+                pinged = subprocess.run([*run, "ping", path, str(round_trips), str(gap_s)], capture_output=True,  # nosec B603: our own argv, no shell
                                         text=True, check=True, timeout=60 + round_trips * gap_s * 4)
             finally:
                 echoer.terminate()

@@ -79,7 +79,7 @@ def markdown(report: Report, images: list[str], gpu_measured: bool = False) -> s
     elif systems.gpu_name() is None:
         lines += [GPU_UNMEASURED, ""]
     if report.comparison:
-        assert report.engine is not None, "a comparison comes with its engine settings"
+        assert report.engine is not None, "a comparison comes with its engine settings"  # nosec B101: an invariant (tokenbus never runs with -O)
         lines += [REPRODUCE, "", *compare_report.section(report.comparison, images, report.engine,
                                                          idle=report.idle)]
     lines += _edge_section(report)

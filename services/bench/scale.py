@@ -104,12 +104,12 @@ def _flush(url: str) -> None:
             client.close()
 
 
-def _wait_for_workers(url: str, model: str, workers: int, timeout_s: float = 60.0) -> None:
+def _wait_for_workers(metrics_url: str, model: str, workers: int, timeout_s: float = 60.0) -> None:
     """Until the edge sees every worker's heartbeat (the edge's live-workers gauge)."""
     deadline = time.monotonic() + timeout_s
     prefix = f'tokenbus_edge_live_workers{{model="{model}"}} '
     while time.monotonic() < deadline:
-        text = httpx.get(url + "/metrics", timeout=5).text
+        text = httpx.get(metrics_url, timeout=5).text
         if any(line.startswith(prefix) and float(line.split()[-1]) >= workers for line in text.splitlines()):
             return
         time.sleep(0.25)
@@ -126,7 +126,7 @@ def measure_cell(engine: systems.Engine, log: Path, plan: Plan, edges: int, work
     with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), edges=edges, workers=workers,
                           worker_settings={"max_num_seqs": plan.slots_per_worker, **cluster}, edge_settings=cluster,
                           redis_url=cluster_url) as running:
-        _wait_for_workers(running.base_url, engine.model, workers)
+        _wait_for_workers(running.metrics_urls[0], engine.model, workers)
         work = requests(streams * plan.requests_per_slot, Distribution("fixed", 16),
                         Distribution("uniform", plan.tokens // 2, plan.tokens * 3 // 2), seed=5)
 

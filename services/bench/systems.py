@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
+import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import time
 from collections.abc import Iterator
@@ -63,7 +63,7 @@ def gpu_name() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,  # nosec B607, B603: nvidia-smi is where the driver puts it; our own argv, no shell
                                 text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -78,11 +78,13 @@ class Running:
     redis_url: str = ""
     base_urls: tuple[str, ...] = ()
     """Every edge's, when there are several (`base_url` is the first)."""
+    metrics_urls: tuple[str, ...] = ()
+    """Every edge's /metrics (on a port of its own), in the order of `base_urls`."""
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # nosec B603: our own argv, no shell
 
 
 def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
@@ -145,17 +147,19 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
             processes[f"worker{i or ''}"] = _spawn([sys.executable, "-m", "services.cli", "worker"],
                                                    _env(**settings), log)
             stack.callback(_stop, processes[f"worker{i or ''}"])
-        urls = []
+        urls, metrics_urls = [], []
         for i in range(edges):
-            port = free_port()
-            edge_env = {"redis_url": redis_url, "model": engine.model, "port": port, "log_level": "WARNING",
-                        "auth": "none", **(edge_settings or {})}
+            port, metrics_port = free_port(), free_port()
+            edge_env = {"redis_url": redis_url, "model": engine.model, "port": port, "metrics_port": metrics_port,
+                        "log_level": "WARNING", "auth": "none", **(edge_settings or {})}
             processes[f"edge{i or ''}"] = _spawn([sys.executable, "-m", "services.cli", "edge"], _env(**edge_env), log)
             stack.callback(_stop, processes[f"edge{i or ''}"])
             urls.append(f"http://127.0.0.1:{port}")
+            metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
         for url in urls:
             wait_ready(url, engine.model, list(processes.values()), log, ready_path="/ready")
-        yield Running(urls[0], {name: p.pid for name, p in processes.items()}, redis_url, tuple(urls))
+        yield Running(urls[0], {name: p.pid for name, p in processes.items()}, redis_url, tuple(urls),
+                      tuple(metrics_urls))
 
 
 @contextmanager

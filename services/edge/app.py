@@ -21,9 +21,11 @@ from services.edge.gateway import Gateway
 from services.edge.ops import expected_models
 from services.edge.relay import EventRelay, Timing, running
 from services.edge.routes import Route, route_of
+from services.edge.schema_checks import Checker
 from services.edge.sse import ClientGone
 from services.edge.state import (
     ADMITTER,
+    CHECKER,
     DRAINING,
     GATEWAY,
     KEYS,
@@ -136,9 +138,17 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_bus)
+    app.cleanup_ctx.append(_checker)
     app.on_response_prepare.append(_answer_headers)
     routes.add_to(app)
     return app
+
+
+async def _checker(app: web.Application) -> AsyncIterator[None]:
+    """The process that checks large schemas and every pattern off the loop: started on first use."""
+    app[CHECKER] = Checker()
+    yield
+    await app[CHECKER].close()
 
 
 async def _bus(app: web.Application) -> AsyncIterator[None]:

@@ -1,14 +1,12 @@
-"""The operational routes: liveness, readiness and metrics. They need no key and answer during a Redis
-outage (readiness then says why it is not ready)."""
+"""The operational routes: liveness and readiness. They need no key and answer during a Redis outage
+(readiness then says why it is not ready). The metrics are not among them: see shared/exposition.py."""
 
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS
-from shared import metrics
 from shared.settings import Settings
 
 
@@ -38,9 +36,3 @@ async def ready(request: web.Request) -> web.Response:
 
 def expected_models(settings: Settings) -> list[str]:
     return [m for m in (part.strip() for part in settings.ready_models.split(",")) if m] or [settings.model]
-
-
-async def prometheus(request: web.Request) -> web.Response:
-    response = web.Response(body=generate_latest(metrics.EDGE))
-    response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
-    return response

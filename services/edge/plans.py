@@ -16,10 +16,11 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
+from services.edge import schema_checks
 from services.edge.auth import caller_of
 from services.edge.formats import chat, completions, embeddings, responses, tgi
 from services.edge.formats.base import Renderer, decode, unknown_fields
-from services.edge.state import GATEWAY, SETTINGS, STORE
+from services.edge.state import CHECKER, GATEWAY, SETTINGS, STORE
 from services.edge.store import Conversation
 from shared import bus, metrics
 from shared.errors import NotFound
@@ -180,15 +181,28 @@ async def plan_tgi(request: web.Request, body: bytes, given: Arrival | None, *, 
     return Plan(name, arrival, job, renderer, streaming, "tgi")
 
 
+def checked(planner: Planner) -> Planner:
+    """The planner, with the schema and pattern checks its format code deferred (schema_checks.deferring) made
+    off the loop once the job is built: a refusal comes before anything is charged or queued. A resumed stream's
+    body passed them when the stream began."""
+    async def plan(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+        with schema_checks.deferring() as pending:
+            made = await planner(request, body, given)
+        if given is None:
+            await request.app[CHECKER].run(pending, caller_of(request).tenant)
+        return made
+    return plan
+
+
 PLANNERS: dict[str, Planner] = {
-    "chat": plan_chat,
-    "completions": plan_completions,
-    "completions_templated": functools.partial(plan_completions, raw_prompt_default=False),
-    "responses": plan_responses,
-    "responses_ovms": functools.partial(plan_responses, ovms=True),
+    "chat": checked(plan_chat),
+    "completions": checked(plan_completions),
+    "completions_templated": checked(functools.partial(plan_completions, raw_prompt_default=False)),
+    "responses": checked(plan_responses),
+    "responses_ovms": checked(functools.partial(plan_responses, ovms=True)),
     "embeddings": plan_embeddings,
-    "tgi": functools.partial(plan_tgi, stream=False),
-    "tgi_stream": functools.partial(plan_tgi, stream=True, name="tgi_stream"),
-    "tgi_compat": functools.partial(plan_tgi, stream=None, array_body=True, name="tgi_compat"),
+    "tgi": checked(functools.partial(plan_tgi, stream=False)),
+    "tgi_stream": checked(functools.partial(plan_tgi, stream=True, name="tgi_stream")),
+    "tgi_compat": checked(functools.partial(plan_tgi, stream=None, array_body=True, name="tgi_compat")),
 }
 """Every planner by name: a stored StreamRecord names the one that made its plan."""

@@ -2,8 +2,9 @@
 the error shape all read it.
 
 A route's family decides the rest: `openai` routes (OpenAI, Databricks, OVMS) answer errors in OpenAI's
-shape, `tgi` routes in TGI's, and both need an API key and Redis; `ops` routes (health, readiness,
-metrics, the API document) need neither, so they answer during a Redis outage and to anyone.
+shape, `tgi` routes in TGI's, and both need an API key and Redis; `ops` routes (health, readiness, the API
+document) need neither, so they answer during a Redis outage and to anyone. The metrics are served on a port
+of their own (--metrics-port), not here.
 """
 
 from __future__ import annotations
@@ -91,7 +92,6 @@ ROUTES: list[Route] = [
     Route("get", "/info", handlers.tgi_info, "tgi", "TGI model information", response=tgi.Info),
     Route("get", "/health", ops.health, "ops"),
     Route("get", "/ready", ops.ready, "ops"),
-    Route("get", "/metrics", ops.prometheus, "ops"),
     Route("get", "/openapi.json", openapi_document, "ops"),
 ]
 

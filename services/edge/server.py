@@ -27,7 +27,7 @@ from aiohttp.web_server import Server
 from services.edge.formats.base import openai_error
 from services.edge.sse import ClientGone
 from services.edge.state import DRAINING
-from shared import gcheap, metrics
+from shared import exposition, gcheap, metrics
 from shared.errors import InvalidRequest, TokenbusError
 from shared.settings import Settings
 
@@ -186,7 +186,13 @@ class GuardedRunner(web.AppRunner):
 
 
 async def serve(app: web.Application, settings: Settings, *, shutdown_timeout: float) -> None:
-    """Serves until SIGINT or SIGTERM, then shuts down as web.run_app does (handlers get shutdown_timeout)."""
+    """Serves until SIGINT or SIGTERM, then shuts down as web.run_app does (handlers get shutdown_timeout); the
+    metrics endpoint outlasts the drain."""
+    async with exposition.serving(settings, metrics.EDGE, "edge"):
+        await _serve_api(app, settings, shutdown_timeout)
+
+
+async def _serve_api(app: web.Application, settings: Settings, shutdown_timeout: float) -> None:
     runner = GuardedRunner(app, read_timeout_s=settings.read_timeout_s, access_log=None,
                            shutdown_timeout=shutdown_timeout)
     await runner.setup()

@@ -10,6 +10,7 @@ from aiohttp import web
 from services.edge.admission import Admitter
 from services.edge.auth import KeyCache
 from services.edge.gateway import Gateway
+from services.edge.schema_checks import Checker
 from services.edge.store import ResponseStore
 from shared.settings import Settings
 
@@ -21,6 +22,8 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 """Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""
 KEYS = web.AppKey("keys", KeyCache)
 ADMITTER = web.AppKey("admitter", Admitter)
+CHECKER = web.AppKey("checker", Checker)
+"""The edge's process for the schema and pattern checks that cost by the byte (services.edge.schema_checks)."""
 RATE_HEADERS = web.RequestKey("rate_headers", dict[str, str])
 """The caller's x-ratelimit-* headers, set before its answer starts."""
 REQUEST_ID = web.RequestKey("request_id", str)

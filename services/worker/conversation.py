@@ -149,7 +149,7 @@ class Truncation:
         """The prompt's ids, rendering (and tokenizing) each conversation tried with `render`."""
         while (k := self.next()) is not None:
             self.record(k, await render(self.kept(k)))
-        assert self.ids is not None  # next() ends only once the answer is rendered
+        assert self.ids is not None  # nosec B101: an invariant (tokenbus never runs with -O); next() ends only once the answer is rendered
         return self.ids
 
     def kept(self, k: int) -> list[dict[str, Any]]:

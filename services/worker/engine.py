@@ -157,7 +157,7 @@ class VllmEngine:
         return text
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        assert self.encoder is not None, "the engine is not started"
+        assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
         return await self.encoder.encode(text, add_special_tokens)
 
     async def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
@@ -179,7 +179,7 @@ class VllmEngine:
     async def _truncated(self, job: bus.Job, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          ids: list[int]) -> list[int]:
         """truncation "auto": the oldest turns after the system messages dropped until it fits (the last kept)."""
-        assert self.encoder is not None, "the engine is not started"
+        assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
         texts = [conversation.estimate_text(m) for m in messages]
         sizes = [len(each) for each in await self.encoder.encode_many(texts, add_special_tokens=False)]
         cut = conversation.Truncation(messages, sizes, ids, self._prompt_room(job))

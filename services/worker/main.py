@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
-
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.worker.engine import VllmEngine
 from services.worker.models import resolve_model_dir
@@ -17,7 +12,7 @@ from services.worker.parsing.formats import tool_format
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
-from shared import eventloop, gcheap, metrics
+from shared import eventloop, exposition, gcheap, metrics
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,33 +38,10 @@ def run_worker(settings: Settings) -> None:
 
 async def _serve(settings: Settings, engine: VllmEngine | SimEngine) -> bool:
     """Serves until SIGINT or SIGTERM (True), or until a loop of the worker died (False)."""
-    async with _metrics_endpoint(settings):
+    async with exposition.serving(settings, metrics.WORKER, "worker"):
         log.info("starting the %s engine", settings.engine)
         engine.start()  # in the loop: vLLM's output handler binds to the running loop
         return await _run(Worker(settings, engine), engine)
-
-
-@contextlib.asynccontextmanager
-async def _metrics_endpoint(settings: Settings) -> AsyncIterator[None]:
-    """Serves the worker's registry on its metrics port from the worker's own loop: prometheus_client's server
-    thread wakes twice a second to poll, and takes the interpreter's lock from the loop to do so."""
-    if not settings.metrics_port:
-        yield
-        return
-    app = web.Application()
-    app.router.add_get("/metrics", _exposition)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, settings.host, settings.metrics_port).start()
-        log.info("worker metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
-        yield
-    finally:
-        await runner.cleanup()
-
-
-async def _exposition(request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(metrics.WORKER), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _run(worker: Worker, engine: VllmEngine | SimEngine) -> bool:

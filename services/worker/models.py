@@ -45,8 +45,8 @@ def prepare_smollm2(folder: Path) -> Path:
 
     source = package_dir(SMOLLM2_PACKAGE)
     log.info("preparing %s from %s into %s", DEFAULT_MODEL_NAME, source / SMOLLM2_GGUF, folder)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)  # nosec B615: an installed package's folder, offline
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16)  # nosec B615: an installed package's folder, offline
     # the weights are dequantized now: drop the GGUF marker so the folder loads as plain safetensors
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

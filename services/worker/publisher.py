@@ -264,7 +264,7 @@ class EventPublisher:
 
     async def _unconfirmed_failed(self) -> list[_Batch]:
         """Reads the replies left unread; the batches they belong to, all of them, if one shows a failure."""
-        assert self.pipelines.held is not None
+        assert self.pipelines.held is not None  # nosec B101: an invariant (tokenbus never runs with -O)
         sent, self.unconfirmed = self.unconfirmed, []
         try:
             replies = await self.pipelines.held.read_unread()

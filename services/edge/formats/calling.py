@@ -180,13 +180,16 @@ def tool_use(tools: list[bus.Tool], choice: ToolChoice | None, parallel: bool | 
 
 def _lift_defs(tools: list[bus.Tool]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Each function's parameters with their `$defs` moved to the top of the combined schema, where the
-    parameters' own `#/$defs/...` references point."""
+    parameters' own `#/$defs/...` references point. Definitions that are no object stay where they are: the
+    schema may be of a draft without `$defs` (draft 4's `"$defs": 5` is valid), or not checked yet."""
     lifted: dict[str, dict[str, Any]] = {}
     schemas = []
     for tool in tools:
         schema = dict(tool.parameters or NO_PARAMETERS)
         for key in DEFS_KEYS:
-            definitions: dict[str, Any] = schema.pop(key, None) or {}
+            if not isinstance(schema.get(key), dict):
+                continue
+            definitions: dict[str, Any] = schema.pop(key)
             for name, definition in definitions.items():
                 if lifted.setdefault(key, {}).setdefault(name, definition) != definition:
                     raise InvalidRequest(f"Two functions define `{key}.{name}` differently; a forced tool choice "

@@ -171,7 +171,7 @@ def _call(item: InputItem, i: int) -> bus.ToolCall:
     for name in ("call_id", "name", "arguments"):
         if getattr(item, name) is None:
             raise InvalidRequest(f"A function_call item needs its `{name}`.", param=f"input[{i}].{name}")
-    assert item.call_id is not None and item.name is not None and item.arguments is not None
+    assert item.call_id is not None and item.name is not None and item.arguments is not None  # nosec B101: an invariant (tokenbus never runs with -O)
     return bus.ToolCall(id=item.call_id, name=item.name, arguments=calling.arguments_text(item.arguments))
 
 

@@ -1,27 +1,25 @@
 """Structured outputs: what each API calls a constraint (Chat `response_format`, Responses `text.format`,
 TGI `parameters.grammar`) turned into one engine-neutral `bus.Constraint`, which vLLM's structured-output
 decoding then guarantees token by token. A schema or regex that cannot be used is refused here, naming the
-field, before anything is queued; the engine's own compile errors come back as a 400 too."""
+field, before anything is queued; the engine's own compile errors come back as a 400 too.
+
+Only the sizes are checked here, on the loop; the checks that cost by the byte (a schema's shape and
+meta-schema, a pattern's compile) are services.edge.schema_checks', which a planner runs off the loop."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
-import jsonschema_rs
 import msgspec
 import orjson
 
+from services.edge import schema_checks
 from services.edge.formats.base import Request
 from shared import bus
 from shared.errors import InvalidRequest
 
 SchemaName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 MAX_SPEC_BYTES = 64 * 1024
-MAX_SCHEMA_DEPTH = 64
-"""Levels of nesting (objects and arrays of the schema's JSON) a schema may have."""
-MAX_SCHEMA_BRANCHES = 512
-BRANCHING = frozenset({"anyOf", "oneOf", "allOf"})
 
 
 class JsonSchemaSpec(Request):
@@ -77,7 +75,9 @@ def checked_schema(schema: Any, param: str) -> dict[str, Any]:
     """A JSON schema (an object, or its text) within our bounds, checked against the JSON Schema meta-schema.
 
     The bounds come first, on the size alone: the meta-schema check and the engine's grammar compile grow
-    with the schema, and a request must not buy seconds of either."""
+    with the schema, and a request must not buy seconds of either. Beyond the first few KiB of a request's
+    schemas, the checks are made later, off the loop, where a planner collects them (schema_checks.defer):
+    the schema returned is then not yet known to be one."""
     if isinstance(schema, str):
         if len(schema) > MAX_SPEC_BYTES:
             raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
@@ -88,37 +88,14 @@ def checked_schema(schema: Any, param: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise InvalidRequest(f"`{param}` must be a JSON schema object.", param=param)
     try:
-        size = len(orjson.dumps(schema))
+        encoded = orjson.dumps(schema)
     except orjson.JSONEncodeError as exc:  # beyond 254 levels of nesting, or an integer beyond 64 bits
         raise InvalidRequest(f"`{param}` cannot be used: {exc}.", param=param) from None
-    if size > MAX_SPEC_BYTES:
+    if len(encoded) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
-    _check_shape(schema, param)
-    try:
-        jsonschema_rs.meta.validate(schema)
-    except (jsonschema_rs.ValidationError, ValueError) as exc:
-        message = str(exc).split("\n", 1)[0]
-        raise InvalidRequest(f"`{param}` is not a valid JSON schema: {message}", param=param) from None
+    if not schema_checks.defer("schema", param, encoded):
+        schema_checks.check_schema(schema, param)
     return schema
-
-
-def _check_shape(schema: dict[str, Any], param: str) -> None:
-    """Refuses a schema nested deeper than MAX_SCHEMA_DEPTH or with more than MAX_SCHEMA_BRANCHES alternatives
-    (anyOf / oneOf / allOf items, all told): what makes a grammar expensive to compile, beyond its size."""
-    branches = 0
-    todo: list[tuple[Any, int]] = [(schema, 1)]
-    while todo:
-        node, depth = todo.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise InvalidRequest(f"`{param}` is nested deeper than {MAX_SCHEMA_DEPTH} levels.", param=param)
-        if isinstance(node, dict):
-            branches += sum(len(v) for k, v in node.items() if k in BRANCHING and isinstance(v, list))
-            todo.extend((child, depth + 1) for child in node.values() if isinstance(child, dict | list))
-        elif isinstance(node, list):
-            todo.extend((child, depth + 1) for child in node if isinstance(child, dict | list))
-    if branches > MAX_SCHEMA_BRANCHES:
-        raise InvalidRequest(f"`{param}` has {branches} anyOf/oneOf/allOf alternatives; at most "
-                             f"{MAX_SCHEMA_BRANCHES} are served.", param=param)
 
 
 def json_schema(schema: Any, param: str) -> bus.Constraint:
@@ -131,10 +108,8 @@ def regex(pattern: Any, param: str) -> bus.Constraint:
         raise InvalidRequest(f"`{param}` must be a non-empty regular expression.", param=param)
     if len(pattern) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is longer than {MAX_SPEC_BYTES} characters.", param=param)
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise InvalidRequest(f"`{param}` is not a valid regular expression: {exc}", param=param) from None
+    if not schema_checks.defer("regex", param, orjson.dumps(pattern)):  # 5 characters may take 9 ms to compile
+        schema_checks.check_regex(pattern, param)
     return bus.Constraint(kind="regex", spec=pattern)
 
 

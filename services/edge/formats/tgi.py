@@ -110,7 +110,7 @@ def check_context(req: GenerateRequest, max_model_len: int) -> None:
 
 def draw_seed(req: GenerateRequest) -> int:
     """The seed the request runs with: its own, or one drawn now (and returned in the details)."""
-    return req.parameters.seed or random.randint(1, MAX_SEED)
+    return req.parameters.seed or random.randint(1, MAX_SEED)  # nosec B311: a sampling seed, not a secret
 
 
 def to_job(
@@ -240,7 +240,7 @@ def _tokens(event: bus.Tokens) -> list[tuple[Token, list[Token]]]:
     logprobs = event.logprobs or []
     out = []
     for i, token_id in enumerate(event.token_ids):
-        lp = logprobs[i] if i < len(logprobs) else bus.TokenLogprob(token="", logprob=0.0)
+        lp = logprobs[i] if i < len(logprobs) else bus.TokenLogprob(token="", logprob=0.0)  # nosec B106: a token's text, not a password
         top = [Token(id=t.token_id, text=t.token, logprob=t.logprob, special=False) for t in lp.top]
         out.append((Token(id=token_id, text=lp.token, logprob=lp.logprob, special=lp.special), top))
     return out

@@ -60,7 +60,7 @@ class ChoiceOutput:
     def _think(self, text: str, finished: bool, tokens: int) -> Split:
         """The reasoning parser's part; the tokens of an event count as reasoning when the model was thinking
         before, within or after them."""
-        assert self.thinker is not None
+        assert self.thinker is not None  # nosec B101: an invariant (tokenbus never runs with -O)
         was_thinking = self.thinker.thinking
         split = self.thinker.feed(text)
         if finished:
