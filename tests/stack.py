@@ -60,7 +60,7 @@ class Stack:
         """users.acl and a user of the test's own allowed everything; a password file for each."""
         secrets = self.root / "redis-users"
         secrets.mkdir()
-        for user in [*DEPLOYED_USERS.values(), "tokenbus-test"]:
+        for user in [*DEPLOYED_USERS.values(), "tokenbus-admin", "tokenbus-test"]:
             (secrets / user).write_text(f"{user}-password")
         acl = self.root / "users.acl"
         acl.write_text((DEPLOY_REDIS / "users.acl").read_text() + "user tokenbus-test on +@all ~* &*\n")
@@ -71,6 +71,14 @@ class Stack:
             return settings
         user = DEPLOYED_USERS[role]
         return {"redis_username": user, "redis_password_file": str(self.secrets / user), **settings}
+
+    def admin_env(self) -> dict[str, str]:
+        """The environment `tokenbus keys` and `tokenbus usage` run with against this stack's Redis."""
+        env = {"TOKENBUS_REDIS_URL": self.url, "PATH": "/usr/bin:/bin"}
+        if self.secrets is not None:
+            env |= {"TOKENBUS_REDIS_USERNAME": "tokenbus-admin",
+                    "TOKENBUS_REDIS_PASSWORD_FILE": str(self.secrets / "tokenbus-admin")}
+        return env
 
     def edge(self, **settings: Any) -> Edge:
         settings = self._logged_in("edge", settings)
