@@ -60,11 +60,31 @@ def _limit_arguments(parser: argparse.ArgumentParser, creating: bool) -> None:
                         help="when the key stops working: 90d, 12h, or a date (default: never)")
 
 
+ACCESS_FLAGS = {"redis_username": "Redis ACL user (the deployments' is tokenbus-admin)",
+                "redis_password_file": "file holding its password",
+                "redis_tls_ca_file": "CA of Redis's certificate, for a rediss:// URL",
+                "redis_tls_cert_file": "client certificate, if Redis asks for one",
+                "redis_tls_key_file": "its private key"}
+
+
+def _redis_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=None, help=f"default: ${ENV_PREFIX}REDIS_URL")
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help=f"the Redis is a node of a Redis Cluster (default: ${ENV_PREFIX}REDIS_CLUSTER)")
+    for name, text in ACCESS_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=None,
+                            help=f"{text} (default: ${ENV_PREFIX}{name.upper()})")
+
+
+def _access(args: argparse.Namespace) -> redis_clients.Access:
+    """The login its flags (or else the TOKENBUS_REDIS_* variables the edges use) give the command."""
+    return redis_clients.Access(**{name.removeprefix("redis_"): getattr(args, name, None)
+                                   or os.environ.get(ENV_PREFIX + name.upper(), "") for name in ACCESS_FLAGS})
+
+
 def add_arguments(commands: Any) -> None:
     key_parser = commands.add_parser("keys", help="manage API keys", description="Manage API keys.")
-    key_parser.add_argument("--redis-url", default=None, help=f"default: ${ENV_PREFIX}REDIS_URL")
-    key_parser.add_argument("--redis-cluster", action="store_true",
-                          help=f"the Redis is a node of a Redis Cluster (default: ${ENV_PREFIX}REDIS_CLUSTER)")
+    _redis_arguments(key_parser)
     key_parser.add_argument("--json", action="store_true", help="print JSON")
     actions = key_parser.add_subparsers(dest="keys_command", required=True)
     _limit_arguments(actions.add_parser("create", help="make a key; it is printed once"), creating=True)
@@ -77,9 +97,7 @@ def add_arguments(commands: Any) -> None:
 
     usage = commands.add_parser("usage", help="tokens used per tenant and model",
                                 description="Tokens used per tenant and model, from the daily counts in Redis.")
-    usage.add_argument("--redis-url", default=None, help=f"default: ${ENV_PREFIX}REDIS_URL")
-    usage.add_argument("--redis-cluster", action="store_true",
-                          help=f"the Redis is a node of a Redis Cluster (default: ${ENV_PREFIX}REDIS_CLUSTER)")
+    _redis_arguments(usage)
     usage.add_argument("--tenant", help="only this tenant")
     usage.add_argument("--since", default=None, help="first day counted, YYYY-MM-DD (default: 30 days ago)")
     usage.add_argument("--json", action="store_true", help="print JSON")
@@ -164,7 +182,7 @@ async def _main(args: argparse.Namespace) -> int:
         return 2
     cluster = getattr(args, "redis_cluster", False) or os.environ.get(ENV_PREFIX + "REDIS_CLUSTER", "").lower() in (
         "1", "true", "yes")
-    redis = redis_clients.pooled(url, "tokenbus-admin", 4, cluster)
+    redis = redis_clients.pooled(url, "tokenbus-admin", 4, cluster, _access(args))
     try:
         return await (_keys(redis, args) if args.command == "keys" else _usage(redis, args))
     except ValueError as exc:

@@ -10,7 +10,10 @@ import sys
 from shared import logs
 from shared import settings as settings_module
 
-EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "response_ttl_s", "storage_bytes",
+REDIS_SETTINGS = ["redis_url", "redis_cluster", "redis_username", "redis_password_file", "redis_tls_ca_file",
+                  "redis_tls_cert_file", "redis_tls_key_file"]
+"""How a process reaches Redis and logs in (services.admin takes the same flags)."""
+EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", "response_ttl_s", "storage_bytes",
                  "storage_items", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "log_format", "resume_window_s",
                  "replay_ttl_s",
@@ -19,7 +22,7 @@ EDGE_SETTINGS = ["redis_url", "model", "host", "port", "request_timeout_s", "res
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "max_queued_bytes_per_tenant", "queue_timeout_s", "fair_input_weight",
                  "fair_output_weight", "metrics_port", "metrics_host"]
-WORKER_SETTINGS = ["redis_url", "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
+WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
                    "sim_prefill_us_per_token",
                    "max_model_len", "max_num_seqs", "stream_interval", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "enforce_eager", "heartbeat_interval_s", "heartbeat_ttl_s",

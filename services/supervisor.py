@@ -16,6 +16,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import redis
@@ -44,6 +47,20 @@ thirds of an idle tokenbus Redis's CPU (2.65 ms/s at hz 10, 0.67 at hz 1). At `h
 late (tokenbus's blocking reads block for 2 and 5 s and allow 2 s of grace) and an expired key nobody reads is
 dropped later (a read still never sees it). A Redis Cluster keeps the default: its failure detection runs on the
 same timer."""
+
+
+DEPLOY_REDIS = Path(__file__).resolve().parent.parent / "deploy" / "redis"
+REDIS_START = DEPLOY_REDIS / "start.sh"
+"""What starts Redis in compose and Kubernetes: writes deploy/redis/users.acl with each user's password hash."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A Redis's certificate and key, and the CA that signed them and its clients' certificates."""
+
+    ca: str
+    cert: str
+    key: str
 
 
 def free_port() -> int:
@@ -76,7 +93,8 @@ class RedisServer:
     43-51, the subscriber 12 against 19-20. A restart keeps the socket's path. (A Redis that runs elsewhere, in
     a container or a cluster, is reached over TCP, as its URL says.)"""
 
-    def __init__(self, data_dir: str, port: int | None = None, unix_socket: bool = False) -> None:
+    def __init__(self, data_dir: str, port: int | None = None, unix_socket: bool = False,
+                 secrets_dir: str | None = None, tls: TlsFiles | None = None, acl: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("redis-server is not installed: run `make install`, or set TOKENBUS_REDIS_URL")
@@ -87,19 +105,37 @@ class RedisServer:
         self.socket_folder: str | None = None
         if unix_socket:
             self.socket_path, self.socket_folder = _socket_path(data_dir)
-        self.url = f"unix://{self.socket_path}?db=0" if self.socket_path else f"redis://127.0.0.1:{self.port}/0"
+        self.secrets_dir = secrets_dir
+        self.acl = acl or str(DEPLOY_REDIS / "users.acl")
+        self.tls = tls
+        scheme = "rediss" if tls else "redis"
+        self.url = f"unix://{self.socket_path}?db=0" if self.socket_path else f"{scheme}://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def client_options(self) -> dict[str, Any]:
+        """What a redis-py client of this server needs besides its URL (and a user's login)."""
+        if self.tls is None:
+            return {}
+        return {"ssl_ca_certs": self.tls.ca, "ssl_certfile": self.tls.cert, "ssl_keyfile": self.tls.key}
 
     def start(self) -> str:
         listen = ["--port", str(self.port), "--bind", "127.0.0.1"]
+        if self.tls:  # TLS only, clients with a certificate of the CA's, as a deployment's would be
+            listen = ["--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--tls-cert-file",
+                      self.tls.cert, "--tls-key-file", self.tls.key, "--tls-ca-cert-file", self.tls.ca,
+                      "--tls-auth-clients", "yes"]
         if self.socket_path:
             os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
             listen += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
-        self.proc = subprocess.Popen(  # nosec B603: our own argv, no shell
-            [self.binary, *listen, *REDIS_ARGS, "--dir", self.data_dir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-        )
-        _wait_for_redis(self.url, self.proc)
+        command = [self.binary, *listen, *REDIS_ARGS, "--dir", self.data_dir, "--loglevel", "warning"]
+        env = None
+        if self.secrets_dir is not None:  # the deployments' users, through the script that starts theirs
+            command = ["sh", str(REDIS_START), *command]
+            env = dict(os.environ, TOKENBUS_REDIS_ACL=self.acl, TOKENBUS_REDIS_SECRETS=self.secrets_dir,
+                       TOKENBUS_REDIS_ACL_OUT=os.path.join(self.data_dir, "users.acl"))
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)  # nosec B603: our own argv, no shell
+        probe = {"username": "tokenbus-health", "password": "probe"} if self.secrets_dir is not None else {}
+        _wait_for_redis(self.url, self.proc, {**self.client_options(), **probe})
         return self.url
 
     def kill(self) -> None:
@@ -201,8 +237,10 @@ def _wait_for_cluster(url: str, masters: int, timeout_s: float = 30.0) -> None:
         client.close()
 
 
-def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    client = redis.Redis.from_url(url)
+def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], options: dict[str, Any] | None = None,
+                    timeout_s: float = 10.0) -> None:
+    """Until Redis answers a PING (with `options` that log in as a user allowed to)."""
+    client = redis.Redis.from_url(url, **(options or {}))
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -38,6 +38,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     private redis-server, reached over a Unix socket."""
     redis_cluster: bool = False
     """The Redis at --redis-url is a node of a Redis Cluster: talk to the whole cluster through it."""
+    redis_username: str = ""
+    """Redis ACL user to log in as (empty: the URL's, or Redis's `default` user)."""
+    redis_password_file: str = ""
+    """File holding that user's password (a mounted secret): never put in a URL, the environment or a log."""
+    redis_tls_ca_file: str = ""
+    """For a `rediss://` URL (TLS): the CA certificate that signed Redis's (empty: the system's CAs)."""
+    redis_tls_cert_file: str = ""
+    """For a `rediss://` URL: this client's certificate, when Redis asks clients for one (`tls-auth-clients`)."""
+    redis_tls_key_file: str = ""
+    """The private key of --redis-tls-cert-file."""
     host: str = "127.0.0.1"
     """Address the edge's API listens on (and the metrics endpoint, unless --metrics-host)."""
     port: int = 8000

@@ -15,12 +15,18 @@ from typing import Any
 import httpx
 import redis
 
-from services.supervisor import RedisServer, free_port
+from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles, free_port
 from shared import keys
 from tests.conftest import Edge, Worker, _env, _spawn, _stop, metric_value, start_edge
 
 FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
 """Faults are noticed within two seconds: a test need not wait the production TTL."""
+
+AS_DEPLOYED = os.environ.get("TOKENBUS_TEST_REDIS_USERS") == "1"
+"""Every Stack runs Redis with the deployments' users and its edges and workers log in as theirs (the stack's own
+client as a user allowed everything): `TOKENBUS_TEST_REDIS_USERS=1 pytest tests/test_faults.py` runs a module's
+paths against deploy/redis/users.acl."""
+DEPLOYED_USERS = {"edge": "tokenbus-edge", "worker": "tokenbus-worker"}
 
 
 @dataclass
@@ -29,17 +35,53 @@ class Stack:
     model: str = "fault-model"
     unix_socket: bool = False
     """Redis reached over a Unix socket, as `tokenbus run` reaches its private one, rather than loopback TCP."""
+    secrets: Path | None = None
+    """A folder of password files named after deploy/redis/users.acl's users: Redis runs with those users, as
+    deployed (the processes are started with a user's settings; this stack's own client logs in as `login`)."""
+    tls: TlsFiles | None = None
+    """Redis speaks TLS only, and asks clients for a certificate (processes get redis_tls_* settings)."""
+    login: dict[str, str] = field(default_factory=dict)
+    """The username and password of this stack's own client (by default Redis's default user)."""
     redis: RedisServer = field(init=False)
     edges: list[Edge] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         (self.root / "redis").mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(str(self.root / "redis"), unix_socket=self.unix_socket)
+        acl = None
+        if AS_DEPLOYED and self.secrets is None:
+            acl, self.secrets, self.login = self._deployed_users()
+        self.redis = RedisServer(str(self.root / "redis"), unix_socket=self.unix_socket,
+                                 secrets_dir=str(self.secrets) if self.secrets else None, tls=self.tls, acl=acl)
         self.url = self.redis.start()
-        self.client = redis.Redis.from_url(self.url)
+        self.client = redis.Redis.from_url(self.url, **self.redis.client_options(), **self.login)
+
+    def _deployed_users(self) -> tuple[str, Path, dict[str, str]]:
+        """users.acl and a user of the test's own allowed everything; a password file for each."""
+        secrets = self.root / "redis-users"
+        secrets.mkdir()
+        for user in [*DEPLOYED_USERS.values(), "tokenbus-admin", "tokenbus-test"]:
+            (secrets / user).write_text(f"{user}-password")
+        acl = self.root / "users.acl"
+        acl.write_text((DEPLOY_REDIS / "users.acl").read_text() + "user tokenbus-test on +@all ~* &*\n")
+        return str(acl), secrets, {"username": "tokenbus-test", "password": "tokenbus-test-password"}
+
+    def _logged_in(self, role: str, settings: dict[str, Any]) -> dict[str, Any]:
+        if not AS_DEPLOYED or self.secrets is None or "redis_username" in settings:
+            return settings
+        user = DEPLOYED_USERS[role]
+        return {"redis_username": user, "redis_password_file": str(self.secrets / user), **settings}
+
+    def admin_env(self) -> dict[str, str]:
+        """The environment `tokenbus keys` and `tokenbus usage` run with against this stack's Redis."""
+        env = {"TOKENBUS_REDIS_URL": self.url, "PATH": "/usr/bin:/bin"}
+        if self.secrets is not None:
+            env |= {"TOKENBUS_REDIS_USERNAME": "tokenbus-admin",
+                    "TOKENBUS_REDIS_PASSWORD_FILE": str(self.secrets / "tokenbus-admin")}
+        return env
 
     def edge(self, **settings: Any) -> Edge:
+        settings = self._logged_in("edge", settings)
         edge = start_edge(self.url, self.root, f"edge{len(self.edges)}", model=self.model,
                           **{**FAST_BEATS, **settings})
         self.edges.append(edge)
@@ -47,6 +89,7 @@ class Stack:
 
     def worker(self, **settings: Any) -> Worker:
         """A simulated worker, returned once its own heartbeat shows."""
+        settings = self._logged_in("worker", settings)
         port = free_port()
         log = self.root / f"worker{len(self.workers)}-{port}.log"
         env = _env(self.url, model=self.model, engine="sim", metrics_port=port, **{**FAST_BEATS, **settings})

@@ -63,9 +63,53 @@ def test_the_compose_stack_is_ready_for_production() -> None:
     assert "COMPOSE_PROFILES=gpu" in (ROOT / ".env").read_text()  # plain `docker compose up` is the GPU stack
     for name in ("worker-gpu", "worker-cpu", "embedder"):
         assert services[name]["environment"]["TOKENBUS_REDIS_URL"] == "redis://redis:6379/0"
-    mounted = {volume.split(":")[0] for name in ("prometheus", "grafana") for volume in services[name]["volumes"]}
+    mounted = {volume.split(":")[0] for name in ("prometheus", "grafana", "redis")
+               for volume in services[name]["volumes"]}
     for path in (p for p in mounted if p.startswith("./")):
         assert (ROOT / path).exists(), path
+
+
+REDIS_ACL = ROOT / "deploy" / "redis" / "users.acl"
+SERVICE_USERS = {"edge": "tokenbus-edge", "worker-gpu": "tokenbus-worker", "worker-cpu": "tokenbus-worker",
+                 "embedder": "tokenbus-worker", "admin": "tokenbus-admin"}
+
+
+def acl_users() -> dict[str, str]:
+    """Each user of deploy/redis/users.acl and its rules."""
+    lines = [line.split(" ", 2) for line in REDIS_ACL.read_text().splitlines() if line.startswith("user ")]
+    return {name: rules for _user, name, rules in lines}
+
+
+def test_the_redis_users_have_no_password_and_nobody_logs_in_as_default() -> None:
+    users = acl_users()
+    assert users["default"].split()[0] == "off"  # its permissions are the append-only file's replay
+    assert users["tokenbus-health"].split()[-2:] == ["-@all", "+ping"]
+    assert set(SERVICE_USERS.values()) | {"tokenbus-keda"} <= set(users)
+    for name, rules in users.items():
+        assert not any(rule.startswith((">", "#")) for rule in rules.split()), name  # start.sh adds them
+        if name not in ("default", "tokenbus-health"):
+            assert "-@dangerous" in rules and "+@all" not in rules and "~*" not in rules.split(), name
+    assert "~tokenbus:apikeys" in users["tokenbus-admin"].split()
+    assert not any("~tokenbus:apikeys" in rule and not rule.startswith("%R~")
+                   for name in ("tokenbus-edge", "tokenbus-worker") for rule in users[name].split())
+
+
+def test_every_compose_service_logs_in_to_redis_as_its_own_user() -> None:
+    loaded = compose()
+    services = loaded["services"]
+    redis_service = services["redis"]
+    assert redis_service["entrypoint"][:2] == ["sh", "/etc/tokenbus/redis/start.sh"]
+    assert "./deploy/redis/users.acl:/etc/tokenbus/redis/users.acl:ro" in redis_service["volumes"]
+    assert "--requirepass" not in redis_service["command"]
+    assert set(redis_service["secrets"]) == set(SERVICE_USERS.values())
+    for name, user in SERVICE_USERS.items():
+        env = services[name]["environment"]
+        assert env["TOKENBUS_REDIS_USERNAME"] == user and services[name]["secrets"] == [user], name
+        assert env["TOKENBUS_REDIS_PASSWORD_FILE"] == f"/run/secrets/{user}", name
+        assert "@" not in env["TOKENBUS_REDIS_URL"], name  # no password in a URL
+    for user in SERVICE_USERS.values():  # made by the operator, never committed
+        secret = loaded["secrets"][user]["file"]
+        assert subprocess.run(["git", "check-ignore", "-q", secret], cwd=ROOT, timeout=10).returncode == 0, secret
 
 
 def test_the_compose_monitoring_is_private() -> None:
@@ -134,7 +178,8 @@ def test_every_dashboard_expression_is_valid_promql(tmp_path: Path) -> None:
 K8S = ROOT / "deploy" / "k8s"
 CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml",
                 ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com.yaml",
-                ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml"}
+                ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml",
+                ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentication.keda.sh.yaml"}
 
 
 def rendered(overlay: str) -> list[dict[str, Any]]:
@@ -150,14 +195,14 @@ def rendered(overlay: str) -> list[dict[str, Any]]:
 def test_the_kubernetes_manifests_validate(overlay: str, tmp_path: Path) -> None:
     from jsonschema import Draft202012Validator
 
-    docs = rendered(overlay)
+    docs = [*rendered(overlay), yaml.safe_load((K8S / "admin.yaml").read_text())]
     core = [d for d in docs if (d["apiVersion"], d["kind"]) not in CUSTOM_KINDS]
     (tmp_path / "core.yaml").write_text(yaml.safe_dump_all(core))
     checked = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", "1.32.0",
                               str(tmp_path / "core.yaml")], capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     custom = [d for d in docs if (d["apiVersion"], d["kind"]) in CUSTOM_KINDS]
-    assert {d["kind"] for d in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
+    assert {d["kind"] for d in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule", "TriggerAuthentication"}
     for doc in custom:
         schema = yaml.safe_load((K8S / "schemas" / CUSTOM_KINDS[(doc["apiVersion"], doc["kind"])]).read_text())
         errors = [e.message for e in Draft202012Validator(schema).iter_errors(doc)]
@@ -177,8 +222,51 @@ def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None
     assert ("HorizontalPodAutoscaler", "tokenbus-edge") in docs and ("ScaledObject", "tokenbus-worker") in docs
     worker = docs[("Deployment", "tokenbus-worker")]["spec"]["template"]["spec"]["containers"][0]
     assert ("nvidia.com/gpu" in worker["resources"]["limits"]) == (overlay == "gpu")
-    redis_container = docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]["containers"][0]
+    redis_pod = docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]
+    redis_container = redis_pod["containers"][0]
     assert redis_container["args"] == ["redis-server", *REDIS_ARGS]
+    assert_redis_requires_its_users(docs, redis_pod)
+    assert_only_tokenbus_reaches_redis(docs)
+
+
+def secret_items(pod: dict[str, Any]) -> list[dict[str, str]]:
+    """The keys of the Redis users' Secret that a pod mounts."""
+    return [item for volume in pod.get("volumes", []) if volume.get("secret", {}).get("secretName")
+            == "tokenbus-redis-users" for item in volume["secret"].get("items", [{"key": "*", "path": "*"}])]
+
+
+def assert_redis_requires_its_users(docs: dict[tuple[str, str], Any], redis_pod: dict[str, Any]) -> None:
+    """Redis starts with deploy/redis's users (a ConfigMap of them) and their passwords from a Secret; each
+    process logs in as its own user and mounts only its own password."""
+    container = redis_pod["containers"][0]
+    assert container["command"][:2] == ["sh", "/etc/tokenbus/redis/start.sh"]
+    assert "--requirepass" not in container["args"]
+    acl = next(v["configMap"]["name"] for v in redis_pod["volumes"] if "configMap" in v)
+    config_map = docs[("ConfigMap", acl)]["data"]
+    assert config_map["users.acl"] == REDIS_ACL.read_text() and "start.sh" in config_map
+    assert secret_items(redis_pod) == [{"key": "*", "path": "*"}]  # every user's, to hash them
+    expected = {"tokenbus-edge": "tokenbus-edge", "tokenbus-worker": "tokenbus-worker",
+                "tokenbus-embedder": "tokenbus-worker"}
+    for name, user in expected.items():
+        pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["TOKENBUS_REDIS_USERNAME"] == user, name
+        assert secret_items(pod) == [{"key": user, "path": user}], name
+        assert env["TOKENBUS_REDIS_PASSWORD_FILE"].endswith("/" + user), name
+    urls = [d["data"]["TOKENBUS_REDIS_URL"] for (kind, _), d in docs.items()
+            if kind == "ConfigMap" and "TOKENBUS_REDIS_URL" in d["data"]]
+    assert urls and not any("@" in url for url in urls)  # no password in a URL
+
+
+def assert_only_tokenbus_reaches_redis(docs: dict[tuple[str, str], Any]) -> None:
+    policy = docs[("NetworkPolicy", "tokenbus-redis")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "tokenbus-redis"}
+    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
+    allowed = policy["ingress"][0]
+    assert allowed["ports"] == [{"protocol": "TCP", "port": 6379}]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tokenbus-edge"}}} in allowed["from"]
+    assert all(source.keys() <= {"podSelector", "namespaceSelector"} for source in allowed["from"])
+    assert ("NetworkPolicy", "tokenbus-edge") in docs and ("NetworkPolicy", "tokenbus-worker") in docs
 
 
 def test_the_operator_rules_are_the_prometheus_rules() -> None:

@@ -35,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def tokenbus(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=30, env={"TOKENBUS_REDIS_URL": stack.url, "PATH": "/usr/bin:/bin"})
+                          timeout=30, env=stack.admin_env())
 
 
 def create_key(stack: Stack, *options: str) -> dict[str, Any]:

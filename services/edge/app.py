@@ -156,9 +156,11 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     edge_id = uuid.uuid4().hex[:12]
     name = f"tokenbus-edge-{edge_id}"  # shows in CLIENT LIST, so operators can count an edge's connections
-    commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size, settings.redis_cluster)
+    access = redis_clients.access_of(settings)
+    commands = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size, settings.redis_cluster,
+                                    access)
     # the relay bounds each of its reads itself
-    reader = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster)
+    reader = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access)
     directory = ModelDirectory(commands, expected_models(settings), settings.heartbeat_interval_s)
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
@@ -167,7 +169,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings)
-    app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
+    app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
                              settings.admission_when_redis_down, lambda: relay.live_edges,

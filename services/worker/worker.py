@@ -202,14 +202,16 @@ class Worker:
         # bounded: a burst of jobs waits for a connection instead of opening hundreds; the pull and the
         # cancel subscription hold one each for good
         name = f"tokenbus-worker-{self.id}"
+        access = redis_clients.access_of(settings)
         self.redis = redis_clients.pooled(settings.redis_url, name, settings.redis_pool_size + 1,
-                                            settings.redis_cluster)
-        self.channels = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster)
+                                            settings.redis_cluster, access)
+        self.channels = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access)
         """The cancel and route subscription: quiet for long stretches, so no socket timeout."""
         self.scheduler = SchedulerLink(
             fairshare.for_settings(self.redis, settings), self.model,
             fairshare.Offer.of(self.id, settings))
-        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster),
+        self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster,
+                                                                access),
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.beats = rawpipe.Pipelines(self.redis, keep=False)
         """The heartbeat's write, with the offer's renewal and a supervision round's reads: one round trip a beat,
