@@ -61,7 +61,7 @@ def _limit_arguments(parser: argparse.ArgumentParser, creating: bool) -> None:
 
 
 ACCESS_FLAGS = {"redis_username": "Redis ACL user (the deployments' is tokenbus-admin)",
-                "redis_password_file": "file holding its password",
+                "redis_password_file": "file holding its password",  # nosec B105: a flag's help text
                 "redis_tls_ca_file": "CA of Redis's certificate, for a rediss:// URL",
                 "redis_tls_cert_file": "client certificate, if Redis asks for one",
                 "redis_tls_key_file": "its private key"}

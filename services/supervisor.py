@@ -134,7 +134,7 @@ class RedisServer:
             env = dict(os.environ, TOKENBUS_REDIS_ACL=self.acl, TOKENBUS_REDIS_SECRETS=self.secrets_dir,
                        TOKENBUS_REDIS_ACL_OUT=os.path.join(self.data_dir, "users.acl"))
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)  # nosec B603: our own argv, no shell
-        probe = {"username": "tokenbus-health", "password": "probe"} if self.secrets_dir is not None else {}
+        probe = {"username": "tokenbus-health", "password": "probe"} if self.secrets_dir is not None else {}  # nosec B105: the tests' probe user
         _wait_for_redis(self.url, self.proc, {**self.client_options(), **probe})
         return self.url
 

@@ -245,7 +245,7 @@ class Checker:
         """Sends the checks on one line, and reads on one line the first that failed (its index and message),
         or null; within the deadline, else the process is replaced and the check it was making refused."""
         stdin, stdout = running.process.stdin, running.process.stdout
-        assert stdin is not None and stdout is not None
+        assert stdin is not None and stdout is not None  # nosec B101: an invariant (tokenbus never runs with -O)
         answer = b""
         running.at[:4] = bytes(4)
         try:
@@ -281,7 +281,7 @@ class Checker:
                 sys.executable, "-m", "services.edge.schema_checks", str(shared.fileno()),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
                 env=env, limit=READ_LIMIT, pass_fds=(shared.fileno(),))
-        assert process.stdout is not None
+        assert process.stdout is not None  # nosec B101: an invariant (tokenbus never runs with -O)
         ready = b""
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
@@ -306,7 +306,7 @@ class Checker:
     async def close(self) -> None:
         running, self._running = self._running, None
         if running is not None and running.alive:
-            assert running.process.stdin is not None
+            assert running.process.stdin is not None  # nosec B101: an invariant (tokenbus never runs with -O)
             running.process.stdin.close()  # it exits at the end of its input
             try:
                 async with asyncio.timeout(2):
