@@ -359,3 +359,18 @@ def test_bandit_passes_the_code() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if "# nosec" in line:
                 assert re.search(r"# nosec B\d{3}(, B\d{3})*: \S", line), f"{path}:{number}: a skip needs its reason"
+
+
+def test_make_secrets_makes_every_secret_the_compose_file_needs_once(tmp_path: Path) -> None:
+    """An operator's first `docker compose up` finds every secret file, readable by the services' users; a second
+    run of the script keeps them."""
+    (tmp_path / "deploy" / "compose" / "secrets").mkdir(parents=True)
+    script = tmp_path / "deploy" / "compose" / "make-secrets.sh"
+    shutil.copy(ROOT / "deploy" / "compose" / "make-secrets.sh", script)
+    subprocess.run(["sh", str(script)], check=True, capture_output=True, timeout=30)
+    made = {name: (tmp_path / spec["file"]).read_text() for name, spec in compose()["secrets"].items()}
+    assert all(len(password) >= 32 for password in made.values()), made.keys()
+    assert len(set(made.values())) == len(made)  # each its own
+    assert all((tmp_path / spec["file"]).stat().st_mode & 0o044 == 0o044 for spec in compose()["secrets"].values())
+    subprocess.run(["sh", str(script)], check=True, capture_output=True, timeout=30)
+    assert {name: (tmp_path / spec["file"]).read_text() for name, spec in compose()["secrets"].items()} == made
