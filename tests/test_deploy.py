@@ -176,6 +176,7 @@ def test_every_dashboard_expression_is_valid_promql(tmp_path: Path) -> None:
 
 
 K8S = ROOT / "deploy" / "k8s"
+POD_KINDS = ("Deployment", "StatefulSet")
 CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml",
                 ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com.yaml",
                 ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml",
@@ -275,26 +276,32 @@ def test_the_operator_rules_are_the_prometheus_rules() -> None:
 
 
 def test_every_pod_is_hardened_and_every_image_pinned() -> None:
-    """What deploy/k8s/base/hardening.yaml gives every pod, checked on what both overlays render."""
+    """What deploy/k8s/base/hardening.yaml gives every pod, checked on what both overlays render and on the admin
+    pod; every image, compose's too, tagged with a whole version (tokenbus's own: the project's)."""
     version = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    admin = yaml.safe_load((K8S / "admin.yaml").read_text())
+    pods = [(admin["spec"], "tokenbus-admin")]
     for overlay in ("gpu", "cpu"):
-        for doc in (d for d in rendered(overlay) if d["kind"] in ("Deployment", "StatefulSet")):
-            pod, name = doc["spec"]["template"]["spec"], doc["metadata"]["name"]
-            assert pod["automountServiceAccountToken"] is False, name
-            assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] >= 10000, name
-            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
-            for container in pod["containers"] + pod.get("initContainers", []):
-                security = container["securityContext"]
-                assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"], name
-                assert security["capabilities"] == {"drop": ["ALL"]}, name
-                assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
-                assert "memory" in container["resources"]["limits"], name
-                mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
-                assert "/tmp" in mounted or name == "tokenbus-redis", name  # Redis writes only its /data
-                image = container["image"]
-                assert ":" in image and not image.endswith(":latest"), image
-                if image.startswith("tokenbus/"):
-                    assert image.endswith(f":{version}"), image
+        pods += [(d["spec"]["template"]["spec"], d["metadata"]["name"]) for d in rendered(overlay)
+                 if d["kind"] in POD_KINDS]
+    images = [service["image"] for service in compose()["services"].values() if "image" in service]
+    for pod, name in pods:
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] >= 10000, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in pod["containers"] + pod.get("initContainers", []):
+            security = container["securityContext"]
+            assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"], name
+            assert security["capabilities"] == {"drop": ["ALL"]}, name
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+            assert {"cpu", "memory"} <= set(container["resources"]["limits"]), name
+            mounted = {m["mountPath"] for m in container.get("volumeMounts", [])}
+            assert "/tmp" in mounted or name == "tokenbus-redis", name  # Redis writes only its /data
+            images.append(container["image"])
+    moving = [image for image in images if not re.search(r":v?\d+\.\d+\.\d+(-[a-z]+)?$", image)]
+    assert not moving, moving  # no `latest`, no bare minor: nothing moves under a deployment
+    ours = {image.rsplit(":", 1)[1] for image in images if image.startswith("tokenbus/")}
+    assert ours == {version}, ours
 
 
 def test_the_metrics_are_scraped_off_the_api_port() -> None:
@@ -374,3 +381,4 @@ def test_make_secrets_makes_every_secret_the_compose_file_needs_once(tmp_path: P
     assert all((tmp_path / spec["file"]).stat().st_mode & 0o044 == 0o044 for spec in compose()["secrets"].values())
     subprocess.run(["sh", str(script)], check=True, capture_output=True, timeout=30)
     assert {name: (tmp_path / spec["file"]).read_text() for name, spec in compose()["secrets"].items()} == made
+
