@@ -170,20 +170,22 @@ async def client(served: Edge) -> AsyncIterator[openai.AsyncOpenAI]:
         yield client
 
 
-def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """Sums the samples of one metric in Prometheus text whose labels include `labels`."""
-    total = 0.0
+def metric_samples(text: str, name: str, labels: dict[str, str] | None = None) -> list[float]:
+    """The samples of one metric in Prometheus text whose labels include `labels`."""
+    found = []
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
             continue
         head, _, value = line.rpartition(" ")
         sample, _, label_text = head.partition("{")
-        if sample != name:
-            continue
-        if labels and not all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            continue
-        total += float(value)
-    return total
+        if sample == name and all(f'{k}="{v}"' in label_text for k, v in (labels or {}).items()):
+            found.append(float(value))
+    return found
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sums the samples of one metric in Prometheus text whose labels include `labels` (0 where there are none)."""
+    return sum(metric_samples(text, name, labels), 0.0)
 
 
 @pytest.fixture
