@@ -17,7 +17,7 @@ import redis
 
 from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles, free_port
 from shared import keys
-from tests.conftest import Edge, Worker, _env, _spawn, _stop, metric_value, start_edge
+from tests.processes import Edge, Worker, metric_value, process_env, spawn_process, start_edge, stop_process
 
 FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
 """Faults are noticed within two seconds: a test need not wait the production TTL."""
@@ -92,8 +92,8 @@ class Stack:
         settings = self._logged_in("worker", settings)
         port = free_port()
         log = self.root / f"worker{len(self.workers)}-{port}.log"
-        env = _env(self.url, model=self.model, engine="sim", metrics_port=port, **{**FAST_BEATS, **settings})
-        process = _spawn("worker", env, log)
+        env = process_env(self.url, model=self.model, engine="sim", metrics_port=port, **{**FAST_BEATS, **settings})
+        process = spawn_process("worker", env, log)
         deadline = time.monotonic() + 60
         while not self.heartbeat_of(process.pid):
             if process.poll() is not None or time.monotonic() > deadline:
@@ -155,6 +155,6 @@ class Stack:
 
     def close(self) -> None:
         for process in [e.process for e in self.edges] + [w.process for w in self.workers]:
-            _stop(process)
+            stop_process(process)
         self.client.close()
         self.redis.stop()

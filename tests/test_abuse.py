@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from shared import apikeys, bus, keys
 from shared.limits import Limits, Settlements
-from tests.conftest import metric_value
+from tests.processes import metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, sse_frames
 from tests.test_tenancy import bearer, create_key, tokenbus

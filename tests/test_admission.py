@@ -13,7 +13,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from shared import apikeys, keys
-from tests.conftest import Worker, metric_value
+from tests.processes import Worker, metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, expected, sse_frames, stream_text
 

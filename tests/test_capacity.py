@@ -6,7 +6,7 @@ import resource
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.processes import ROOT
 
 
 def test_an_edge_raises_its_open_files_limit_to_the_hard_one() -> None:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, Edge, Worker, _stop, metric_value, start_edge
+from tests.processes import MODEL, Edge, Worker, metric_value, start_edge, stop_process
 
 pytestmark = pytest.mark.engine
 
@@ -198,7 +198,7 @@ async def test_closing_a_plain_sdk_stream_stops_the_engine_within_a_second_even_
             assert time.monotonic() - gone < 1.0, "the engine did not abort within 1 s"
             await asyncio.sleep(0.02)
     finally:
-        _stop(edge.process)
+        stop_process(edge.process)
 
 
 async def test_two_concurrent_streams_both_finish(client: openai.AsyncOpenAI) -> None:

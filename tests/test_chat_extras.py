@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.worker.models import default_chat_model_dir
-from tests.conftest import MODEL, Edge
 from tests.openapi import sse_events, validate
+from tests.processes import MODEL, Edge
 
 pytestmark = pytest.mark.engine
 

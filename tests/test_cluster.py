@@ -22,7 +22,7 @@ from redis.cluster import RedisCluster
 
 from services.supervisor import free_port, private_redis_cluster
 from shared import keys
-from tests.conftest import ROOT, Edge, _env, _spawn, _stop, metric_value, start_edge
+from tests.processes import ROOT, Edge, metric_value, process_env, spawn_process, start_edge, stop_process
 from tests.stack import FAST_BEATS
 
 MODEL = "cluster-model"
@@ -39,7 +39,8 @@ def services(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root = tmp_path_factory.mktemp("cluster")
     settings: dict[str, Any] = {"model": MODEL, "redis_cluster": "true", **FAST_BEATS}
     metrics_port = free_port()
-    worker = _spawn("worker", _env(cluster, engine="sim", metrics_port=metrics_port, **settings), root / "worker.log")
+    env = process_env(cluster, engine="sim", metrics_port=metrics_port, **settings)
+    worker = spawn_process("worker", env, root / "worker.log")
     edges = [start_edge(cluster, root, f"edge{i}", auth="keys", resume_window_s=5, **settings) for i in range(2)]
     try:
         deadline = time.monotonic() + 30
@@ -49,8 +50,8 @@ def services(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield edges, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         for edge in edges:
-            _stop(edge.process)
-        _stop(worker)
+            stop_process(edge.process)
+        stop_process(worker)
 
 
 def make_key(cluster: str, *options: str) -> str:

@@ -8,8 +8,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import MODEL, Edge
 from tests.openapi import sse_events, validate
+from tests.processes import MODEL, Edge
 
 pytestmark = pytest.mark.engine
 

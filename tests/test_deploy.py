@@ -19,7 +19,7 @@ import redis
 import yaml
 
 from services.supervisor import REDIS_ARGS
-from tests.conftest import ROOT
+from tests.processes import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus"

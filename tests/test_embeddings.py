@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import EMBEDDING_MODEL, MODEL, Edge, Worker
 from tests.openapi import validate
+from tests.processes import EMBEDDING_MODEL, MODEL, Edge, Worker
 
 pytestmark = pytest.mark.engine
 

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from shared import keys
-from tests.conftest import metric_value
+from tests.processes import metric_value
 from tests.stack import Stack
 
 

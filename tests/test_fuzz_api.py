@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from services.edge.routes import api_document as document
-from tests.conftest import Edge, _stop, running_worker, start_edge
+from tests.processes import Edge, running_worker, start_edge, stop_process
 
 SIM_MODEL = "fuzz-sim"
 MAX_MODEL_LEN = 64
@@ -50,7 +50,7 @@ def api(redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.Temp
         try:
             yield edge
         finally:
-            _stop(edge.process)
+            stop_process(edge.process)
 
 
 def _five_hundreds(edge: Edge) -> dict[str, float]:

@@ -14,7 +14,7 @@ import redis
 
 from shared import bus, keys
 from tests.channel import listening
-from tests.conftest import MODEL, Worker
+from tests.processes import MODEL, Worker
 
 pytestmark = pytest.mark.engine
 

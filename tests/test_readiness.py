@@ -47,7 +47,7 @@ def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_ke
     import sys
 
     from services.supervisor import free_port
-    from tests.conftest import ROOT
+    from tests.processes import ROOT
 
     port, metrics = free_port(), _free_ports_in_a_row(3)
     env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path), "TOKENBUS_ENGINE": "sim", "TOKENBUS_PORT": str(port),

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, Edge
 from tests.openapi import validate
+from tests.processes import MODEL, Edge
 
 pytestmark = pytest.mark.engine
 

@@ -23,7 +23,7 @@ from cryptography.x509.oid import NameOID
 
 from services.supervisor import TlsFiles
 from shared import keys, redis_clients
-from tests.conftest import ROOT
+from tests.processes import ROOT
 from tests.stack import Stack
 
 USERS = ("tokenbus-edge", "tokenbus-worker", "tokenbus-admin", "tokenbus-keda")

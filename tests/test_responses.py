@@ -8,8 +8,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import MODEL, Edge, _stop, start_edge
 from tests.openapi import sse_events, validate
+from tests.processes import MODEL, Edge, start_edge, stop_process
 
 pytestmark = pytest.mark.engine
 
@@ -91,7 +91,7 @@ async def test_a_small_max_output_tokens_is_incomplete(served: Edge, client: ope
 def second_edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     edge = start_edge(redis_url, Path(tmp_path_factory.mktemp("edge2")), name="edge2")
     yield edge
-    _stop(edge.process)
+    stop_process(edge.process)
 
 
 async def test_a_conversation_continues_on_another_edge(client: openai.AsyncOpenAI, second_edge: Edge) -> None:

@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from services.edge.routes import api_document as document
-from tests.conftest import MODEL, Edge
 from tests.openapi import sse_events, validate
+from tests.processes import MODEL, Edge
 
 pytestmark = pytest.mark.engine
 

@@ -11,8 +11,8 @@ import pytest
 
 from services.edge.formats.responses import ResponsesRenderer, ResponsesRequest
 from shared.errors import WorkerLost
-from tests.conftest import MODEL, Edge, Worker
 from tests.openapi import sse_events, validate
+from tests.processes import MODEL, Edge, Worker
 
 pytestmark = pytest.mark.engine
 

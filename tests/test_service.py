@@ -14,7 +14,7 @@ import redis
 
 from shared import bus, keys
 from tests.channel import listening
-from tests.conftest import MODEL, Edge, Worker, metric_samples, metric_value
+from tests.processes import MODEL, Edge, Worker, metric_samples, metric_value
 
 pytestmark = pytest.mark.engine
 

@@ -7,7 +7,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Edge
+from tests.processes import MODEL, Edge
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])

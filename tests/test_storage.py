@@ -15,7 +15,7 @@ import pytest
 
 from services.edge.store import SNAPSHOT_EVERY
 from services.supervisor import REDIS_MAXMEMORY_BYTES
-from tests.conftest import metric_value
+from tests.processes import metric_value
 from tests.stack import Stack
 from tests.test_tenancy import create_key
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import MODEL, Edge, Worker, running_worker
+from tests.processes import MODEL, Edge, Worker, running_worker
 
 INTERVAL = 4
 GATHERING = f"{MODEL}-every-{INTERVAL}"

@@ -14,8 +14,8 @@ import pytest
 from huggingface_hub import InferenceClient
 from pydantic import BaseModel
 
-from tests.conftest import MODEL, Edge
 from tests.openapi import validate
+from tests.processes import MODEL, Edge
 
 pytestmark = pytest.mark.engine
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from shared import keys
-from tests.conftest import ROOT, metric_value
+from tests.processes import ROOT, metric_value
 from tests.stack import Stack
 
 LEASE_TTL_S = 3

@@ -9,8 +9,8 @@ import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
 
-from tests.conftest import MODEL, Edge
 from tests.openapi import sse_events, validate
+from tests.processes import MODEL, Edge
 
 pytestmark = pytest.mark.engine
 

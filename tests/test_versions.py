@@ -11,7 +11,7 @@ import tomllib
 import pytest
 from packaging.requirements import Requirement
 
-from tests.conftest import ROOT
+from tests.processes import ROOT
 
 DOCKER = ROOT / "deploy" / "docker"
 LOCKS = ROOT / "deploy" / "locks"

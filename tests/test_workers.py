@@ -14,7 +14,7 @@ import redis
 
 from services.supervisor import free_port
 from shared import keys
-from tests.conftest import MODEL, Worker, _env, _spawn, _stop, metric_value, running_worker
+from tests.processes import MODEL, Worker, metric_value, process_env, running_worker, spawn_process, stop_process
 
 pytestmark = pytest.mark.engine
 
@@ -35,8 +35,9 @@ async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
     metrics_port = free_port()
     log = tmp_path_factory.mktemp("second-worker") / "worker.log"
     # two slots: it may take at most two jobs at a time, the rest stay for the first worker
-    second = _spawn("worker", _env(redis_url, metrics_port=metrics_port, max_num_seqs=2, kv_cache_gib=1,
-                                   heartbeat_ttl_s=2, heartbeat_interval_s=0.5), log)
+    env = process_env(redis_url, metrics_port=metrics_port, max_num_seqs=2, kv_cache_gib=1, heartbeat_ttl_s=2,
+                      heartbeat_interval_s=0.5)
+    second = spawn_process("worker", env, log)
     second_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         deadline = time.monotonic() + 400
@@ -63,7 +64,7 @@ async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
             await asyncio.sleep(0.2)
         assert MODEL in [m.id async for m in client.models.list()]
     finally:
-        _stop(second)
+        stop_process(second)
 
 
 async def test_an_edge_finds_a_new_model_at_once_and_forgets_it_when_its_worker_dies(

