@@ -13,14 +13,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
-
 from services.edge.auth import Caller
 from services.edge.estimate import estimate
+from services.edge.redis_boundary import REDIS_FAILURES, unavailable
 from shared import bus, metrics
 from shared.apikeys import KeyRecord
 from shared.background import looping
-from shared.errors import QuotaExceeded, RateLimited, Unavailable
+from shared.errors import QuotaExceeded, RateLimited
 from shared.limits import WINDOW_MS, Admission, Limits, Settlements, Verdict, headers, period_end
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class Admitter:
         try:
             async with asyncio.timeout(ADMISSION_TIMEOUT_S):
                 verdict = await self.limits.check(record, 0, "", requests=1)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             log.warning("admission step failed (%s); policy %s", type(exc).__name__, self.policy)
             self._without_redis(record, 0, requests=1)
             return {}
@@ -108,7 +107,7 @@ class Admitter:
         try:
             async with asyncio.timeout(ADMISSION_TIMEOUT_S):
                 verdict = await self.limits.check(record, tokens, lease, requests=0)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except REDIS_FAILURES as exc:
             log.warning("admission step failed (%s); policy %s", type(exc).__name__, self.policy)
             self._without_redis(record, tokens, requests=0)
             job.charge = None  # nothing was reserved in Redis, so nothing is settled there
@@ -124,7 +123,7 @@ class Admitter:
 
     def _without_redis(self, record: KeyRecord, tokens: int, requests: int) -> None:
         if self.policy == "closed":
-            raise Unavailable("Limits cannot be checked right now; try again shortly.")
+            raise unavailable()
         if self.policy == "local":
             verdict = self.local.admit(record, tokens, requests)
             if verdict.refused:
@@ -137,7 +136,7 @@ class Admitter:
         try:
             async with asyncio.timeout(ADMISSION_TIMEOUT_S):
                 return headers(caller.key, await self.limits.check(caller.key, 0, "", consume=False))
-        except (RedisError, OSError, TimeoutError):
+        except REDIS_FAILURES:
             return {}
 
     def hold(self, key_id: str, lease: str) -> None:
@@ -154,12 +153,12 @@ class Admitter:
             self.held[(key_id, lease)] = time.monotonic() + keep_for_s
             return
         self.held.pop((key_id, lease), None)
-        with contextlib.suppress(RedisError, OSError):  # unreleased, it expires within the lease TTL
+        with contextlib.suppress(*REDIS_FAILURES):  # unreleased, it expires within the lease TTL
             await self.limits.release(key_id, lease)
 
     async def refund(self, job: bus.Job) -> None:
         """Gives a job's charge back: it was admitted but could not be queued."""
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_FAILURES):
             await self.settlements.refund(job)
 
     async def renew(self, interval_s: float) -> None:
@@ -170,7 +169,7 @@ class Admitter:
                 del self.held[held]  # the job's window is over: its worker gave the lease back or soon will
             try:
                 await self.limits.renew(list(self.held))
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("renewing concurrency leases failed (%s)", type(exc).__name__)
 
 

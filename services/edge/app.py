@@ -9,7 +9,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from services.edge import keyless, routes
 from services.edge.admission import Admitter, renewing
@@ -19,6 +18,7 @@ from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
 from services.edge.ops import expected_models
+from services.edge.redis_boundary import REDIS_FAILURES, unavailable
 from services.edge.relay import EventRelay, Timing, running
 from services.edge.routes import Route, route_of
 from services.edge.schema_checks import Checker
@@ -37,7 +37,7 @@ from services.edge.state import (
 )
 from services.edge.store import ResponseStore, watching
 from shared import fairshare, keys, logs, metrics, redis_clients
-from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError, Unavailable
+from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError
 from shared.limits import Limits, Settlements
 from shared.settings import Settings
 
@@ -103,9 +103,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         await _admit(request, route)
         response = await handler(request)
-    except (RedisError, OSError) as exc:  # the one place Redis failures become an API error
+    except REDIS_FAILURES as exc:  # one no deeper call turned into its error (services/edge/redis_boundary.py)
         log.warning("redis failed on %s: %s", route.path, type(exc).__name__)
-        response = _error_response(route, Unavailable("The service cannot reach its queue; try again shortly."))
+        response = _error_response(route, unavailable())
     except RateLimited as exc:
         request[RATE_HEADERS] = exc.headers
         response = _error_response(route, exc)

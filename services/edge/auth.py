@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from aiohttp import web
-from redis.exceptions import RedisError
 
+from services.edge.redis_boundary import REDIS_FAILURES
 from shared import apikeys, keys, redis_clients
 from shared.apikeys import KeyRecord
 from shared.background import looping
@@ -126,13 +126,13 @@ class KeyCache:
                 self.listening = True
                 async for message in pubsub.listen():
                     await self.changed(message["data"].decode())
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("key change channel lost (%s); resubscribing", type(exc).__name__)
             finally:
                 self.listening = False
                 self.entries.clear()
                 if pubsub is not None:
-                    with contextlib.suppress(RedisError, OSError):
+                    with contextlib.suppress(*REDIS_FAILURES):
                         await pubsub.aclose()
             await asyncio.sleep(RESUBSCRIBE_PAUSE_S)
 

@@ -9,8 +9,8 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
+from services.edge.redis_boundary import REDIS_FAILURES
 from shared import bus, keys, metrics, rawpipe
 from shared.background import looping
 
@@ -103,7 +103,7 @@ class ModelDirectory:
         while True:
             try:
                 await self.refresh()
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 metrics.READY.set(0)
                 log.warning("reading the worker registry failed (%s); keeping the last answer", exc)
             await asyncio.sleep(self.refresh_s)

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
+from services.edge.redis_boundary import REDIS_FAILURES
 from shared import bus, fairshare, metrics, rawpipe
 from shared.errors import TokenbusError
 from shared.rawpipe import PipelineLike
@@ -106,7 +107,7 @@ class JobQueue:
         commands = len(pipe)  # a failed execute empties the pipeline
         try:
             results = iter(await self._replies(pipe, sent))
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             failure = exc if isinstance(exc, RedisError) else RedisConnectionError(str(exc))
             results = iter([failure] * commands)
         outcomes: list[Outcome] = []
@@ -144,7 +145,7 @@ class JobQueue:
         """Redis lost the scripts (a restart): load them and send these jobs once more."""
         try:
             await self.scheduler.load()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             failure = exc if isinstance(exc, RedisError) else RedisConnectionError(str(exc))
             for put in puts:
                 self._resolve(put, failure)
@@ -155,7 +156,7 @@ class JobQueue:
 
     async def _forget(self, records: list[str]) -> None:
         """Removes the resume records of refused jobs: there is nothing to resume."""
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_FAILURES):
             pipe = self.redis.pipeline(transaction=False)
             for key in records:
                 pipe.delete(key)

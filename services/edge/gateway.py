@@ -14,10 +14,11 @@ from redis.exceptions import RedisError
 from services.edge.directory import ModelDirectory
 from services.edge.enqueue import JobQueue, Record
 from services.edge.jobevents import JobEvents
+from services.edge.redis_boundary import redis_boundary, unavailable
 from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
 from shared import bus, fairshare, keys
-from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated, Unavailable
+from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Gateway:
     def check_redis(self) -> None:
         """Refuses at once while Redis is known to be unreachable, instead of waiting on a connect."""
         if self.relay.redis_down():
-            raise Unavailable("The service cannot reach its queue; try again shortly.")
+            raise unavailable()
 
     @contextlib.asynccontextmanager
     async def submit(self, job: bus.Job, deadline: float, record: Record | None = None,
@@ -55,13 +56,12 @@ class Gateway:
         try:
             try:
                 self.check_redis()
-                admitted = await self.queue.put(job, record)
-            except (RedisError, TokenbusError) as exc:
+                with redis_boundary():
+                    admitted = await self.queue.put(job, record)
+            except TokenbusError:
                 if on_refused is not None:
                     await on_refused(job)
-                if isinstance(exc, TokenbusError):
-                    raise
-                raise Unavailable("The request queue is unavailable; try again shortly.") from exc
+                raise
             if admitted.member:
                 self.waiting[job.id] = (job.model, admitted.member)
             with self._of_key(job, events):
@@ -98,13 +98,11 @@ class Gateway:
         try:
             route = bus.Route(job=job_id, reply_to=self.relay.channel)
             ttl_ms = max(1000, int((deadline - time.monotonic()) * 1000))
-            try:
+            with redis_boundary():
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(keys.job_reply_to(job_id), self.relay.channel, px=ttl_ms)
                 pipe.execute_command("PUBLISH", keys.ROUTE_CHANNEL, bus.encode_route(route))  # see cancel
                 await pipe.execute()
-            except RedisError as exc:
-                raise Unavailable("The service cannot reach its queue; try again shortly.") from exc
             async with self._leaving(events):
                 yield events
         finally:
@@ -157,10 +155,8 @@ class Gateway:
 
     async def find_model(self, model: str) -> bus.WorkerInfo:
         """The heartbeat of a live worker of the model; a 404 if there is none."""
-        try:
+        with redis_boundary():
             info = await self.directory.find(model)
-        except RedisError as exc:
-            raise Unavailable("The service cannot reach its queue; try again shortly.") from exc
         if info is None:
             raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
         return info

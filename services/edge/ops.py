@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from aiohttp import web
-from redis.exceptions import RedisError
 
+from services.edge.redis_boundary import REDIS_FAILURES
 from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS
 from shared.settings import Settings
 
@@ -24,7 +24,7 @@ async def ready(request: web.Request) -> web.Response:
     try:
         await request.app[REDIS].ping()
         models = await request.app[GATEWAY].directory.refresh()
-    except (RedisError, OSError) as exc:
+    except REDIS_FAILURES as exc:
         return web.json_response({"status": "unavailable", "reason": f"redis: {type(exc).__name__}"}, status=503)
     settings = request.app[SETTINGS]
     wanted = [request.query["model"]] if "model" in request.query else expected_models(settings)

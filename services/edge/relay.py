@@ -25,12 +25,12 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from services.edge.jobevents import JobEvents
+from services.edge.redis_boundary import REDIS_FAILURES, unavailable
 from shared import bus, joblog, keys, metrics, rawpipe
 from shared.background import looping
-from shared.errors import Unavailable, WorkerLost
+from shared.errors import WorkerLost
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class EventRelay:
             self.quiet_check = None
 
     def _failed(self, exc: Exception) -> None:
-        if isinstance(exc, RedisError | OSError | TimeoutError):
+        if isinstance(exc, REDIS_FAILURES):
             log.warning("listening on %s failed (%s); retrying", self.channel, type(exc).__name__)
         else:
             log.exception("listening on %s failed", self.channel)
@@ -240,7 +240,7 @@ class EventRelay:
     async def _catch_up(self, waiting: list[JobEvents]) -> None:
         for events in waiting:
             if self.jobs.get(events.job_id) is events:
-                with contextlib.suppress(RedisError, OSError):  # the subscription fails too, and catches up again
+                with contextlib.suppress(*REDIS_FAILURES):  # the subscription fails too, and catches up again
                     await events.catch_up()
 
     async def _receive(self) -> bool:
@@ -319,7 +319,7 @@ class EventRelay:
         outage = self.redis_down()
         for events in list(self.jobs.values()):
             if outage:
-                events.fail(Unavailable("The service lost its connection to the queue; try again."))
+                events.fail(unavailable())
             else:
                 self._watch_owner(events, now)
             if events.waiter is not None and (now >= events.deadline or events.watch is None or events.watch()):
@@ -347,7 +347,7 @@ class EventRelay:
         while True:
             now = time.time()
             cancels = self._due_cancels()
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 pipe = self.pipelines.pipeline()
                 for job_id in cancels:
                     add_cancel(pipe, job_id)
@@ -371,7 +371,7 @@ class EventRelay:
 
     async def say_goodbye(self) -> None:
         """Workers keep this edge's remaining jobs for a resume elsewhere from now on."""
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_FAILURES):
             pipe = self.commands.pipeline(transaction=False)
             pipe.delete(keys.edges_alive(self.channel))
             pipe.zrem(keys.EDGES, self.channel)

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
+from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary
 from shared import bus, keys, metrics
 from shared.apikeys import KeyRecord
 from shared.background import looping
@@ -149,12 +149,10 @@ class ResponseStore:
                           value: bytes = b"", more: tuple[list[str], list[str]] = ([], [])) -> list[Any]:
         names, members = more
         value_key = [keys.stored_response(tenant, member[2:])] if value else []
-        try:
+        with redis_boundary(Overloaded):
             found: list[Any] = await self._charge(
                 keys=[keys.storage_tally(tenant), keys.storage_expiry(tenant), *value_key, *names],
                 args=[bus.now_ms(), quota.bytes, quota.items, member, size, expires_ms, value, *members])
-        except RedisError as exc:
-            raise Overloaded("Storage is unavailable; try again.") from exc
         return found
 
     async def _charge_or_refuse(self, tenant: str, quota: Quota, member: str, size: int, expires_ms: int,
@@ -204,10 +202,8 @@ class ResponseStore:
                                data, more)
 
     async def load(self, tenant: str, response_id: str) -> StoredResponse | None:
-        try:
+        with redis_boundary(Overloaded):
             data = await self.redis.get(keys.stored_response(tenant, response_id))
-        except RedisError as exc:
-            raise Overloaded("Stored responses are unavailable; try again.") from exc
         return None if data is None else _decoder.decode(data)
 
     async def conversation(self, tenant: str, response_id: str) -> Conversation | None:
@@ -233,18 +229,16 @@ class ResponseStore:
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         """Deletes a response and gives its bytes back to its tenant's storage."""
-        try:
+        with redis_boundary(Overloaded):
             return bool(await self._delete(
                 keys=[keys.storage_tally(tenant), keys.storage_expiry(tenant),
                       keys.stored_response(tenant, response_id)],
                 args=[bus.now_ms(), f"r:{response_id}"]))
-        except RedisError as exc:
-            raise Overloaded("Stored responses are unavailable; try again.") from exc
 
     async def watch_memory(self) -> None:
         """Keeps the Redis memory metrics current (the fullest node of a cluster)."""
         while True:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 used, most = fullest(await self.redis.info("memory"))
                 metrics.REDIS_USED_MEMORY.set(used)
                 metrics.REDIS_MAXMEMORY.set(most)
