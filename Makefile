@@ -20,6 +20,7 @@ run: install
 
 lint:
 	$(BIN)/ruff check shared services tests
+	$(BIN)/lint-imports  # the layers: pyproject.toml [tool.importlinter]
 
 typecheck:
 	$(BIN)/mypy
