@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from services.supervisor import private_redis
-from tests.processes import EMBEDDING_MODEL, MODEL, Edge, Worker, running_worker, start_edge, stop_process
+from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess, running_worker, start_edge, stop_process
 from tests.stack import Stack
 
 
@@ -38,7 +38,7 @@ def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
 @pytest.fixture(scope="session")
 def worker(
     redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Worker]:
+) -> Iterator[WorkerProcess]:
     """The real vLLM worker on the default model, started once (with a reasoning parser: SmolLM2 never opens
     a <think> block by itself, so its answers are as without one, and test_reasoning_engine makes it write one)."""
     with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("worker") / "worker.log", MODEL,
@@ -49,7 +49,7 @@ def worker(
 @pytest.fixture(scope="session")
 def embedder(
     redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Worker]:
+) -> Iterator[WorkerProcess]:
     """A real vLLM worker in pooling mode on all-MiniLM-L6-v2, started once."""
     with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("embedder") / "worker.log",
                         EMBEDDING_MODEL, kv_cache_gib=1, task="embed") as started:
@@ -57,7 +57,7 @@ def embedder(
 
 
 @pytest.fixture(scope="session")
-def served(worker: Worker, edge: Edge) -> Edge:
+def served(worker: WorkerProcess, edge: Edge) -> Edge:
     """The edge, once the worker has answered one request (the engine's first request is slow)."""
     with openai.OpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],

@@ -27,7 +27,9 @@ WORKER_START_TIMEOUT_S = 400.0
 
 
 @dataclass(frozen=True)
-class Worker:
+class WorkerProcess:
+    """A `tokenbus worker` process the tests started (not services.worker.worker.Worker, which runs inside it)."""
+
     process: subprocess.Popen[bytes]
     metrics_url: str
     log: Path
@@ -35,6 +37,8 @@ class Worker:
 
 @dataclass(frozen=True)
 class Edge:
+    """A `tokenbus edge` process the tests started."""
+
     process: subprocess.Popen[bytes]
     url: str
     log: Path
@@ -96,7 +100,7 @@ def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: ob
 
 @contextmanager
 def running_worker(redis_url: str, redis_client: redis.Redis, log: Path, model: str, **settings: object
-                   ) -> Iterator[Worker]:
+                   ) -> Iterator[WorkerProcess]:
     """A real worker process of `model`, yielded once its heartbeat shows; stopped on the way out."""
     metrics_port = free_port()
     process = spawn_process("worker", process_env(redis_url, metrics_port=metrics_port, model=model, **settings), log)
@@ -106,7 +110,7 @@ def running_worker(redis_url: str, redis_client: redis.Redis, log: Path, model: 
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the {model} worker did not start: {log.read_text()[-3000:]}")
             time.sleep(0.5)
-        yield Worker(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+        yield WorkerProcess(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
     finally:
         stop_process(process)
 

@@ -17,7 +17,7 @@ import redis
 
 from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles, free_port
 from shared import keys
-from tests.processes import Edge, Worker, metric_value, process_env, spawn_process, start_edge, stop_process
+from tests.processes import Edge, WorkerProcess, metric_value, process_env, spawn_process, start_edge, stop_process
 
 FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
 """Faults are noticed within two seconds: a test need not wait the production TTL."""
@@ -44,7 +44,7 @@ class Stack:
     """The username and password of this stack's own client (by default Redis's default user)."""
     redis: RedisServer = field(init=False)
     edges: list[Edge] = field(default_factory=list)
-    workers: list[Worker] = field(default_factory=list)
+    workers: list[WorkerProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         (self.root / "redis").mkdir(parents=True, exist_ok=True)
@@ -87,7 +87,7 @@ class Stack:
         self.edges.append(edge)
         return edge
 
-    def worker(self, **settings: Any) -> Worker:
+    def worker(self, **settings: Any) -> WorkerProcess:
         """A simulated worker, returned once its own heartbeat shows."""
         settings = self._logged_in("worker", settings)
         port = free_port()
@@ -99,14 +99,14 @@ class Stack:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the sim worker did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
-        worker = Worker(process, f"http://127.0.0.1:{port}/metrics", log)
+        worker = WorkerProcess(process, f"http://127.0.0.1:{port}/metrics", log)
         self.workers.append(worker)
         return worker
 
     def heartbeat_of(self, pid: int) -> bool:
         return any(f"-{pid}-" in key.decode() for key in self.client.scan_iter(keys.worker_heartbeat(self.model, "*")))
 
-    def busiest(self) -> Worker:
+    def busiest(self) -> WorkerProcess:
         """The live worker with the most jobs pending in the queue's consumer group."""
         summary: Any = self.client.xpending(keys.requests_stream(self.model), keys.WORKER_GROUP)
         counts = {c["name"].decode(): int(c["pending"]) for c in summary["consumers"]}

@@ -13,7 +13,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from shared import apikeys, keys
-from tests.processes import Worker, metric_value
+from tests.processes import WorkerProcess, metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, expected, sse_frames, stream_text
 
@@ -27,7 +27,7 @@ def queued(stack: Stack) -> int:
     return int(stack.client.hget(keys.fair_key(stack.model, "state"), "queued") or 0)
 
 
-async def running(worker: Worker) -> float:
+async def running(worker: WorkerProcess) -> float:
     return await metric(worker.metrics_url, "tokenbus_worker_running_jobs")
 
 

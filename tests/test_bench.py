@@ -119,12 +119,12 @@ def _fairness_result() -> fairness.Result:
     plan = fairness.Plan()
     runs = []
     for scheduler, flooded_ms, heavy_share in (("fifo", 2600.0, 0.5), ("fair", 80.0, 0.667)):
-        runs += [fairness.Run(f"flood: {shape}", scheduler, 15.0, {
+        runs += [fairness.ScenarioFigures(f"flood: {shape}", scheduler, 15.0, {
             "tenant-b alone": figures("tenant-b alone", 57.0, 640, 1.0),
             "tenant-b": figures("tenant-b", flooded_ms, 700, 0.015), "tenant-a": figures("tenant-a", 2600.0, 46000,
                                                                                            0.985)})
                  for shape in fairness.FLOODS]
-        runs.append(fairness.Run("weights", scheduler, 15.0, {
+        runs.append(fairness.ScenarioFigures("weights", scheduler, 15.0, {
             "light": figures("light", 2000.0, round(30000 * (1 - heavy_share)), 1 - heavy_share),
             "heavy": figures("heavy", 2000.0, round(30000 * heavy_share), heavy_share)}))
     return fairness.Result(plan, runs)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import MODEL, Edge, Worker, metric_value, start_edge, stop_process
+from tests.processes import MODEL, Edge, WorkerProcess, metric_value, start_edge, stop_process
 
 pytestmark = pytest.mark.engine
 
@@ -152,13 +152,13 @@ async def test_a_prompt_longer_than_the_context_is_a_400_even_when_streaming(
     assert caught.value.body["param"] == "messages"
 
 
-async def _aborts(worker: Worker) -> float:
+async def _aborts(worker: WorkerProcess) -> float:
     async with httpx.AsyncClient() as http:
         text = (await http.get(worker.metrics_url)).text
     return metric_value(text, "tokenbus_worker_engine_aborts_total")
 
 
-async def test_a_disconnect_aborts_the_engine_request_within_a_second(served: Edge, worker: Worker) -> None:
+async def test_a_disconnect_aborts_the_engine_request_within_a_second(served: Edge, worker: WorkerProcess) -> None:
     before = await _aborts(worker)
     body = {"model": MODEL, "messages": STORY, "stream": True, "max_tokens": 1500, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
@@ -178,7 +178,7 @@ async def test_a_disconnect_aborts_the_engine_request_within_a_second(served: Ed
 
 
 async def test_closing_a_plain_sdk_stream_stops_the_engine_within_a_second_even_with_a_resume_window(
-    served: Edge, worker: Worker, redis_url: str, tmp_path: Path
+    served: Edge, worker: WorkerProcess, redis_url: str, tmp_path: Path
 ) -> None:
     """Stop means stop: the SDK asked for no event ids, so its job is not kept for a resume it cannot make."""
     edge = start_edge(redis_url, tmp_path, resume_window_s=10)

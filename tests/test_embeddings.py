@@ -12,13 +12,13 @@ import openai
 import pytest
 
 from tests.openapi import validate
-from tests.processes import EMBEDDING_MODEL, MODEL, Edge, Worker
+from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture
-async def embed_client(served: Edge, embedder: Worker) -> AsyncIterator[openai.AsyncOpenAI]:
+async def embed_client(served: Edge, embedder: WorkerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as client:
         yield client
 
@@ -58,7 +58,7 @@ async def test_base64_decodes_to_the_same_floats(embed_client: openai.AsyncOpenA
     assert isinstance(sdk.data[0].embedding, str) or sdk.data[0].embedding == pytest.approx(floats, abs=1e-7)
 
 
-async def test_one_vector_through_three_routes(served: Edge, embedder: Worker) -> None:
+async def test_one_vector_through_three_routes(served: Edge, embedder: WorkerProcess) -> None:
     body = {"model": EMBEDDING_MODEL, "input": "The same sentence everywhere."}
     async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
         v1 = (await http.post("/v1/embeddings", json=body)).json()

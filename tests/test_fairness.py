@@ -29,7 +29,7 @@ def test_a_tenant_sending_one_request_at_a_time_is_not_held_up_by_a_flood(measur
     """A keeps 200 requests in flight for 64 slots while B sends one at a time: whatever the flood's shape, B's time
     to first token stays within twice its time alone (1.5x in the bench, on a quiet machine), and it gets about as
     many requests through as alone."""
-    run = measured.run(f"flood: {shape}", "fair")
+    run = measured.scenario(f"flood: {shape}", "fair")
     alone, flooded, flooder = (run.tenants[name] for name in (f"{fairness.SIPPER} alone", fairness.SIPPER,
                                                                fairness.FLOODER))
     assert alone.failed == flooded.failed == flooder.failed == 0
@@ -40,7 +40,7 @@ def test_a_tenant_sending_one_request_at_a_time_is_not_held_up_by_a_flood(measur
 
 
 def test_weights_1_to_2_give_service_1_to_2_within_10_percent(measured: fairness.Result) -> None:
-    run = measured.run("weights", "fair")
+    run = measured.scenario("weights", "fair")
     light, heavy = run.tenants[fairness.LIGHT], run.tenants[fairness.HEAVY]
     assert light.failed == heavy.failed == 0
     assert heavy.tokens / light.tokens == pytest.approx(2.0, rel=0.1), (light.tokens, heavy.tokens)

@@ -14,7 +14,7 @@ import redis
 
 from shared import bus, keys
 from tests.channel import listening
-from tests.processes import MODEL, Worker
+from tests.processes import MODEL, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +40,7 @@ def _text(events: list[bus.Event], choice: int = 0) -> str:
     return "".join(e.text for e in events if isinstance(e, bus.Tokens) and e.choice == choice)
 
 
-def test_a_job_continues_after_what_its_former_owner_sent(redis_client: redis.Redis, worker: Worker) -> None:
+def test_a_job_continues_after_what_its_former_owner_sent(redis_client: redis.Redis, worker: WorkerProcess) -> None:
     stream = keys.events_channel(f"test-{uuid.uuid4().hex}")
     whole = _run(redis_client, _job(stream))
     tokens = [e for e in whole if isinstance(e, bus.Tokens)]

@@ -12,7 +12,7 @@ import pytest
 from services.edge.formats.responses import ResponsesRenderer, ResponsesRequest
 from shared.errors import WorkerLost
 from tests.openapi import sse_events, validate
-from tests.processes import MODEL, Edge, Worker
+from tests.processes import MODEL, Edge, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -89,7 +89,7 @@ def test_a_failed_response_stream_sends_an_error_event_with_type_code_and_param(
 
 
 async def test_databricks_embeddings_have_an_id_and_completions_no_16_token_default(served: Edge,
-                                                                                  embedder: Worker) -> None:
+                                                                                  embedder: WorkerProcess) -> None:
     async with httpx.AsyncClient(timeout=120) as http:
         embedded = await http.post(f"{served.url}/serving-endpoints/all-MiniLM-L6-v2/invocations",
                                    json={"input": ["a", "b"]})

@@ -14,7 +14,7 @@ import redis
 
 from shared import bus, keys
 from tests.channel import listening
-from tests.processes import MODEL, Edge, Worker, metric_samples, metric_value
+from tests.processes import MODEL, Edge, WorkerProcess, metric_samples, metric_value
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +40,7 @@ async def test_health_ready_and_metrics(served: Edge) -> None:
 
 
 async def test_the_worker_reports_what_its_engine_holds_and_the_edge_what_streams_did(
-    client: openai.AsyncOpenAI, served: Edge, worker: Worker
+    client: openai.AsyncOpenAI, served: Edge, worker: WorkerProcess
 ) -> None:
     """While a long answer streams, the worker's gauges show the engine's running sequence and its KV cache
     (read from vLLM's scheduler); then the edge has counted its tokens, token gaps and finish reason. Each
@@ -97,7 +97,7 @@ def _job(reply_to: str, deadline_ms: int, *, queued_ms: int = 5000, max_tokens: 
                    created_ms=bus.now_ms() - queued_ms)
 
 
-def test_a_job_expired_in_the_queue_never_starts(redis_client: redis.Redis, worker: Worker) -> None:
+def test_a_job_expired_in_the_queue_never_starts(redis_client: redis.Redis, worker: WorkerProcess) -> None:
     reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
     job = _job(reply_to, deadline_ms=bus.now_ms() - 1)
     with listening(redis_client, reply_to) as listener:
@@ -107,7 +107,7 @@ def test_a_job_expired_in_the_queue_never_starts(redis_client: redis.Redis, work
     assert events[0].kind == "RequestTimeout"
 
 
-def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, worker: Worker) -> None:
+def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, worker: WorkerProcess) -> None:
     reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
     job = _job(reply_to, deadline_ms=bus.now_ms() + 60_000)
     cancelled = {"outcome": "cancelled"}
@@ -123,7 +123,7 @@ def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, wo
 
 
 def test_a_fresh_job_whose_cancel_the_channel_missed_is_aborted_at_once(
-    redis_client: redis.Redis, worker: Worker
+    redis_client: redis.Redis, worker: WorkerProcess
 ) -> None:
     """Fresh jobs start without waiting for the cancel check (it is off the time-to-first-token path); a mark
     the cancel channel did not deliver still stops the job before it runs far."""
@@ -142,7 +142,7 @@ def test_a_fresh_job_whose_cancel_the_channel_missed_is_aborted_at_once(
     assert sum(len(e.token_ids) for e in published if isinstance(e, bus.Tokens)) < 50
 
 
-def test_tokens_are_published_in_batches(redis_client: redis.Redis, worker: Worker, served: Edge) -> None:
+def test_tokens_are_published_in_batches(redis_client: redis.Redis, worker: WorkerProcess, served: Edge) -> None:
     """With several streams at once, one Redis write carries the tokens of many of them."""
     text = httpx.get(worker.metrics_url).text
     flushes, events = (metric_value(text, "tokenbus_worker_event_flushes_total"),

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from tests.processes import MODEL, Edge, Worker, running_worker
+from tests.processes import MODEL, Edge, WorkerProcess, running_worker
 
 INTERVAL = 4
 GATHERING = f"{MODEL}-every-{INTERVAL}"
@@ -22,7 +22,7 @@ TOKENS = 1 + 4 * INTERVAL + 2
 
 @pytest.fixture(scope="module")
 def gathering(redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[Worker]:
+              ) -> Iterator[WorkerProcess]:
     log: Path = tmp_path_factory.mktemp("gathering") / "worker.log"
     with running_worker(redis_url, redis_client, log, GATHERING, kv_cache_gib=1, max_num_seqs=4,
                         stream_interval=INTERVAL) as started:
@@ -30,7 +30,7 @@ def gathering(redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytes
 
 
 @pytest.fixture
-async def sdk(served: Edge, gathering: Worker) -> AsyncIterator[openai.AsyncOpenAI]:
+async def sdk(served: Edge, gathering: WorkerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
                                   timeout=120) as client:
         yield client

@@ -14,7 +14,7 @@ import redis
 
 from services.supervisor import free_port
 from shared import keys
-from tests.processes import MODEL, Worker, metric_value, process_env, running_worker, spawn_process, stop_process
+from tests.processes import MODEL, WorkerProcess, metric_value, process_env, running_worker, spawn_process, stop_process
 
 pytestmark = pytest.mark.engine
 
@@ -28,7 +28,7 @@ def _heartbeats(redis_client: redis.Redis) -> set[bytes]:
 
 
 async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
-    client: openai.AsyncOpenAI, worker: Worker, redis_url: str, redis_client: redis.Redis,
+    client: openai.AsyncOpenAI, worker: WorkerProcess, redis_url: str, redis_client: redis.Redis,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     first_beats = _heartbeats(redis_client)

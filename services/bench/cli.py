@@ -185,12 +185,12 @@ def _fairness(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"fairness: logs in {log_dir}", file=sys.stderr)
     result = fairness.measure(log_dir / "fairness.log", fairness.Plan.quick() if args.quick else fairness.Plan())
-    for run in result.runs:
-        print(f"{run.scenario}, {run.scheduler} ({run.window_s:.1f} s):")
-        for figures in run.tenants.values():
+    for measured in result.scenarios:
+        print(f"{measured.scenario}, {measured.scheduler} ({measured.window_s:.1f} s):")
+        for figures in measured.tenants.values():
             print(f"  {figures.tenant:<16} TTFT p50 {figures.ttft_ms.p50:7.0f} ms  p99 {figures.ttft_ms.p99:7.0f} ms  "
                   f"{figures.requests:4d} requests ({figures.failed} failed)  {figures.tokens:6d} tokens "
                   f"({figures.share:.1%})")
     fairness_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
     print(f"wrote the fairness section of {args.out}")
-    return 0 if all(f.failed == 0 for run in result.runs for f in run.tenants.values()) else 1
+    return 0 if all(f.failed == 0 for measured in result.scenarios for f in measured.tenants.values()) else 1

@@ -77,7 +77,9 @@ class TenantFigures:
 
 
 @dataclass(frozen=True)
-class Run:
+class ScenarioFigures:
+    """What one scenario measured under one scheduler."""
+
     scenario: str
     scheduler: str
     window_s: float
@@ -88,16 +90,16 @@ class Run:
 @dataclass(frozen=True)
 class Result:
     plan: Plan
-    runs: list[Run]
+    scenarios: list[ScenarioFigures]
 
-    def run(self, scenario: str, scheduler: str) -> Run:
-        return next(r for r in self.runs if (r.scenario, r.scheduler) == (scenario, scheduler))
+    def scenario(self, scenario: str, scheduler: str) -> ScenarioFigures:
+        return next(r for r in self.scenarios if (r.scenario, r.scheduler) == (scenario, scheduler))
 
 
 def measure(log: Path, plan: Plan) -> Result:
     """Both scenarios under each scheduler, on fresh processes per scheduler."""
     engine = systems.Engine(model="sim-model", model_dir=Path("."))
-    runs: list[Run] = []
+    runs: list[ScenarioFigures] = []
     for scheduler in plan.schedulers:
         with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms),
                               edge_settings={"auth": "keys", "scheduler": scheduler},
@@ -108,16 +110,16 @@ def measure(log: Path, plan: Plan) -> Result:
     return Result(plan, runs)
 
 
-async def _scenarios(running: systems.Running, model: str, scheduler: str, plan: Plan) -> list[Run]:
+async def _scenarios(running: systems.Running, model: str, scheduler: str, plan: Plan) -> list[ScenarioFigures]:
     keys = await _keys(running.redis_url)
     request = Request(prompt_of(16, random.Random(0)), 16, plan.tokens)  # nosec B311: a benchmark's seeded workload
     url = running.base_url + "/v1/chat/completions"
-    runs: list[Run] = []
+    runs: list[ScenarioFigures] = []
     async with _session(keys[SIPPER]) as sipper:
         alone = (await _sequential(sipper, url, model, request, plan.alone_requests), 0.0, float("inf"))
         for shape in FLOODS:
             flood = await _flood(running, sipper, url, model, request, shape, keys[FLOODER], plan)
-            runs.append(Run(f"flood: {shape}", scheduler, flood[SIPPER][2] - flood[SIPPER][1],
+            runs.append(ScenarioFigures(f"flood: {shape}", scheduler, flood[SIPPER][2] - flood[SIPPER][1],
                             {**_figures({f"{SIPPER} alone": alone}), **_figures(flood)}))
     with Loads(url, model, request, {tenant: (keys[tenant], plan.weighted_streams) for tenant in (LIGHT, HEAVY)}
                ) as loads:
@@ -128,7 +130,7 @@ async def _scenarios(running: systems.Running, model: str, scheduler: str, plan:
         await asyncio.sleep(plan.window_s)
         closed = time.perf_counter()
         weights = {tenant: (timings, opened, closed) for tenant, timings in (await loads.stop()).items()}
-    return [*runs, Run("weights", scheduler, closed - opened, _figures(weights))]
+    return [*runs, ScenarioFigures("weights", scheduler, closed - opened, _figures(weights))]
 
 
 async def _flood(running: systems.Running, sipper: aiohttp.ClientSession, url: str, model: str, request: Request,

@@ -39,7 +39,7 @@ def fairness_section(result: fairness.Result, command: str, image: str | None) -
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for scheduler, shape in ((s, f) for s in plan.schedulers for f in fairness.FLOODS):
-        run = result.run(f"flood: {shape}", scheduler)
+        run = result.scenario(f"flood: {shape}", scheduler)
         alone, b, a = (run.tenants[name] for name in (f"{fairness.SIPPER} alone", fairness.SIPPER, fairness.FLOODER))
         lines.append(
             f"| {scheduler} | {shape} | {alone.ttft_ms.p50:.0f} / {alone.ttft_ms.p99:.0f} ms | {b.ttft_ms.p50:.0f} / "
@@ -50,7 +50,7 @@ def fairness_section(result: fairness.Result, command: str, image: str | None) -
               "| scheduler | weight 1 tokens | weight 2 tokens | weight 2 / weight 1 | weight 2's share | "
               "tokens/s served | failed |", "|---|---|---|---|---|---|---|"]
     for scheduler in plan.schedulers:
-        run = result.run("weights", scheduler)
+        run = result.scenario("weights", scheduler)
         light, heavy = run.tenants[fairness.LIGHT], run.tenants[fairness.HEAVY]
         lines.append(f"| {scheduler} | {light.tokens} | {heavy.tokens} | {heavy.tokens / max(light.tokens, 1):.2f} "
                      f"| {heavy.share:.1%} | {(light.tokens + heavy.tokens) / run.window_s:.0f} "
@@ -72,14 +72,14 @@ def fairness_plot(result: fairness.Result, out_dir: Path) -> str:
         (f"B, A's flood: {shape}", shape, fairness.SIPPER) for shape in fairness.FLOODS]
     for offset, (label, shape, name) in enumerate(bars):
         ttft.bar([p + offset * width for p in places],
-                 [result.run(f"flood: {shape}", s).tenants[name].ttft_ms.p50 for s in schedulers], width=width,
+                 [result.scenario(f"flood: {shape}", s).tenants[name].ttft_ms.p50 for s in schedulers], width=width,
                  label=label)
     ttft.set_yscale("log")
     ttft.set_ylabel("B's time to first token p50 (ms)")
     ttft.set_title(f"A keeps {result.plan.flood_streams} streams in flight")
     for offset, (name, label) in enumerate(((fairness.LIGHT, "weight 1"), (fairness.HEAVY, "weight 2"))):
         shares.bar([p + offset * 0.4 for p in places],
-                   [result.run("weights", s).tenants[name].share for s in schedulers], width=0.4, label=label)
+                   [result.scenario("weights", s).tenants[name].share for s in schedulers], width=0.4, label=label)
     shares.axhline(2 / 3, color="gray", linestyle="--", linewidth=1)
     shares.axhline(1 / 3, color="gray", linestyle="--", linewidth=1)
     shares.set_ylabel("share of tokens served")

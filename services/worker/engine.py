@@ -45,7 +45,7 @@ class Counts:
 
 
 @dataclass
-class _Run:
+class _EngineRequest:
     """One engine request of a job: prompt `index`, its first choice number, the token ids it starts from."""
 
     index: int
@@ -281,12 +281,12 @@ class VllmEngine:
                 yield event
             return
         counts = Counts()
-        runs = await self._runs(job, counts)
-        request_ids = [job.id] if len(runs) == 1 else [f"{job.id}-{i}" for i in range(len(runs))]
+        reqs = await self._engine_requests(job, counts)
+        request_ids = [job.id] if len(reqs) == 1 else [f"{job.id}-{i}" for i in range(len(reqs))]
         self.requests[job.id] = request_ids
         try:
-            streams = [self._one(job, rid, run, counts, priority)
-                       for rid, run in zip(request_ids, runs, strict=True)]
+            streams = [self._one(job, rid, req, counts, priority)
+                       for rid, req in zip(request_ids, reqs, strict=True)]
             async for event in _interleaved(streams):
                 yield event
         finally:
@@ -294,16 +294,16 @@ class VllmEngine:
         yield bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
                         completion_tokens=counts.completion_tokens, dropped_messages=counts.dropped_messages)
 
-    async def _runs(self, job: bus.Job, counts: Counts) -> list[_Run]:
+    async def _engine_requests(self, job: bus.Job, counts: Counts) -> list[_EngineRequest]:
         """One engine request per prompt; a job continued from another worker runs each unfinished choice
         alone, after the tokens it already has."""
-        runs: list[_Run] = []
+        reqs: list[_EngineRequest] = []
         cont, n = job.continuation, job.params.n
         for index, ids in enumerate(await self.prompt_ids(job, counts)):
             prompt, max_tokens = self._budget(job, ids)
             counts.prompt_tokens += len(prompt)
             if cont is None:
-                runs.append(_Run(index, index * n, prompt, self.sampling_params(job, max_tokens)))
+                reqs.append(_EngineRequest(index, index * n, prompt, self.sampling_params(job, max_tokens)))
                 continue
             for choice in range(index * n, index * n + n):
                 if choice >= len(cont.finished) or cont.finished[choice]:
@@ -311,17 +311,17 @@ class VllmEngine:
                 had = cont.token_ids[choice]
                 echo = choice == index * n and index not in cont.prompted
                 params = self.sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
-                runs.append(_Run(index, choice, prompt + had, params, echo_ids=prompt))
-        return runs
+                reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
+        return reqs
 
-    async def _one(self, job: bus.Job, request_id: str, run: _Run, counts: Counts,
+    async def _one(self, job: bus.Job, request_id: str, req: _EngineRequest, counts: Counts,
                    priority: int) -> AsyncIterator[bus.Output]:
         top = job.params.logprobs
         first = True
-        if run.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
-            yield bus.Tokens(job=job.id, text="", token_ids=[], choice=run.choice, finish_reason="length")
+        if req.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
+            yield bus.Tokens(job=job.id, text="", token_ids=[], choice=req.choice, finish_reason="length")
             return
-        outputs = self.llm.generate({"prompt_token_ids": run.ids}, run.params, request_id,
+        outputs = self.llm.generate({"prompt_token_ids": req.ids}, req.params, request_id,
                                     priority=priority).__aiter__()
         while True:
             try:
@@ -332,16 +332,16 @@ class VllmEngine:
                 if not first:
                     raise
                 raise InvalidRequest(f"The engine cannot serve this request: {exc}",
-                                     code="invalid_structured_output" if run.params.structured_outputs else None,
+                                     code="invalid_structured_output" if req.params.structured_outputs else None,
                                      ) from None
-            if first and run.params.prompt_logprobs is not None:
-                yield self._prompt_event(job, run.index, run.echo_ids or run.ids, out.prompt_logprobs)
+            if first and req.params.prompt_logprobs is not None:
+                yield self._prompt_event(job, req.index, req.echo_ids or req.ids, out.prompt_logprobs)
             first = False
             for choice in out.outputs:
                 token_ids = list(choice.token_ids)
                 counts.completion_tokens += len(token_ids)
                 yield bus.Tokens(
-                    job=job.id, text=choice.text, token_ids=token_ids, choice=run.choice + choice.index,
+                    job=job.id, text=choice.text, token_ids=token_ids, choice=req.choice + choice.index,
                     logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
                                                                      self.special_ids),
                     finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
