@@ -158,7 +158,8 @@ def _answer(checks: asyncio.Future[list[_Check]], index: int) -> _Check | None:
 
 @dataclass
 class _RoundReads:
-    """The reads of one supervision round, which ride a heartbeat's write, and their replies once it is back."""
+    """The reads of one supervision round, which ride a heartbeat's write: each a named span of that write, whose
+    replies are taken by name once it is back."""
 
     runs: list[Run]
     """The runs whose claims are refreshed."""
@@ -166,14 +167,16 @@ class _RoundReads:
     """The edges' streams of attached runs, whose edges' liveness is read."""
     claims: int
     """Entries of dead workers to claim at most (free slots); 0 reads none."""
+    backlog: rawpipe.Span
+    """The reads of the model's queue, for its gauges."""
+    refresh: rawpipe.Span
+    """The refresh of the runs' claims (none without runs)."""
+    alive: rawpipe.Span
+    """One liveness read per stream of `streams`."""
+    claim: rawpipe.Span
+    """The claim of dead workers' entries (none when `claims` is 0)."""
     replies: list[Any] = field(default_factory=list)
-
-    def parts(self) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
-        """The replies of the backlog's reads, the refresh, the edges' liveness and the claim, in that order."""
-        at = fairshare.BACKLOG_READS
-        refresh, at = self.replies[at:at + bool(self.runs)], at + bool(self.runs)
-        alive, at = self.replies[at:at + len(self.streams)], at + len(self.streams)
-        return self.replies[:fairshare.BACKLOG_READS], refresh, alive, self.replies[at:at + bool(self.claims)]
+    """The whole write's replies, the heartbeat's own included."""
 
 
 class Worker:
@@ -678,15 +681,16 @@ class Worker:
                 slots=self.settings.max_num_seqs, running=self.slots.used,
             ))
             pipe = self.beats.pipeline()
-            pipe.execute_command("SET", key, info, "PX", ttl_ms)
-            pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
-            if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
-                self.scheduler.renew(pipe)
-            renewed = len(pipe)
+            with rawpipe.Span(pipe) as beat:
+                pipe.execute_command("SET", key, info, "PX", ttl_ms)
+                pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
+            with rawpipe.Span(pipe) as renewal:
+                if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
+                    self.scheduler.renew(pipe)
             reads = self._read_round(pipe)
             try:
                 results = await pipe.execute(raise_on_error=False)
-                if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
+                if failed := next((r for r in beat.of(results) if isinstance(r, Exception)), None):
                     raise failed
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
@@ -694,9 +698,9 @@ class Worker:
             else:
                 if self.claims_after == math.inf:
                     self.claims_after = time.monotonic() + self.settings.heartbeat_ttl_s
-                if renewed > 2:
-                    await self.scheduler.renewed(results[2])
-                reads.replies = results[renewed:]
+                if renewed := renewal.of(results):
+                    await self.scheduler.renewed(renewed[0])
+                reads.replies = results
                 if not self.round_read.full():  # else the round before is still being acted on: this one waits
                     self.round_read.put_nowait(reads)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -704,17 +708,21 @@ class Worker:
     def _read_round(self, pipe: rawpipe.PipelineLike) -> _RoundReads:
         """Adds a supervision round's reads to the heartbeat's write: the queue's gauges, a refresh of our claims,
         whether the edges of attached jobs still beat, and a claim of dead workers' jobs into free slots."""
-        reads = _RoundReads(runs=[run for run in self.runs.values() if not run.released],
-                            streams=sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms}),
-                            claims=0 if self._holding_claims() else max(0, self._free_slots()))
-        self.scheduler.read_backlog(pipe)
-        if reads.runs:
-            self.ownership.read_refresh(pipe, [run.entry_id for run in reads.runs])
-        for stream in reads.streams:
-            pipe.execute_command("EXISTS", keys.edges_alive(stream))
-        if reads.claims:
-            self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), reads.claims)
-        return reads
+        runs = [run for run in self.runs.values() if not run.released]
+        streams = sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms})
+        claims = 0 if self._holding_claims() else max(0, self._free_slots())
+        with rawpipe.Span(pipe) as backlog:
+            self.scheduler.read_backlog(pipe)
+        with rawpipe.Span(pipe) as refresh:
+            if runs:
+                self.ownership.read_refresh(pipe, [run.entry_id for run in runs])
+        with rawpipe.Span(pipe) as alive:
+            for stream in streams:
+                pipe.execute_command("EXISTS", keys.edges_alive(stream))
+        with rawpipe.Span(pipe) as claim:
+            if claims:
+                self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), claims)
+        return _RoundReads(runs, streams, claims, backlog, refresh, alive, claim)
 
     def _holding_claims(self) -> bool:
         return self.stopping or self.round_read.full() or time.monotonic() < self.claims_after
@@ -734,21 +742,21 @@ class Worker:
                 log.warning("supervision round failed (%s)", exc)
 
     async def _supervised(self, reads: _RoundReads) -> None:
-        backlog, refresh, alive, claim = reads.parts()
-        self.scheduler.count(backlog)
-        if claim:  # first: the entries are ours now, whatever fails below
+        replies = reads.replies
+        self.scheduler.count(reads.backlog.of(replies))
+        if claim := reads.claim.of(replies):  # first: the entries are ours now, whatever fails below
             for run in self._decode(self.ownership.claimed(claim[0])):
                 if run.job.id in self.runs:  # ours, grown idle while Redis was away: the claim only refreshed it
                     continue
                 metrics.RECLAIMS.labels(self.model).inc()
                 log.info("claimed job %s from a worker that stopped beating", run.job.id)
                 self._start(run, self._take_over(run, reclaimed=True))
-        gone = {stream for stream, reply in zip(reads.streams, alive, strict=True) if reply == 0}
+        gone = {stream for stream, reply in zip(reads.streams, reads.alive.of(replies), strict=True) if reply == 0}
         keep_until = bus.now_ms() + int(self.settings.resume_window_s * 1000)
         for run in self.runs.values():
             if run.job.reply_to in gone and not run.keep_until_ms:
                 run.keep_until_ms = keep_until
-        if refresh:
+        if refresh := reads.refresh.of(replies):
             lost = await self.ownership.lost(refresh[0], [run.entry_id for run in reads.runs])
             for run in reads.runs:
                 if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
