@@ -17,13 +17,13 @@ from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from services.worker.jobtable import JobTable, Run
 from services.worker.ownership import Ownership
 from services.worker.parsing.formats import tool_format
-from services.worker.parsing.output import JobOutput, for_job
+from services.worker.parsing.output import for_job
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from services.worker.slots import Slots
 from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
 from shared.errors import (
     EngineError,
@@ -54,8 +54,6 @@ CHECK_FIRST_AFTER_MS = 1000
 """A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
 starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
 sent while it waits also reaches the worker on the cancel channel."""
-PRIORITY_BAND_SPAN = 1_000_000
-"""Engine priorities of one band lie within this span (a tenant's slots over its weight), below a lower band's."""
 CHECK_WAIT_S = 5.0
 """How long an older job waits for that check (it rides the publisher's next write, which waits out a Redis
 outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
@@ -81,52 +79,6 @@ class Engine(Protocol):
 def error_event(job_id: str, error: TokenbusError) -> bus.Error:
     return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
                      code=error.code)
-
-
-@dataclass(eq=False)
-class Run:
-    """One job on this worker: its place in the job's sequence, where its events go, how it may end."""
-
-    job: bus.Job
-    entry_id: bytes
-    ticket: fairshare.Ticket | None = None
-    """What the fair-share scheduler charged for the job (None: it came without the scheduler)."""
-    epoch: int = 1
-    next_seq: int = 0
-    keep_until_ms: int = 0
-    """While its client (or edge) is gone: when to stop waiting for a resume and abort; 0 while attached."""
-    muted: bool = False
-    """Handed over or lost to another worker: nothing more of it may be published."""
-    released: bool = False
-    """Its queue entry was acknowledged or moved already (hand-over, dead letter) or belongs to another worker."""
-    abandoned: bool = False
-    """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
-    began: float = 0.0
-    """When it reached the engine here (monotonic seconds; 0: it never did)."""
-    generated: int = 0
-    """Completion tokens this owner published."""
-    usage: tuple[int, int] | None = None
-    """(prompt, completion) tokens as its Final event reported them."""
-    output: JobOutput | None = None
-    """The parsers its text goes through (tool calls), if any."""
-
-    def used(self) -> tuple[int, int]:
-        """(prompt, completion) tokens the job used: as its Final event reported them, or, for a job that ended
-        early, its prompt estimate (once it started) and the tokens published."""
-        if self.usage is not None:
-            return self.usage
-        carried = self.job.continuation.carried() if self.job.continuation else 0
-        started = self.next_seq > 0
-        return (self.job.prompt_estimate if started else 0), self.generated + carried
-
-    def settlement(self) -> fairshare.Settlement | None:
-        """What the job really cost, to correct its tenant's counter with (None: it has no charge to settle)."""
-        if self.ticket is None:
-            return None
-        if not self.began:
-            return self.ticket.settle(0, 0, 0.0)  # never reached the engine here: it used nothing
-        prompt, completion = self.used()
-        return self.ticket.settle(prompt, completion, (time.monotonic() - self.began) * 1000)
 
 
 @dataclass(frozen=True)
@@ -193,12 +145,7 @@ class Worker:
         self.generated_tokens = metrics.GENERATED_TOKENS.labels(self.model)
         """Counted per engine output: the labelled child is looked up once, not per token."""
         self.stream = keys.requests_stream(settings.model)
-        self.runs: dict[str, Run] = {}
-        self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
-        self.aborted: set[str] = set()
-        self.slots = Slots(engine_seqs(settings))
-        """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
-        self.slot_freed = asyncio.Event()
+        self.jobs = JobTable(engine_seqs(settings))
         self.stopping = False
         self.crashed = asyncio.Event()
         """Set when a loop the worker cannot live without died: the process should exit and be restarted."""
@@ -266,10 +213,10 @@ class Worker:
         self.puller = None
         with contextlib.suppress(RedisError, OSError):
             await self.scheduler.withdraw()
-        if self.tasks_by_job:
+        if self.jobs.tasks:
             grace = self.settings.worker_grace_s
-            log.info("waiting up to %.0f s for %d running jobs", grace, len(self.tasks_by_job))
-            _done, late = await asyncio.wait(list(self.tasks_by_job.values()), timeout=grace)
+            log.info("waiting up to %.0f s for %d running jobs", grace, len(self.jobs.tasks))
+            _done, late = await asyncio.wait(list(self.jobs.tasks.values()), timeout=grace)
             if late:
                 await self._hand_over_running()
         await self.publisher.drain(timeout_s=5.0)
@@ -294,11 +241,11 @@ class Worker:
 
     async def _hand_over_running(self) -> None:
         """Stops the jobs still running and puts them back on the queue to continue on another worker."""
-        runs = list(self.runs.values())
+        runs = self.jobs.all()
         for run in runs:
             run.muted = run.released = True
             await self.engine.abort(run.job.id)
-        tasks = [self.tasks_by_job[r.job.id] for r in runs if r.job.id in self.tasks_by_job]
+        tasks = [self.jobs.tasks[r.job.id] for r in runs if r.job.id in self.jobs.tasks]
         _done, stuck = await asyncio.wait(tasks, timeout=HANDOVER_WAIT_S) if tasks else (set(), set())
         for task in stuck:
             task.cancel()
@@ -318,20 +265,15 @@ class Worker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def _free_slots(self) -> int:
-        """Slots new jobs may fill (a read takes at most one job per slot): none while a wide job waits for its own."""
-        return self.slots.open()
-
     async def _pull(self) -> None:
         """Reads jobs into free slots. The scheduler's dispatch fills the request stream at the first read (this
         worker's slots join the offer); after that an edge's enqueue, the settle written with each finished job's
         ack and the heartbeat's offer renewal dispatch, so an idle read costs no script call."""
         await self.scheduler.dispatch()
         while True:
-            free = self._free_slots()
+            free = self.jobs.free_slots()
             if free <= 0:
-                self.slot_freed.clear()
-                await self.slot_freed.wait()
+                await self.jobs.until_a_job_ends()
                 continue
             try:
                 pipe = self.pulls.pipeline()
@@ -380,8 +322,7 @@ class Worker:
         self._check([run.job.id for run in fresh], checks)
 
     def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
-        self.runs[run.job.id] = run
-        self.tasks_by_job[run.job.id] = asyncio.create_task(self._finishing(run, work), name=f"job-{run.job.id}")
+        self.jobs.add(run, asyncio.create_task(self._finishing(run, work), name=f"job-{run.job.id}"))
 
     def _in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(work)
@@ -416,13 +357,10 @@ class Worker:
         if run.job.replayable:
             self.publisher.size_log(run.job.id)
         try:
-            async with self.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
+            async with self.jobs.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
                 await work
         finally:
-            self.runs.pop(run.job.id, None)
-            self.tasks_by_job.pop(run.job.id, None)
-            self.aborted.discard(run.job.id)
-            self.slot_freed.set()
+            self.jobs.remove(run)
             if not run.released:  # the run that ends the job settles its fair-share charge with the ack
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
             if not run.muted:  # this owner ended the job: settle what it cost its key
@@ -433,7 +371,7 @@ class Worker:
     async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
         waited_ms = bus.now_ms() - job.created_ms
-        cancelled = job.id in self.aborted
+        cancelled = job.id in self.jobs.aborted
         if not cancelled and waited_ms > CHECK_FIRST_AFTER_MS:
             await asyncio.wait([checks], timeout=CHECK_WAIT_S)
             cancelled = (answer := _answer(checks, index)) is not None and answer.cancelled
@@ -549,7 +487,7 @@ class Worker:
         finally:
             if run.muted:
                 outcome = "handed_over"
-            elif run.job.id in self.aborted:  # its log still ends, for a client that tries to resume it
+            elif run.job.id in self.jobs.aborted:  # its log still ends, for a client that tries to resume it
                 why = "Nobody resumed the stream in time" if run.abandoned else "The stream was cancelled"
                 self._end_with(run, StreamAbandoned(f"{why}; it was stopped."))
             metrics.JOBS.labels(self.model, outcome).inc()
@@ -585,8 +523,8 @@ class Worker:
         run.began = time.monotonic()
         try:
             async with asyncio.timeout(remaining_s):
-                async for event in self.engine.run(job, self._standing(job)):
-                    if job.id in self.aborted or run.muted:
+                async for event in self.engine.run(job, self.jobs.standing(job)):
+                    if job.id in self.jobs.aborted or run.muted:
                         # the cancel may have come before the engine knew the request: abort again
                         await self.engine.abort(job.id)
                         break
@@ -601,38 +539,17 @@ class Worker:
             raise RequestTimeout("The request did not finish before its deadline.") from None
         finally:
             running.dec()
-        return "aborted" if job.id in self.aborted else "finished"
-
-    def _standing(self, job: bus.Job) -> int:
-        """The job's engine priority, its tenant's fair-share standing here: the slots the tenant's running jobs of
-        its band hold, over its weight (a tenant using little goes first); a higher band goes before any of a
-        lower one."""
-        held = sum(run.job.sequences() for run in self.runs.values()
-                   if run.began and run.job is not job and (run.job.tenant, run.job.priority) == (job.tenant,
-                                                                                                  job.priority))
-        return int(held / max(job.weight, 1e-3)) - job.priority * PRIORITY_BAND_SPAN
+        return "aborted" if job.id in self.jobs.aborted else "finished"
 
     async def abort(self, job_id: str, abandoned: bool = False) -> None:
         """Aborts a running job in the engine; its generator then ends by itself."""
-        run = self.runs.get(job_id)
-        if run is None or job_id in self.aborted:
+        if (run := self.jobs.abort(job_id)) is None:
             return
         run.abandoned = abandoned
-        self.aborted.add(job_id)
         await self.engine.abort(job_id)
         metrics.ENGINE_ABORTS.labels(self.model).inc()
         with logs.about(run.job.request_id or job_id):
             log.info("aborted job %s in the engine: its client went away", job_id)
-
-    def _reroute(self, route: bus.Route) -> None:
-        """An edge resumed the job (send its events there now), or its client left (keep it a while)."""
-        run = self.runs.get(route.job)
-        if run is None:
-            return
-        if route.reply_to:
-            run.job.reply_to, run.keep_until_ms = route.reply_to, 0
-        elif not run.keep_until_ms:
-            run.keep_until_ms = route.keep_until_ms
 
     async def _listen(self) -> None:
         while True:
@@ -640,11 +557,11 @@ class Worker:
             try:
                 pubsub = await redis_clients.subscriber(self.channels)
                 await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.ROUTE_CHANNEL)
-                if self.runs:
+                if self.jobs:
                     await self._catch_up_on_messages()
                 async for message in pubsub.listen():
                     if message["channel"] == keys.ROUTE_CHANNEL.encode():
-                        self._reroute(bus.decode_route(message["data"]))
+                        self.jobs.route(bus.decode_route(message["data"]))
                     else:
                         await self.abort(message["data"].decode())
             except (RedisError, OSError) as exc:
@@ -658,13 +575,13 @@ class Worker:
     async def _catch_up_on_messages(self) -> None:
         """What the cancels and routes published while the subscription was down would have said to the running
         jobs (they reached nobody): read from the marks their senders leave, once subscribed again."""
-        runs = list(self.runs.values())
+        runs = self.jobs.all()
         pipe = self.redis.pipeline(transaction=False)
         for command in _Check.commands([run.job.id for run in runs]):
             pipe.execute_command(*command)
         for run, check in zip(runs, _Check.read(await pipe.execute()), strict=True):
             if check.reply_to and check.reply_to != run.job.reply_to:
-                self._reroute(bus.Route(job=run.job.id, reply_to=check.reply_to))
+                self.jobs.route(bus.Route(job=run.job.id, reply_to=check.reply_to))
             if check.cancelled:
                 await self.abort(run.job.id)
 
@@ -678,7 +595,7 @@ class Worker:
             info = bus.encode_info(bus.WorkerInfo(
                 worker=self.id, model=self.model, task=self.settings.task,
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
-                slots=self.settings.max_num_seqs, running=self.slots.used,
+                slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
             ))
             pipe = self.beats.pipeline()
             with rawpipe.Span(pipe) as beat:
@@ -708,9 +625,9 @@ class Worker:
     def _read_round(self, pipe: rawpipe.PipelineLike) -> _RoundReads:
         """Adds a supervision round's reads to the heartbeat's write: the queue's gauges, a refresh of our claims,
         whether the edges of attached jobs still beat, and a claim of dead workers' jobs into free slots."""
-        runs = [run for run in self.runs.values() if not run.released]
-        streams = sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms})
-        claims = 0 if self._holding_claims() else max(0, self._free_slots())
+        runs = self.jobs.claimed()
+        streams = self.jobs.attached_streams()
+        claims = 0 if self._holding_claims() else max(0, self.jobs.free_slots())
         with rawpipe.Span(pipe) as backlog:
             self.scheduler.read_backlog(pipe)
         with rawpipe.Span(pipe) as refresh:
@@ -746,16 +663,13 @@ class Worker:
         self.scheduler.count(reads.backlog.of(replies))
         if claim := reads.claim.of(replies):  # first: the entries are ours now, whatever fails below
             for run in self._decode(self.ownership.claimed(claim[0])):
-                if run.job.id in self.runs:  # ours, grown idle while Redis was away: the claim only refreshed it
+                if run.job.id in self.jobs:  # ours, grown idle while Redis was away: the claim only refreshed it
                     continue
                 metrics.RECLAIMS.labels(self.model).inc()
                 log.info("claimed job %s from a worker that stopped beating", run.job.id)
                 self._start(run, self._take_over(run, reclaimed=True))
         gone = {stream for stream, reply in zip(reads.streams, reads.alive.of(replies), strict=True) if reply == 0}
-        keep_until = bus.now_ms() + int(self.settings.resume_window_s * 1000)
-        for run in self.runs.values():
-            if run.job.reply_to in gone and not run.keep_until_ms:
-                run.keep_until_ms = keep_until
+        self.jobs.detach(gone, bus.now_ms() + int(self.settings.resume_window_s * 1000))
         if refresh := reads.refresh.of(replies):
             lost = await self.ownership.lost(refresh[0], [run.entry_id for run in reads.runs])
             for run in reads.runs:
@@ -767,7 +681,7 @@ class Worker:
 
     async def _expire_detached(self) -> None:
         now = bus.now_ms()
-        for run in list(self.runs.values()):
+        for run in self.jobs.all():
             if run.keep_until_ms and now >= run.keep_until_ms:
                 await self.abort(run.job.id, abandoned=True)
 
