@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from services.worker.jobtable import PRIORITY_BAND_SPAN, JobTable, Run
+from services.worker.jobtable import PRIORITY_BAND_SPAN, Holding, JobTable, Run
 from shared import bus
 
 
@@ -20,12 +20,24 @@ async def _held(table: JobTable, run: Run) -> None:
     table.add(run, asyncio.create_task(asyncio.sleep(0)))
 
 
+def test_a_job_given_up_still_publishes_and_one_let_go_does_nothing_more_here() -> None:
+    owned, given_up, gone, both = _run(), _run(), _run(), _run()
+    given_up.give_up()
+    gone.let_go()
+    both.give_up()
+    both.let_go()
+    gone.give_up()  # a job another worker has stays that worker's
+    assert [(r.holding, r.publishes, r.acknowledges) for r in (owned, given_up, gone, both)] == [
+        (Holding.OWNED, True, True), (Holding.GIVEN_UP, True, False), (Holding.GONE, False, False),
+        (Holding.GONE, False, False)]
+
+
 async def test_a_job_is_aborted_once_and_forgotten_when_it_ends() -> None:
     table, run = JobTable(4), _run()
     await _held(table, run)
     assert run.job.id in table and len(table) == 1
-    assert table.abort(run.job.id) is run and table.abort(run.job.id) is None  # the second abort is a no-op
-    assert table.abort("not-here") is None
+    assert table.abort(run.job.id, abandoned=True) is run and table.abort(run.job.id) is None  # once only
+    assert table.aborted == {run.job.id: True} and table.abort("not-here") is None
     table.remove(run)
     assert run.job.id not in table and run.job.id not in table.aborted and table.slot_freed.is_set()
 
@@ -48,7 +60,7 @@ async def test_a_tenants_standing_counts_its_running_jobs_of_its_band_only() -> 
     for run in runs:
         run.began = 1.0
         await _held(table, run)
-    runs[1].released = True
+    runs[1].give_up()
     assert table.standing(_run("a").job) == 2
     assert table.standing(_run("a", priority=1).job) == 1 - PRIORITY_BAND_SPAN
     assert table.standing(_run("c").job) == 0

@@ -4,6 +4,7 @@ and the engine slots they fill."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,18 @@ from shared import bus, fairshare
 
 PRIORITY_BAND_SPAN = 1_000_000
 """Engine priorities of one band lie within this span (a tenant's slots over its weight), below a lower band's."""
+
+
+class Holding(enum.Enum):
+    """Whose a job on this worker is. It only ever moves down: OWNED, then GIVEN_UP or GONE, then GONE."""
+
+    OWNED = "owned"
+    """This worker's: it publishes the job's events, acknowledges its entry after them and settles what it cost."""
+    GIVEN_UP = "given_up"
+    """Moved to the dead-letter stream (no acknowledgement is due): its last events are still published and its
+    cost settled."""
+    GONE = "gone"
+    """Handed over, or taken by another worker: nothing more of it is published, acknowledged or settled here."""
 
 
 @dataclass(eq=False)
@@ -27,12 +40,7 @@ class Run:
     next_seq: int = 0
     keep_until_ms: int = 0
     """While its client (or edge) is gone: when to stop waiting for a resume and abort; 0 while attached."""
-    muted: bool = False
-    """Handed over or lost to another worker: nothing more of it may be published."""
-    released: bool = False
-    """Its queue entry was acknowledged or moved already (hand-over, dead letter) or belongs to another worker."""
-    abandoned: bool = False
-    """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
+    holding: Holding = Holding.OWNED
     began: float = 0.0
     """When it reached the engine here (monotonic seconds; 0: it never did)."""
     generated: int = 0
@@ -41,6 +49,25 @@ class Run:
     """(prompt, completion) tokens as its Final event reported them."""
     output: JobOutput | None = None
     """The parsers its text goes through (tool calls), if any."""
+
+    @property
+    def publishes(self) -> bool:
+        """Whether the job's events, and what it cost, are still this worker's to write."""
+        return self.holding is not Holding.GONE
+
+    @property
+    def acknowledges(self) -> bool:
+        """Whether its queue entry is still this worker's to acknowledge (not moved, nor another worker's)."""
+        return self.holding is Holding.OWNED
+
+    def give_up(self) -> None:
+        """Its entry went to the dead-letter stream."""
+        if self.holding is Holding.OWNED:
+            self.holding = Holding.GIVEN_UP
+
+    def let_go(self) -> None:
+        """Another worker has it now (handed over, or taken while this one stalled)."""
+        self.holding = Holding.GONE
 
     def used(self) -> tuple[int, int]:
         """(prompt, completion) tokens the job used: as its Final event reported them, or, for a job that ended
@@ -67,8 +94,9 @@ class JobTable:
     def __init__(self, sequences: int) -> None:
         self.runs: dict[str, Run] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.aborted: set[str] = set()
-        """Jobs aborted in the engine (cancelled, or abandoned by their clients) that have not ended yet."""
+        self.aborted: dict[str, bool] = {}
+        """Jobs aborted in the engine that have not ended yet: whether because nobody came back for them (their log
+        ends with a StreamAbandoned error), else because they were cancelled."""
         self.slots = Slots(sequences)
         """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
         self.slot_freed = asyncio.Event()
@@ -93,15 +121,15 @@ class JobTable:
         """Forgets an ended job; whoever waits for a free slot looks again."""
         self.runs.pop(run.job.id, None)
         self.tasks.pop(run.job.id, None)
-        self.aborted.discard(run.job.id)
+        self.aborted.pop(run.job.id, None)
         self.slot_freed.set()
 
-    def abort(self, job_id: str) -> Run | None:
+    def abort(self, job_id: str, abandoned: bool = False) -> Run | None:
         """Marks a running job aborted; its run, or None when it is not here or was aborted already."""
         run = self.runs.get(job_id)
         if run is None or job_id in self.aborted:
             return None
-        self.aborted.add(job_id)
+        self.aborted[job_id] = abandoned
         return run
 
     def free_slots(self) -> int:
@@ -125,7 +153,7 @@ class JobTable:
 
     def claimed(self) -> list[Run]:
         """The runs whose queue entries are still this worker's."""
-        return [run for run in self.runs.values() if not run.released]
+        return [run for run in self.runs.values() if run.acknowledges]
 
     def attached_streams(self) -> list[str]:
         """The edges' streams of the runs whose clients are attached."""

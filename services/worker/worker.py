@@ -243,7 +243,7 @@ class Worker:
         """Stops the jobs still running and puts them back on the queue to continue on another worker."""
         runs = self.jobs.all()
         for run in runs:
-            run.muted = run.released = True
+            run.let_go()
             await self.engine.abort(run.job.id)
         tasks = [self.jobs.tasks[r.job.id] for r in runs if r.job.id in self.jobs.tasks]
         _done, stuck = await asyncio.wait(tasks, timeout=HANDOVER_WAIT_S) if tasks else (set(), set())
@@ -361,9 +361,9 @@ class Worker:
                 await work
         finally:
             self.jobs.remove(run)
-            if not run.released:  # the run that ends the job settles its fair-share charge with the ack
+            if run.acknowledges:  # the run that ends the job settles its fair-share charge with the ack
                 self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
-            if not run.muted:  # this owner ended the job: settle what it cost its key
+            if run.publishes:  # this owner ended the job: settle what it cost its key
                 self._settle(run)
             if run.job.replayable:
                 self.publisher.then([], lambda _replies: self._charge_log(run.job))
@@ -467,7 +467,7 @@ class Worker:
 
     async def _dead_letter(self, run: Run, reason: str) -> None:
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
-        run.released = True
+        run.give_up()
         self._end_with(run, WorkerLost(f"The job was given up: {reason}."))
         metrics.DEAD_LETTERS.labels(self.model).inc()
         metrics.JOBS.labels(self.model, "dead_letter").inc()
@@ -485,16 +485,17 @@ class Worker:
             log.exception("job %s failed in the engine", run.job.id)
             self._end_with(run, EngineError("The engine failed."))
         finally:
-            if run.muted:
+            if not run.publishes:
                 outcome = "handed_over"
             elif run.job.id in self.jobs.aborted:  # its log still ends, for a client that tries to resume it
-                why = "Nobody resumed the stream in time" if run.abandoned else "The stream was cancelled"
+                abandoned = self.jobs.aborted[run.job.id]
+                why = "Nobody resumed the stream in time" if abandoned else "The stream was cancelled"
                 self._end_with(run, StreamAbandoned(f"{why}; it was stopped."))
             metrics.JOBS.labels(self.model, outcome).inc()
 
     def emit(self, run: Run, event: bus.Event, log_ttl_ms: int = 0) -> None:
         """Publishes one event of the job at its next position, unless the job is no longer this worker's."""
-        if run.muted:
+        if not run.publishes:
             return
         event.seq, event.epoch = run.next_seq, run.epoch
         run.next_seq += 1
@@ -524,7 +525,7 @@ class Worker:
         try:
             async with asyncio.timeout(remaining_s):
                 async for event in self.engine.run(job, self.jobs.standing(job)):
-                    if job.id in self.jobs.aborted or run.muted:
+                    if job.id in self.jobs.aborted or not run.publishes:
                         # the cancel may have come before the engine knew the request: abort again
                         await self.engine.abort(job.id)
                         break
@@ -543,9 +544,8 @@ class Worker:
 
     async def abort(self, job_id: str, abandoned: bool = False) -> None:
         """Aborts a running job in the engine; its generator then ends by itself."""
-        if (run := self.jobs.abort(job_id)) is None:
+        if (run := self.jobs.abort(job_id, abandoned)) is None:
             return
-        run.abandoned = abandoned
         await self.engine.abort(job_id)
         metrics.ENGINE_ABORTS.labels(self.model).inc()
         with logs.about(run.job.request_id or job_id):
@@ -675,7 +675,7 @@ class Worker:
             for run in reads.runs:
                 if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
                     log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
-                    run.muted = run.released = True
+                    run.let_go()
                     await self.engine.abort(run.job.id)
         await self._expire_detached()
 
