@@ -11,35 +11,23 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
+from services.worker.jobrun import Engine, JobRunner
 from services.worker.jobtable import JobTable, Run
 from services.worker.ownership import Ownership
-from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import for_job
-from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
 from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
-from shared.errors import (
-    EngineError,
-    QueueTimeout,
-    RequestTimeout,
-    StreamAbandoned,
-    TokenbusError,
-    WorkerLost,
-    kind_of,
-)
-from shared.limits import Settlements
+from shared.errors import QueueTimeout, WorkerLost
 from shared.settings import Settings, engine_seqs
-from shared.storage import LogCharges
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 PULL_BLOCK_MS = 5000
 """A job's arrival ends the read at once; the block only sets how often an idle worker asks again (within the
@@ -57,28 +45,6 @@ sent while it waits also reaches the worker on the cancel channel."""
 CHECK_WAIT_S = 5.0
 """How long an older job waits for that check (it rides the publisher's next write, which waits out a Redis
 outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
-
-
-class Engine(Protocol):
-    """What the worker needs of an engine (vLLM, or a simulator for benchmarks and fault tests)."""
-
-    max_model_len: int
-    dimensions: int
-
-    def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
-        """The job's outputs; among requests waiting in the engine, a lower `priority` goes first."""
-        ...
-
-    async def abort(self, job_id: str) -> None: ...
-
-    def decode(self, job: bus.Job, token_ids: list[int]) -> str:
-        """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
-        ...
-
-
-def error_event(job_id: str, error: TokenbusError) -> bus.Error:
-    return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
-                     code=error.code)
 
 
 @dataclass(frozen=True)
@@ -139,11 +105,7 @@ class Worker:
         self.engine = engine
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.model = settings.model
-        self.tool_format = tool_format(settings.tool_parser)
-        self.reasoning = reasoning_format(settings.reasoning_parser)
         metrics.worker_series(self.model)
-        self.generated_tokens = metrics.GENERATED_TOKENS.labels(self.model)
-        """Counted per engine output: the labelled child is looked up once, not per token."""
         self.stream = keys.requests_stream(settings.model)
         self.jobs = JobTable(engine_seqs(settings))
         self.stopping = False
@@ -174,12 +136,8 @@ class Worker:
         """The pull's blocking read, raw on a connection it holds for good: it is on every job's way to the
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
-        self.settlements = Settlements(self.redis)
-        self.log_charges = LogCharges(self.redis)
-        self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
+        self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis)
         self.tasks: list[asyncio.Task[None]] = []
-        self.background: set[asyncio.Task[Any]] = set()
-        """Cancel checks and the aborts they lead to, kept referenced until they end."""
         self.puller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -322,13 +280,7 @@ class Worker:
         self._check([run.job.id for run in fresh], checks)
 
     def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
-        self.jobs.add(run, asyncio.create_task(self._finishing(run, work), name=f"job-{run.job.id}"))
-
-    def _in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(work)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
+        self.jobs.add(run, asyncio.create_task(self.runner.own(run, work), name=f"job-{run.job.id}"))
 
     def _check(self, job_ids: list[str], checks: asyncio.Future[list[_Check]]) -> None:
         """Asks whether each job was cancelled, or resumed on another edge, while it waited: in the publisher's
@@ -349,24 +301,7 @@ class Worker:
         if check.reply_to:
             run.job.reply_to = check.reply_to
         if check.cancelled:
-            self._in_background(self.abort(run.job.id))
-
-    async def _finishing(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
-        """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
-        logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
-        if run.job.replayable:
-            self.publisher.size_log(run.job.id)
-        try:
-            async with self.jobs.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
-                await work
-        finally:
-            self.jobs.remove(run)
-            if run.acknowledges:  # the run that ends the job settles its fair-share charge with the ack
-                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
-            if run.publishes:  # this owner ended the job: settle what it cost its key
-                self._settle(run)
-            if run.job.replayable:
-                self.publisher.then([], lambda _replies: self._charge_log(run.job))
+            self.runner.in_background(self.abort(run.job.id))
 
     async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
@@ -378,17 +313,18 @@ class Worker:
         if cancelled:
             metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
             return
-        metrics.QUEUE_WAIT.labels(self.model, self.tenants.label(run.job.tenant)).observe(max(0, waited_ms) / 1000)
+        tenant = self.runner.tenants.label(run.job.tenant)
+        metrics.QUEUE_WAIT.labels(self.model, tenant).observe(max(0, waited_ms) / 1000)
         if job.created_ms and waited_ms > self.settings.queue_timeout_s * 1000:
             await asyncio.wait([checks], timeout=CHECK_WAIT_S)  # it may have been resumed on another edge meanwhile
             self._apply_check(run, index, checks)
-            self._end_with(run, QueueTimeout(f"The request waited {waited_ms / 1000:.0f} s for a worker, longer than "
-                                             f"the queue timeout ({self.settings.queue_timeout_s:g} s); it was not "
-                                             "started."))
+            self.runner.end_with(run, QueueTimeout(
+                f"The request waited {waited_ms / 1000:.0f} s for a worker, longer than the queue timeout "
+                f"({self.settings.queue_timeout_s:g} s); it was not started."))
             metrics.JOBS.labels(self.model, "queue_timeout").inc()
             return
         checks.add_done_callback(lambda done: self._apply_check(run, index, done))
-        await self._run(run, resumed=False)
+        await self.runner.serve(run, resumed=False)
 
     async def _take_over(self, run: Run, reclaimed: bool) -> None:
         """Runs a job another worker began: after what its log holds, under a new epoch."""
@@ -403,7 +339,7 @@ class Worker:
             await self._dead_letter(run, f"{taken.reclaims} workers died running it")
             return
         if taken.conflict:
-            self._end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
+            self.runner.end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
             metrics.JOBS.labels(self.model, "lost").inc()
             return
         if not self._can_continue(run, taken.continuation):
@@ -412,7 +348,7 @@ class Worker:
         job.continuation = taken.continuation
         metrics.MIGRATIONS.labels(self.model, "reclaimed" if reclaimed else "handed_over").inc()
         log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)
-        await self._run(run, resumed=True)
+        await self.runner.serve(run, resumed=True)
 
     def _can_continue(self, run: Run, continuation: bus.Continuation | None) -> bool:
         """Whether the job can go on after what a former owner generated; if not, it ends with worker_lost."""
@@ -421,126 +357,23 @@ class Worker:
         job = run.job
         if job.params.constraint is not None:
             # the engine would start the grammar over in the middle of the answer: never unconstrained output
-            self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
-                                           "on another worker; send the request again."))
+            self.runner.end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot "
+                                                 "continue on another worker; send the request again."))
             return False
-        run.output = for_job(job, self.tool_format, self.reasoning)
+        run.output = for_job(job, self.runner.tool_format, self.runner.reasoning)
         if run.output is not None and not run.output.resume(continuation, lambda ids: self.engine.decode(job, ids)):
-            self._end_with(run, WorkerLost("The job's worker was lost, and its tool calls cannot be continued "
-                                           "faithfully on another worker; send the request again."))
+            self.runner.end_with(run, WorkerLost("The job's worker was lost, and its tool calls cannot be "
+                                                 "continued faithfully on another worker; send the request again."))
             return False
         return True
-
-    def _settle(self, run: Run) -> None:
-        """Settles the job's reservation with what it used (a job that ended early counts its estimate), in the
-        write that carries its last events."""
-        job = run.job
-        prompt, completion = run.used()
-        command = self.settlements.command(job, prompt, completion)
-        if command is not None:
-            self.publisher.then([command], lambda replies: self._settled(job, prompt, completion, replies[0]))
-
-    def _charge_log(self, job: bus.Job) -> None:
-        """Charges what this worker wrote to the job's log (written by now: this runs after the job's last write)
-        to its tenant's storage, for as long as the log is kept after its end."""
-        size = self.publisher.logged_bytes(job.id)
-        if size:
-            self._in_background(self.log_charges.charge(job, size, int(self.settings.replay_ttl_s * 1000)))
-
-    def _settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
-        """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)
-        when Redis had lost it."""
-        if isinstance(reply, NoScriptError) and not alone:
-            self._in_background(self._settle_alone(job, prompt, completion))
-        elif isinstance(reply, Exception):
-            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(reply).__name__)
-        elif reply:
-            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
-            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
-
-    async def _settle_alone(self, job: bus.Job, prompt: int, completion: int) -> None:
-        try:
-            reply: Any = await self.settlements.settle(job, prompt, completion)
-        except (RedisError, OSError) as exc:
-            reply = exc
-        self._settled(job, prompt, completion, reply, alone=True)
 
     async def _dead_letter(self, run: Run, reason: str) -> None:
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
         run.give_up()
-        self._end_with(run, WorkerLost(f"The job was given up: {reason}."))
+        self.runner.end_with(run, WorkerLost(f"The job was given up: {reason}."))
         metrics.DEAD_LETTERS.labels(self.model).inc()
         metrics.JOBS.labels(self.model, "dead_letter").inc()
         log.warning("job %s went to the dead-letter stream: %s", run.job.id, reason)
-
-    async def _run(self, run: Run, resumed: bool) -> None:
-        outcome = "finished"
-        try:
-            outcome = await self._generate(run, resumed)
-        except TokenbusError as exc:
-            outcome = "rejected"
-            self._end_with(run, exc)
-        except Exception:
-            outcome = "failed"
-            log.exception("job %s failed in the engine", run.job.id)
-            self._end_with(run, EngineError("The engine failed."))
-        finally:
-            if not run.publishes:
-                outcome = "handed_over"
-            elif run.job.id in self.jobs.aborted:  # its log still ends, for a client that tries to resume it
-                abandoned = self.jobs.aborted[run.job.id]
-                why = "Nobody resumed the stream in time" if abandoned else "The stream was cancelled"
-                self._end_with(run, StreamAbandoned(f"{why}; it was stopped."))
-            metrics.JOBS.labels(self.model, outcome).inc()
-
-    def emit(self, run: Run, event: bus.Event, log_ttl_ms: int = 0) -> None:
-        """Publishes one event of the job at its next position, unless the job is no longer this worker's."""
-        if not run.publishes:
-            return
-        event.seq, event.epoch = run.next_seq, run.epoch
-        run.next_seq += 1
-        if isinstance(event, bus.Tokens):
-            run.generated += len(event.token_ids)
-        elif isinstance(event, bus.Final):
-            run.usage = (event.prompt_tokens, event.completion_tokens)
-        self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
-
-    def _end_with(self, run: Run, error: TokenbusError) -> None:
-        self.emit(run, error_event(run.job.id, error), int(self.settings.replay_ttl_s * 1000))
-
-    async def _generate(self, run: Run, resumed: bool) -> str:
-        job = run.job
-        remaining_s = (job.deadline_ms - bus.now_ms()) / 1000
-        if remaining_s <= 0:
-            raise RequestTimeout("The request expired while it waited in the queue.")
-        replay_ms = int(self.settings.replay_ttl_s * 1000)
-        self.emit(run, bus.Started(job=job.id, worker=self.id, resumed=resumed),
-                  int(remaining_s * 1000) + replay_ms)
-        carried = job.continuation.carried() if job.continuation else 0
-        if run.output is None:
-            run.output = for_job(job, self.tool_format, self.reasoning)
-        running = metrics.RUNNING_JOBS.labels(self.model)
-        running.inc()
-        run.began = time.monotonic()
-        try:
-            async with asyncio.timeout(remaining_s):
-                async for event in self.engine.run(job, self.jobs.standing(job)):
-                    if job.id in self.jobs.aborted or not run.publishes:
-                        # the cancel may have come before the engine knew the request: abort again
-                        await self.engine.abort(job.id)
-                        break
-                    if isinstance(event, bus.Final):
-                        event.completion_tokens += carried
-                    if isinstance(event, bus.Tokens):
-                        self.generated_tokens.inc(len(event.token_ids))
-                    for out in [event] if run.output is None else run.output.rewrite(event):
-                        self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
-        except TimeoutError:
-            await self.engine.abort(job.id)
-            raise RequestTimeout("The request did not finish before its deadline.") from None
-        finally:
-            running.dec()
-        return "aborted" if job.id in self.jobs.aborted else "finished"
 
     async def abort(self, job_id: str, abandoned: bool = False) -> None:
         """Aborts a running job in the engine; its generator then ends by itself."""
