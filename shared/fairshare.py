@@ -118,10 +118,6 @@ class Admitted:
     """Jobs (of any tenant) the enqueue moved onto the request stream."""
 
 
-BACKLOG_READS = 3
-"""Commands `Scheduler.read_backlog` adds."""
-
-
 @dataclass(frozen=True)
 class Backlog:
     """A model's queue as the gauges show it."""

@@ -57,6 +57,26 @@ class PipelineLike(Protocol):
     async def execute(self, raise_on_error: bool = True) -> list[Any]: ...
 
 
+class Span:
+    """Where a group of commands lies in a pipeline, marked while they are added (`with Span(pipe) as part:`), so
+    that their replies are taken by name rather than counted out by position."""
+
+    def __init__(self, pipe: PipelineLike) -> None:
+        self.pipe = pipe
+        self.start = self.end = len(pipe)
+
+    def __enter__(self) -> Span:
+        self.start = self.end = len(self.pipe)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.end = len(self.pipe)
+
+    def of(self, replies: list[Any]) -> list[Any]:
+        """The replies of this group's commands among all the pipeline's."""
+        return replies[self.start:self.end]
+
+
 class RawPipeline:
     """Raw commands for one execute on a HeldConnection. A reply that is an error comes back as the exception,
     in its place; a failure of the connection raises (RedisError or OSError) and drops the connection."""

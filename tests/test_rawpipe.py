@@ -117,3 +117,23 @@ async def test_a_listener_takes_every_message_including_those_read_before_it_too
     assert got == [*early, b"late"]
     assert "lost" in str(ended)
 
+
+
+async def test_a_span_takes_the_replies_of_the_commands_added_within_it(redis_url: str) -> None:
+    """Groups of commands in one write, an empty one among them, each read back by its span."""
+    client = redis_clients.pooled(redis_url, "test-rawpipe", 2)
+    key = f"test-rawpipe-{uuid.uuid4().hex}"
+    try:
+        pipe = rawpipe.Pipelines(client).pipeline()
+        with rawpipe.Span(pipe) as first:
+            pipe.execute_command("SET", key, "1")
+            pipe.execute_command("INCR", key)
+        with rawpipe.Span(pipe) as empty:
+            pass
+        with rawpipe.Span(pipe) as last:
+            pipe.execute_command("GET", key)
+        replies = await pipe.execute()
+        await client.delete(key)
+    finally:
+        await client.aclose()
+    assert (first.of(replies), empty.of(replies), last.of(replies)) == ([b"OK", 2], [], [b"2"])

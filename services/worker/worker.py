@@ -11,35 +11,23 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
+from services.worker.jobrun import Engine, JobRunner
+from services.worker.jobtable import JobTable, Run
 from services.worker.ownership import Ownership
-from services.worker.parsing.formats import tool_format
-from services.worker.parsing.output import JobOutput, for_job
-from services.worker.parsing.reasoning import reasoning_format
+from services.worker.parsing.output import for_job
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from services.worker.slots import Slots
 from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
-from shared.errors import (
-    EngineError,
-    QueueTimeout,
-    RequestTimeout,
-    StreamAbandoned,
-    TokenbusError,
-    WorkerLost,
-    kind_of,
-)
-from shared.limits import Settlements
+from shared.errors import QueueTimeout, WorkerLost
 from shared.settings import Settings, engine_seqs
-from shared.storage import LogCharges
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 PULL_BLOCK_MS = 5000
 """A job's arrival ends the read at once; the block only sets how often an idle worker asks again (within the
@@ -54,79 +42,9 @@ CHECK_FIRST_AFTER_MS = 1000
 """A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
 starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
 sent while it waits also reaches the worker on the cancel channel."""
-PRIORITY_BAND_SPAN = 1_000_000
-"""Engine priorities of one band lie within this span (a tenant's slots over its weight), below a lower band's."""
 CHECK_WAIT_S = 5.0
 """How long an older job waits for that check (it rides the publisher's next write, which waits out a Redis
 outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
-
-
-class Engine(Protocol):
-    """What the worker needs of an engine (vLLM, or a simulator for benchmarks and fault tests)."""
-
-    max_model_len: int
-    dimensions: int
-
-    def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
-        """The job's outputs; among requests waiting in the engine, a lower `priority` goes first."""
-        ...
-
-    async def abort(self, job_id: str) -> None: ...
-
-    def decode(self, job: bus.Job, token_ids: list[int]) -> str:
-        """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
-        ...
-
-
-def error_event(job_id: str, error: TokenbusError) -> bus.Error:
-    return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
-                     code=error.code)
-
-
-@dataclass(eq=False)
-class Run:
-    """One job on this worker: its place in the job's sequence, where its events go, how it may end."""
-
-    job: bus.Job
-    entry_id: bytes
-    ticket: fairshare.Ticket | None = None
-    """What the fair-share scheduler charged for the job (None: it came without the scheduler)."""
-    epoch: int = 1
-    next_seq: int = 0
-    keep_until_ms: int = 0
-    """While its client (or edge) is gone: when to stop waiting for a resume and abort; 0 while attached."""
-    muted: bool = False
-    """Handed over or lost to another worker: nothing more of it may be published."""
-    released: bool = False
-    """Its queue entry was acknowledged or moved already (hand-over, dead letter) or belongs to another worker."""
-    abandoned: bool = False
-    """Aborted because nobody came back for it: its log ends with a StreamAbandoned error."""
-    began: float = 0.0
-    """When it reached the engine here (monotonic seconds; 0: it never did)."""
-    generated: int = 0
-    """Completion tokens this owner published."""
-    usage: tuple[int, int] | None = None
-    """(prompt, completion) tokens as its Final event reported them."""
-    output: JobOutput | None = None
-    """The parsers its text goes through (tool calls), if any."""
-
-    def used(self) -> tuple[int, int]:
-        """(prompt, completion) tokens the job used: as its Final event reported them, or, for a job that ended
-        early, its prompt estimate (once it started) and the tokens published."""
-        if self.usage is not None:
-            return self.usage
-        carried = self.job.continuation.carried() if self.job.continuation else 0
-        started = self.next_seq > 0
-        return (self.job.prompt_estimate if started else 0), self.generated + carried
-
-    def settlement(self) -> fairshare.Settlement | None:
-        """What the job really cost, to correct its tenant's counter with (None: it has no charge to settle)."""
-        if self.ticket is None:
-            return None
-        if not self.began:
-            return self.ticket.settle(0, 0, 0.0)  # never reached the engine here: it used nothing
-        prompt, completion = self.used()
-        return self.ticket.settle(prompt, completion, (time.monotonic() - self.began) * 1000)
 
 
 @dataclass(frozen=True)
@@ -158,7 +76,8 @@ def _answer(checks: asyncio.Future[list[_Check]], index: int) -> _Check | None:
 
 @dataclass
 class _RoundReads:
-    """The reads of one supervision round, which ride a heartbeat's write, and their replies once it is back."""
+    """The reads of one supervision round, which ride a heartbeat's write: each a named span of that write, whose
+    replies are taken by name once it is back."""
 
     runs: list[Run]
     """The runs whose claims are refreshed."""
@@ -166,14 +85,16 @@ class _RoundReads:
     """The edges' streams of attached runs, whose edges' liveness is read."""
     claims: int
     """Entries of dead workers to claim at most (free slots); 0 reads none."""
+    backlog: rawpipe.Span
+    """The reads of the model's queue, for its gauges."""
+    refresh: rawpipe.Span
+    """The refresh of the runs' claims (none without runs)."""
+    alive: rawpipe.Span
+    """One liveness read per stream of `streams`."""
+    claim: rawpipe.Span
+    """The claim of dead workers' entries (none when `claims` is 0)."""
     replies: list[Any] = field(default_factory=list)
-
-    def parts(self) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
-        """The replies of the backlog's reads, the refresh, the edges' liveness and the claim, in that order."""
-        at = fairshare.BACKLOG_READS
-        refresh, at = self.replies[at:at + bool(self.runs)], at + bool(self.runs)
-        alive, at = self.replies[at:at + len(self.streams)], at + len(self.streams)
-        return self.replies[:fairshare.BACKLOG_READS], refresh, alive, self.replies[at:at + bool(self.claims)]
+    """The whole write's replies, the heartbeat's own included."""
 
 
 class Worker:
@@ -184,18 +105,9 @@ class Worker:
         self.engine = engine
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.model = settings.model
-        self.tool_format = tool_format(settings.tool_parser)
-        self.reasoning = reasoning_format(settings.reasoning_parser)
         metrics.worker_series(self.model)
-        self.generated_tokens = metrics.GENERATED_TOKENS.labels(self.model)
-        """Counted per engine output: the labelled child is looked up once, not per token."""
         self.stream = keys.requests_stream(settings.model)
-        self.runs: dict[str, Run] = {}
-        self.tasks_by_job: dict[str, asyncio.Task[None]] = {}
-        self.aborted: set[str] = set()
-        self.slots = Slots(engine_seqs(settings))
-        """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
-        self.slot_freed = asyncio.Event()
+        self.jobs = JobTable(engine_seqs(settings))
         self.stopping = False
         self.crashed = asyncio.Event()
         """Set when a loop the worker cannot live without died: the process should exit and be restarted."""
@@ -224,12 +136,8 @@ class Worker:
         """The pull's blocking read, raw on a connection it holds for good: it is on every job's way to the
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
-        self.settlements = Settlements(self.redis)
-        self.log_charges = LogCharges(self.redis)
-        self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
+        self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis)
         self.tasks: list[asyncio.Task[None]] = []
-        self.background: set[asyncio.Task[Any]] = set()
-        """Cancel checks and the aborts they lead to, kept referenced until they end."""
         self.puller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -263,10 +171,10 @@ class Worker:
         self.puller = None
         with contextlib.suppress(RedisError, OSError):
             await self.scheduler.withdraw()
-        if self.tasks_by_job:
+        if self.jobs.tasks:
             grace = self.settings.worker_grace_s
-            log.info("waiting up to %.0f s for %d running jobs", grace, len(self.tasks_by_job))
-            _done, late = await asyncio.wait(list(self.tasks_by_job.values()), timeout=grace)
+            log.info("waiting up to %.0f s for %d running jobs", grace, len(self.jobs.tasks))
+            _done, late = await asyncio.wait(list(self.jobs.tasks.values()), timeout=grace)
             if late:
                 await self._hand_over_running()
         await self.publisher.drain(timeout_s=5.0)
@@ -291,11 +199,11 @@ class Worker:
 
     async def _hand_over_running(self) -> None:
         """Stops the jobs still running and puts them back on the queue to continue on another worker."""
-        runs = list(self.runs.values())
+        runs = self.jobs.all()
         for run in runs:
-            run.muted = run.released = True
+            run.let_go()
             await self.engine.abort(run.job.id)
-        tasks = [self.tasks_by_job[r.job.id] for r in runs if r.job.id in self.tasks_by_job]
+        tasks = [self.jobs.tasks[r.job.id] for r in runs if r.job.id in self.jobs.tasks]
         _done, stuck = await asyncio.wait(tasks, timeout=HANDOVER_WAIT_S) if tasks else (set(), set())
         for task in stuck:
             task.cancel()
@@ -315,20 +223,15 @@ class Worker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def _free_slots(self) -> int:
-        """Slots new jobs may fill (a read takes at most one job per slot): none while a wide job waits for its own."""
-        return self.slots.open()
-
     async def _pull(self) -> None:
         """Reads jobs into free slots. The scheduler's dispatch fills the request stream at the first read (this
         worker's slots join the offer); after that an edge's enqueue, the settle written with each finished job's
         ack and the heartbeat's offer renewal dispatch, so an idle read costs no script call."""
         await self.scheduler.dispatch()
         while True:
-            free = self._free_slots()
+            free = self.jobs.free_slots()
             if free <= 0:
-                self.slot_freed.clear()
-                await self.slot_freed.wait()
+                await self.jobs.until_a_job_ends()
                 continue
             try:
                 pipe = self.pulls.pipeline()
@@ -377,14 +280,7 @@ class Worker:
         self._check([run.job.id for run in fresh], checks)
 
     def _start(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
-        self.runs[run.job.id] = run
-        self.tasks_by_job[run.job.id] = asyncio.create_task(self._finishing(run, work), name=f"job-{run.job.id}")
-
-    def _in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(work)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
+        self.jobs.add(run, asyncio.create_task(self.runner.own(run, work), name=f"job-{run.job.id}"))
 
     def _check(self, job_ids: list[str], checks: asyncio.Future[list[_Check]]) -> None:
         """Asks whether each job was cancelled, or resumed on another edge, while it waited: in the publisher's
@@ -405,49 +301,30 @@ class Worker:
         if check.reply_to:
             run.job.reply_to = check.reply_to
         if check.cancelled:
-            self._in_background(self.abort(run.job.id))
-
-    async def _finishing(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
-        """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
-        logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
-        if run.job.replayable:
-            self.publisher.size_log(run.job.id)
-        try:
-            async with self.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
-                await work
-        finally:
-            self.runs.pop(run.job.id, None)
-            self.tasks_by_job.pop(run.job.id, None)
-            self.aborted.discard(run.job.id)
-            self.slot_freed.set()
-            if not run.released:  # the run that ends the job settles its fair-share charge with the ack
-                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
-            if not run.muted:  # this owner ended the job: settle what it cost its key
-                self._settle(run)
-            if run.job.replayable:
-                self.publisher.then([], lambda _replies: self._charge_log(run.job))
+            self.runner.in_background(self.abort(run.job.id))
 
     async def _run_fresh(self, run: Run, checks: asyncio.Future[list[_Check]], index: int) -> None:
         job = run.job
         waited_ms = bus.now_ms() - job.created_ms
-        cancelled = job.id in self.aborted
+        cancelled = job.id in self.jobs.aborted
         if not cancelled and waited_ms > CHECK_FIRST_AFTER_MS:
             await asyncio.wait([checks], timeout=CHECK_WAIT_S)
             cancelled = (answer := _answer(checks, index)) is not None and answer.cancelled
         if cancelled:
             metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
             return
-        metrics.QUEUE_WAIT.labels(self.model, self.tenants.label(run.job.tenant)).observe(max(0, waited_ms) / 1000)
+        tenant = self.runner.tenants.label(run.job.tenant)
+        metrics.QUEUE_WAIT.labels(self.model, tenant).observe(max(0, waited_ms) / 1000)
         if job.created_ms and waited_ms > self.settings.queue_timeout_s * 1000:
             await asyncio.wait([checks], timeout=CHECK_WAIT_S)  # it may have been resumed on another edge meanwhile
             self._apply_check(run, index, checks)
-            self._end_with(run, QueueTimeout(f"The request waited {waited_ms / 1000:.0f} s for a worker, longer than "
-                                             f"the queue timeout ({self.settings.queue_timeout_s:g} s); it was not "
-                                             "started."))
+            self.runner.end_with(run, QueueTimeout(
+                f"The request waited {waited_ms / 1000:.0f} s for a worker, longer than the queue timeout "
+                f"({self.settings.queue_timeout_s:g} s); it was not started."))
             metrics.JOBS.labels(self.model, "queue_timeout").inc()
             return
         checks.add_done_callback(lambda done: self._apply_check(run, index, done))
-        await self._run(run, resumed=False)
+        await self.runner.serve(run, resumed=False)
 
     async def _take_over(self, run: Run, reclaimed: bool) -> None:
         """Runs a job another worker began: after what its log holds, under a new epoch."""
@@ -462,7 +339,7 @@ class Worker:
             await self._dead_letter(run, f"{taken.reclaims} workers died running it")
             return
         if taken.conflict:
-            self._end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
+            self.runner.end_with(run, WorkerLost("The job's worker was lost and its stream cannot be continued."))
             metrics.JOBS.labels(self.model, "lost").inc()
             return
         if not self._can_continue(run, taken.continuation):
@@ -471,7 +348,7 @@ class Worker:
         job.continuation = taken.continuation
         metrics.MIGRATIONS.labels(self.model, "reclaimed" if reclaimed else "handed_over").inc()
         log.info("continuing job %s after %d events (epoch %d)", job.id, run.next_seq, run.epoch)
-        await self._run(run, resumed=True)
+        await self.runner.serve(run, resumed=True)
 
     def _can_continue(self, run: Run, continuation: bus.Continuation | None) -> bool:
         """Whether the job can go on after what a former owner generated; if not, it ends with worker_lost."""
@@ -480,156 +357,32 @@ class Worker:
         job = run.job
         if job.params.constraint is not None:
             # the engine would start the grammar over in the middle of the answer: never unconstrained output
-            self._end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot continue "
-                                           "on another worker; send the request again."))
+            self.runner.end_with(run, WorkerLost("The job's worker was lost, and a structured output cannot "
+                                                 "continue on another worker; send the request again."))
             return False
-        run.output = for_job(job, self.tool_format, self.reasoning)
+        run.output = for_job(job, self.runner.tool_format, self.runner.reasoning)
         if run.output is not None and not run.output.resume(continuation, lambda ids: self.engine.decode(job, ids)):
-            self._end_with(run, WorkerLost("The job's worker was lost, and its tool calls cannot be continued "
-                                           "faithfully on another worker; send the request again."))
+            self.runner.end_with(run, WorkerLost("The job's worker was lost, and its tool calls cannot be "
+                                                 "continued faithfully on another worker; send the request again."))
             return False
         return True
 
-    def _settle(self, run: Run) -> None:
-        """Settles the job's reservation with what it used (a job that ended early counts its estimate), in the
-        write that carries its last events."""
-        job = run.job
-        prompt, completion = run.used()
-        command = self.settlements.command(job, prompt, completion)
-        if command is not None:
-            self.publisher.then([command], lambda replies: self._settled(job, prompt, completion, replies[0]))
-
-    def _charge_log(self, job: bus.Job) -> None:
-        """Charges what this worker wrote to the job's log (written by now: this runs after the job's last write)
-        to its tenant's storage, for as long as the log is kept after its end."""
-        size = self.publisher.logged_bytes(job.id)
-        if size:
-            self._in_background(self.log_charges.charge(job, size, int(self.settings.replay_ttl_s * 1000)))
-
-    def _settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
-        """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)
-        when Redis had lost it."""
-        if isinstance(reply, NoScriptError) and not alone:
-            self._in_background(self._settle_alone(job, prompt, completion))
-        elif isinstance(reply, Exception):
-            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(reply).__name__)
-        elif reply:
-            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
-            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
-
-    async def _settle_alone(self, job: bus.Job, prompt: int, completion: int) -> None:
-        try:
-            reply: Any = await self.settlements.settle(job, prompt, completion)
-        except (RedisError, OSError) as exc:
-            reply = exc
-        self._settled(job, prompt, completion, reply, alone=True)
-
     async def _dead_letter(self, run: Run, reason: str) -> None:
         await self.ownership.dead_letter(run.entry_id, run.job, reason)
-        run.released = True
-        self._end_with(run, WorkerLost(f"The job was given up: {reason}."))
+        run.give_up()
+        self.runner.end_with(run, WorkerLost(f"The job was given up: {reason}."))
         metrics.DEAD_LETTERS.labels(self.model).inc()
         metrics.JOBS.labels(self.model, "dead_letter").inc()
         log.warning("job %s went to the dead-letter stream: %s", run.job.id, reason)
 
-    async def _run(self, run: Run, resumed: bool) -> None:
-        outcome = "finished"
-        try:
-            outcome = await self._generate(run, resumed)
-        except TokenbusError as exc:
-            outcome = "rejected"
-            self._end_with(run, exc)
-        except Exception:
-            outcome = "failed"
-            log.exception("job %s failed in the engine", run.job.id)
-            self._end_with(run, EngineError("The engine failed."))
-        finally:
-            if run.muted:
-                outcome = "handed_over"
-            elif run.job.id in self.aborted:  # its log still ends, for a client that tries to resume it
-                why = "Nobody resumed the stream in time" if run.abandoned else "The stream was cancelled"
-                self._end_with(run, StreamAbandoned(f"{why}; it was stopped."))
-            metrics.JOBS.labels(self.model, outcome).inc()
-
-    def emit(self, run: Run, event: bus.Event, log_ttl_ms: int = 0) -> None:
-        """Publishes one event of the job at its next position, unless the job is no longer this worker's."""
-        if run.muted:
-            return
-        event.seq, event.epoch = run.next_seq, run.epoch
-        run.next_seq += 1
-        if isinstance(event, bus.Tokens):
-            run.generated += len(event.token_ids)
-        elif isinstance(event, bus.Final):
-            run.usage = (event.prompt_tokens, event.completion_tokens)
-        self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
-
-    def _end_with(self, run: Run, error: TokenbusError) -> None:
-        self.emit(run, error_event(run.job.id, error), int(self.settings.replay_ttl_s * 1000))
-
-    async def _generate(self, run: Run, resumed: bool) -> str:
-        job = run.job
-        remaining_s = (job.deadline_ms - bus.now_ms()) / 1000
-        if remaining_s <= 0:
-            raise RequestTimeout("The request expired while it waited in the queue.")
-        replay_ms = int(self.settings.replay_ttl_s * 1000)
-        self.emit(run, bus.Started(job=job.id, worker=self.id, resumed=resumed),
-                  int(remaining_s * 1000) + replay_ms)
-        carried = job.continuation.carried() if job.continuation else 0
-        if run.output is None:
-            run.output = for_job(job, self.tool_format, self.reasoning)
-        running = metrics.RUNNING_JOBS.labels(self.model)
-        running.inc()
-        run.began = time.monotonic()
-        try:
-            async with asyncio.timeout(remaining_s):
-                async for event in self.engine.run(job, self._standing(job)):
-                    if job.id in self.aborted or run.muted:
-                        # the cancel may have come before the engine knew the request: abort again
-                        await self.engine.abort(job.id)
-                        break
-                    if isinstance(event, bus.Final):
-                        event.completion_tokens += carried
-                    if isinstance(event, bus.Tokens):
-                        self.generated_tokens.inc(len(event.token_ids))
-                    for out in [event] if run.output is None else run.output.rewrite(event):
-                        self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
-        except TimeoutError:
-            await self.engine.abort(job.id)
-            raise RequestTimeout("The request did not finish before its deadline.") from None
-        finally:
-            running.dec()
-        return "aborted" if job.id in self.aborted else "finished"
-
-    def _standing(self, job: bus.Job) -> int:
-        """The job's engine priority, its tenant's fair-share standing here: the slots the tenant's running jobs of
-        its band hold, over its weight (a tenant using little goes first); a higher band goes before any of a
-        lower one."""
-        held = sum(run.job.sequences() for run in self.runs.values()
-                   if run.began and run.job is not job and (run.job.tenant, run.job.priority) == (job.tenant,
-                                                                                                  job.priority))
-        return int(held / max(job.weight, 1e-3)) - job.priority * PRIORITY_BAND_SPAN
-
     async def abort(self, job_id: str, abandoned: bool = False) -> None:
         """Aborts a running job in the engine; its generator then ends by itself."""
-        run = self.runs.get(job_id)
-        if run is None or job_id in self.aborted:
+        if (run := self.jobs.abort(job_id, abandoned)) is None:
             return
-        run.abandoned = abandoned
-        self.aborted.add(job_id)
         await self.engine.abort(job_id)
         metrics.ENGINE_ABORTS.labels(self.model).inc()
         with logs.about(run.job.request_id or job_id):
             log.info("aborted job %s in the engine: its client went away", job_id)
-
-    def _reroute(self, route: bus.Route) -> None:
-        """An edge resumed the job (send its events there now), or its client left (keep it a while)."""
-        run = self.runs.get(route.job)
-        if run is None:
-            return
-        if route.reply_to:
-            run.job.reply_to, run.keep_until_ms = route.reply_to, 0
-        elif not run.keep_until_ms:
-            run.keep_until_ms = route.keep_until_ms
 
     async def _listen(self) -> None:
         while True:
@@ -637,11 +390,11 @@ class Worker:
             try:
                 pubsub = await redis_clients.subscriber(self.channels)
                 await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.ROUTE_CHANNEL)
-                if self.runs:
+                if self.jobs:
                     await self._catch_up_on_messages()
                 async for message in pubsub.listen():
                     if message["channel"] == keys.ROUTE_CHANNEL.encode():
-                        self._reroute(bus.decode_route(message["data"]))
+                        self.jobs.route(bus.decode_route(message["data"]))
                     else:
                         await self.abort(message["data"].decode())
             except (RedisError, OSError) as exc:
@@ -655,13 +408,13 @@ class Worker:
     async def _catch_up_on_messages(self) -> None:
         """What the cancels and routes published while the subscription was down would have said to the running
         jobs (they reached nobody): read from the marks their senders leave, once subscribed again."""
-        runs = list(self.runs.values())
+        runs = self.jobs.all()
         pipe = self.redis.pipeline(transaction=False)
         for command in _Check.commands([run.job.id for run in runs]):
             pipe.execute_command(*command)
         for run, check in zip(runs, _Check.read(await pipe.execute()), strict=True):
             if check.reply_to and check.reply_to != run.job.reply_to:
-                self._reroute(bus.Route(job=run.job.id, reply_to=check.reply_to))
+                self.jobs.route(bus.Route(job=run.job.id, reply_to=check.reply_to))
             if check.cancelled:
                 await self.abort(run.job.id)
 
@@ -675,18 +428,19 @@ class Worker:
             info = bus.encode_info(bus.WorkerInfo(
                 worker=self.id, model=self.model, task=self.settings.task,
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
-                slots=self.settings.max_num_seqs, running=self.slots.used,
+                slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
             ))
             pipe = self.beats.pipeline()
-            pipe.execute_command("SET", key, info, "PX", ttl_ms)
-            pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
-            if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
-                self.scheduler.renew(pipe)
-            renewed = len(pipe)
+            with rawpipe.Span(pipe) as beat:
+                pipe.execute_command("SET", key, info, "PX", ttl_ms)
+                pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
+            with rawpipe.Span(pipe) as renewal:
+                if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
+                    self.scheduler.renew(pipe)
             reads = self._read_round(pipe)
             try:
                 results = await pipe.execute(raise_on_error=False)
-                if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
+                if failed := next((r for r in beat.of(results) if isinstance(r, Exception)), None):
                     raise failed
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed (%s)", exc)
@@ -694,9 +448,9 @@ class Worker:
             else:
                 if self.claims_after == math.inf:
                     self.claims_after = time.monotonic() + self.settings.heartbeat_ttl_s
-                if renewed > 2:
-                    await self.scheduler.renewed(results[2])
-                reads.replies = results[renewed:]
+                if renewed := renewal.of(results):
+                    await self.scheduler.renewed(renewed[0])
+                reads.replies = results
                 if not self.round_read.full():  # else the round before is still being acted on: this one waits
                     self.round_read.put_nowait(reads)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -704,17 +458,21 @@ class Worker:
     def _read_round(self, pipe: rawpipe.PipelineLike) -> _RoundReads:
         """Adds a supervision round's reads to the heartbeat's write: the queue's gauges, a refresh of our claims,
         whether the edges of attached jobs still beat, and a claim of dead workers' jobs into free slots."""
-        reads = _RoundReads(runs=[run for run in self.runs.values() if not run.released],
-                            streams=sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms}),
-                            claims=0 if self._holding_claims() else max(0, self._free_slots()))
-        self.scheduler.read_backlog(pipe)
-        if reads.runs:
-            self.ownership.read_refresh(pipe, [run.entry_id for run in reads.runs])
-        for stream in reads.streams:
-            pipe.execute_command("EXISTS", keys.edges_alive(stream))
-        if reads.claims:
-            self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), reads.claims)
-        return reads
+        runs = self.jobs.claimed()
+        streams = self.jobs.attached_streams()
+        claims = 0 if self._holding_claims() else max(0, self.jobs.free_slots())
+        with rawpipe.Span(pipe) as backlog:
+            self.scheduler.read_backlog(pipe)
+        with rawpipe.Span(pipe) as refresh:
+            if runs:
+                self.ownership.read_refresh(pipe, [run.entry_id for run in runs])
+        with rawpipe.Span(pipe) as alive:
+            for stream in streams:
+                pipe.execute_command("EXISTS", keys.edges_alive(stream))
+        with rawpipe.Span(pipe) as claim:
+            if claims:
+                self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), claims)
+        return _RoundReads(runs, streams, claims, backlog, refresh, alive, claim)
 
     def _holding_claims(self) -> bool:
         return self.stopping or self.round_read.full() or time.monotonic() < self.claims_after
@@ -734,32 +492,29 @@ class Worker:
                 log.warning("supervision round failed (%s)", exc)
 
     async def _supervised(self, reads: _RoundReads) -> None:
-        backlog, refresh, alive, claim = reads.parts()
-        self.scheduler.count(backlog)
-        if claim:  # first: the entries are ours now, whatever fails below
+        replies = reads.replies
+        self.scheduler.count(reads.backlog.of(replies))
+        if claim := reads.claim.of(replies):  # first: the entries are ours now, whatever fails below
             for run in self._decode(self.ownership.claimed(claim[0])):
-                if run.job.id in self.runs:  # ours, grown idle while Redis was away: the claim only refreshed it
+                if run.job.id in self.jobs:  # ours, grown idle while Redis was away: the claim only refreshed it
                     continue
                 metrics.RECLAIMS.labels(self.model).inc()
                 log.info("claimed job %s from a worker that stopped beating", run.job.id)
                 self._start(run, self._take_over(run, reclaimed=True))
-        gone = {stream for stream, reply in zip(reads.streams, alive, strict=True) if reply == 0}
-        keep_until = bus.now_ms() + int(self.settings.resume_window_s * 1000)
-        for run in self.runs.values():
-            if run.job.reply_to in gone and not run.keep_until_ms:
-                run.keep_until_ms = keep_until
-        if refresh:
+        gone = {stream for stream, reply in zip(reads.streams, reads.alive.of(replies), strict=True) if reply == 0}
+        self.jobs.detach(gone, bus.now_ms() + int(self.settings.resume_window_s * 1000))
+        if refresh := reads.refresh.of(replies):
             lost = await self.ownership.lost(refresh[0], [run.entry_id for run in reads.runs])
             for run in reads.runs:
                 if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
                     log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
-                    run.muted = run.released = True
+                    run.let_go()
                     await self.engine.abort(run.job.id)
         await self._expire_detached()
 
     async def _expire_detached(self) -> None:
         now = bus.now_ms()
-        for run in list(self.runs.values()):
+        for run in self.jobs.all():
             if run.keep_until_ms and now >= run.keep_until_ms:
                 await self.abort(run.job.id, abandoned=True)
 

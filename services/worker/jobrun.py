@@ -1,0 +1,201 @@
+"""A job's life on a worker, from its slot to its settlement: the engine's outputs published as its events, its
+end (an outcome and, whatever happened, a last event), its acknowledgement after its events, and what it cost
+settled with its tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Protocol, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+from services.worker.jobtable import JobTable, Run
+from services.worker.parsing.formats import tool_format
+from services.worker.parsing.output import for_job
+from services.worker.parsing.reasoning import reasoning_format
+from services.worker.publisher import EventPublisher
+from shared import bus, keys, logs, metrics
+from shared.errors import EngineError, RequestTimeout, StreamAbandoned, TokenbusError, kind_of
+from shared.limits import Settlements
+from shared.settings import Settings
+from shared.storage import LogCharges
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Engine(Protocol):
+    """What the worker needs of an engine (vLLM, or a simulator for benchmarks and fault tests)."""
+
+    max_model_len: int
+    dimensions: int
+
+    def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+        """The job's outputs; among requests waiting in the engine, a lower `priority` goes first."""
+        ...
+
+    async def abort(self, job_id: str) -> None: ...
+
+    def decode(self, job: bus.Job, token_ids: list[int]) -> str:
+        """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
+        ...
+
+
+def error_event(job_id: str, error: TokenbusError) -> bus.Error:
+    return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
+                     code=error.code)
+
+
+
+class JobRunner:
+    """Runs the jobs of one worker, each from its slot to its settlement."""
+
+    def __init__(self, settings: Settings, engine: Engine, worker_id: str, jobs: JobTable, publisher: EventPublisher,
+                 redis: aioredis.Redis) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.worker_id = worker_id
+        self.model = settings.model
+        self.stream = keys.requests_stream(settings.model)
+        self.jobs = jobs
+        self.publisher = publisher
+        self.tool_format = tool_format(settings.tool_parser)
+        self.reasoning = reasoning_format(settings.reasoning_parser)
+        self.generated_tokens = metrics.GENERATED_TOKENS.labels(self.model)
+        """Counted per engine output: the labelled child is looked up once, not per token."""
+        self.settlements = Settlements(redis)
+        self.log_charges = LogCharges(redis)
+        self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
+        self.background: set[asyncio.Task[Any]] = set()
+        """Cancel checks, the aborts they lead to and settles on their own, kept referenced until they end."""
+
+    async def own(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
+        """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
+        logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
+        if run.job.replayable:
+            self.publisher.size_log(run.job.id)
+        try:
+            async with self.jobs.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
+                await work
+        finally:
+            self.jobs.remove(run)
+            if run.acknowledges:  # the run that ends the job settles its fair-share charge with the ack
+                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
+            if run.publishes:  # this owner ended the job: settle what it cost its key
+                self._settle_cost(run)
+            if run.job.replayable:
+                self.publisher.then([], lambda _replies: self._charge_log(run.job))
+
+    async def serve(self, run: Run, resumed: bool) -> None:
+        """Runs the job in the engine and ends it: one outcome counted and, while it is this worker's, a last event."""
+        outcome = "finished"
+        try:
+            outcome = await self._generate(run, resumed)
+        except TokenbusError as exc:
+            outcome = "rejected"
+            self.end_with(run, exc)
+        except Exception:
+            outcome = "failed"
+            log.exception("job %s failed in the engine", run.job.id)
+            self.end_with(run, EngineError("The engine failed."))
+        finally:
+            if not run.publishes:
+                outcome = "handed_over"
+            elif run.job.id in self.jobs.aborted:  # its log still ends, for a client that tries to resume it
+                abandoned = self.jobs.aborted[run.job.id]
+                why = "Nobody resumed the stream in time" if abandoned else "The stream was cancelled"
+                self.end_with(run, StreamAbandoned(f"{why}; it was stopped."))
+            metrics.JOBS.labels(self.model, outcome).inc()
+
+    def emit(self, run: Run, event: bus.Event, log_ttl_ms: int = 0) -> None:
+        """Publishes one event of the job at its next position, unless the job is no longer this worker's."""
+        if not run.publishes:
+            return
+        event.seq, event.epoch = run.next_seq, run.epoch
+        run.next_seq += 1
+        if isinstance(event, bus.Tokens):
+            run.generated += len(event.token_ids)
+        elif isinstance(event, bus.Final):
+            run.usage = (event.prompt_tokens, event.completion_tokens)
+        self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
+
+    def end_with(self, run: Run, error: TokenbusError) -> None:
+        self.emit(run, error_event(run.job.id, error), int(self.settings.replay_ttl_s * 1000))
+
+    async def _generate(self, run: Run, resumed: bool) -> str:
+        job = run.job
+        remaining_s = (job.deadline_ms - bus.now_ms()) / 1000
+        if remaining_s <= 0:
+            raise RequestTimeout("The request expired while it waited in the queue.")
+        replay_ms = int(self.settings.replay_ttl_s * 1000)
+        self.emit(run, bus.Started(job=job.id, worker=self.worker_id, resumed=resumed),
+                  int(remaining_s * 1000) + replay_ms)
+        carried = job.continuation.carried() if job.continuation else 0
+        if run.output is None:
+            run.output = for_job(job, self.tool_format, self.reasoning)
+        running = metrics.RUNNING_JOBS.labels(self.model)
+        running.inc()
+        run.began = time.monotonic()
+        try:
+            async with asyncio.timeout(remaining_s):
+                async for event in self.engine.run(job, self.jobs.standing(job)):
+                    if job.id in self.jobs.aborted or not run.publishes:
+                        # the cancel may have come before the engine knew the request: abort again
+                        await self.engine.abort(job.id)
+                        break
+                    if isinstance(event, bus.Final):
+                        event.completion_tokens += carried
+                    if isinstance(event, bus.Tokens):
+                        self.generated_tokens.inc(len(event.token_ids))
+                    for out in [event] if run.output is None else run.output.rewrite(event):
+                        self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
+        except TimeoutError:
+            await self.engine.abort(job.id)
+            raise RequestTimeout("The request did not finish before its deadline.") from None
+        finally:
+            running.dec()
+        return "aborted" if job.id in self.jobs.aborted else "finished"
+
+    def _settle_cost(self, run: Run) -> None:
+        """Settles the job's reservation with what it used (a job that ended early counts its estimate), in the
+        write that carries its last events."""
+        job = run.job
+        prompt, completion = run.used()
+        command = self.settlements.command(job, prompt, completion)
+        if command is not None:
+            self.publisher.then([command], lambda replies: self._cost_settled(job, prompt, completion, replies[0]))
+
+    def _charge_log(self, job: bus.Job) -> None:
+        """Charges what this worker wrote to the job's log (written by now: this runs after the job's last write)
+        to its tenant's storage, for as long as the log is kept after its end."""
+        size = self.publisher.logged_bytes(job.id)
+        if size:
+            self.in_background(self.log_charges.charge(job, size, int(self.settings.replay_ttl_s * 1000)))
+
+    def _cost_settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
+        """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)
+        when Redis had lost it."""
+        if isinstance(reply, NoScriptError) and not alone:
+            self.in_background(self._settle_alone(job, prompt, completion))
+        elif isinstance(reply, Exception):
+            log.warning("could not settle job %s (%s): its reservation stays spent", job.id, type(reply).__name__)
+        elif reply:
+            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "prompt").inc(prompt)
+            metrics.TENANT_TOKENS.labels(self.model, self.tenants.label(job.tenant), "completion").inc(completion)
+
+    async def _settle_alone(self, job: bus.Job, prompt: int, completion: int) -> None:
+        try:
+            reply: Any = await self.settlements.settle(job, prompt, completion)
+        except (RedisError, OSError) as exc:
+            reply = exc
+        self._cost_settled(job, prompt, completion, reply, alone=True)
+
+    def in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task

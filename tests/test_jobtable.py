@@ -1,0 +1,67 @@
+"""The worker's job table alone, without Redis or an engine: which runs it holds, aborts, routes, detaches, and the
+engine priority of a tenant's next job."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from services.worker.jobtable import PRIORITY_BAND_SPAN, Holding, JobTable, Run
+from shared import bus
+
+
+def _run(tenant: str = "", priority: int = 0, reply_to: str = "edge-a") -> Run:
+    job = bus.Job(id=f"test-{uuid.uuid4().hex}", model="m", reply_to=reply_to, deadline_ms=bus.now_ms() + 60_000,
+                  messages=[bus.Message(role="user", content="Hi")], tenant=tenant, priority=priority)
+    return Run(job, b"1-0")
+
+
+async def _held(table: JobTable, run: Run) -> None:
+    table.add(run, asyncio.create_task(asyncio.sleep(0)))
+
+
+def test_a_job_given_up_still_publishes_and_one_let_go_does_nothing_more_here() -> None:
+    owned, given_up, gone, both = _run(), _run(), _run(), _run()
+    given_up.give_up()
+    gone.let_go()
+    both.give_up()
+    both.let_go()
+    gone.give_up()  # a job another worker has stays that worker's
+    assert [(r.holding, r.publishes, r.acknowledges) for r in (owned, given_up, gone, both)] == [
+        (Holding.OWNED, True, True), (Holding.GIVEN_UP, True, False), (Holding.GONE, False, False),
+        (Holding.GONE, False, False)]
+
+
+async def test_a_job_is_aborted_once_and_forgotten_when_it_ends() -> None:
+    table, run = JobTable(4), _run()
+    await _held(table, run)
+    assert run.job.id in table and len(table) == 1
+    assert table.abort(run.job.id, abandoned=True) is run and table.abort(run.job.id) is None  # once only
+    assert table.aborted == {run.job.id: True} and table.abort("not-here") is None
+    table.remove(run)
+    assert run.job.id not in table and run.job.id not in table.aborted and table.slot_freed.is_set()
+
+
+async def test_a_route_moves_a_job_to_a_new_edge_or_keeps_it_for_a_resume() -> None:
+    table, run = JobTable(4), _run()
+    await _held(table, run)
+    table.route(bus.Route(job=run.job.id, keep_until_ms=5))
+    table.route(bus.Route(job=run.job.id, keep_until_ms=9))  # the first deadline holds
+    assert run.keep_until_ms == 5 and table.attached_streams() == []
+    table.route(bus.Route(job=run.job.id, reply_to="edge-b"))
+    assert (run.job.reply_to, run.keep_until_ms) == ("edge-b", 0) and table.attached_streams() == ["edge-b"]
+    table.detach({"edge-b"}, 7)
+    assert run.keep_until_ms == 7
+
+
+async def test_a_tenants_standing_counts_its_running_jobs_of_its_band_only() -> None:
+    table = JobTable(8)
+    runs = [_run("a"), _run("a"), _run("a", priority=1), _run("b")]
+    for run in runs:
+        run.began = 1.0
+        await _held(table, run)
+    runs[1].give_up()
+    assert table.standing(_run("a").job) == 2
+    assert table.standing(_run("a", priority=1).job) == 1 - PRIORITY_BAND_SPAN
+    assert table.standing(_run("c").job) == 0
+    assert table.claimed() == [runs[0], runs[2], runs[3]]
