@@ -321,14 +321,14 @@ def test_the_metrics_are_scraped_off_the_api_port() -> None:
 
 
 def tool(env: str, *candidates: Path) -> Path:
-    """A checker installed beside the project (its path in `env`, or the first candidate that exists); the
-    test is skipped, saying so, only where none is installed."""
+    """A checker installed beside the project (its path in `env`, or the first candidate that exists). `make
+    install` (and `make unit`'s install) provides each: one missing fails the test, naming the step."""
     import os
 
     for path in ([Path(os.environ[env])] if env in os.environ else []) + list(candidates):
         if path.is_file():
             return path
-    pytest.skip(f"{candidates[0].name} is not installed (set {env}, or run `bash deploy/install.sh dev`)")
+    pytest.fail(f"{candidates[0].name} is not installed: run `bash deploy/install.sh dev` (or set {env})")
 
 
 CHECKOV = ("TOKENBUS_CHECKOV", ROOT / ".venv-checkov" / "bin" / "checkov")
