@@ -19,9 +19,11 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import apikeys, keys, redis_clients
-from shared.apikeys import KeyChanges, KeyRecord
-from shared.settings import ENV_PREFIX
+from shared.protocol import keys
+from shared.redisio import clients as redis_clients
+from shared.runtime.settings import ENV_PREFIX
+from shared.tenancy import apikeys
+from shared.tenancy.apikeys import KeyChanges, KeyRecord
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

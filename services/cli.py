@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from shared import logs
-from shared import settings as settings_module
+from shared.runtime import logs
+from shared.runtime import settings as settings_module
 
 REDIS_SETTINGS = ["redis_url", "redis_cluster", "redis_username", "redis_password_file", "redis_tls_ca_file",
                   "redis_tls_cert_file", "redis_tls_key_file"]

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import redis
 
-from shared.settings import ENV_PREFIX, Settings, cache_dir
+from shared.runtime.settings import ENV_PREFIX, Settings, cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import redis
 
-from shared import bus
+from shared.protocol import bus
 
 
 class Listener:

@@ -17,8 +17,8 @@ import httpx
 import redis
 
 from services.supervisor import free_port
-from shared import keys
-from shared.settings import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
+from shared.protocol import keys
+from shared.runtime.settings import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = DEFAULT_MODEL_NAME

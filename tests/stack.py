@@ -16,7 +16,7 @@ import httpx
 import redis
 
 from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles, free_port
-from shared import keys
+from shared.protocol import keys
 from tests.processes import Edge, WorkerProcess, metric_value, process_env, spawn_process, start_edge, stop_process
 
 FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}

@@ -17,8 +17,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from shared import apikeys, bus, keys
-from shared.limits import Limits, Settlements
+from shared.protocol import bus, keys
+from shared.tenancy import apikeys
+from shared.tenancy.limits import Limits, Settlements
 from tests.processes import metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, sse_frames

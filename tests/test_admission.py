@@ -12,7 +12,8 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
-from shared import apikeys, keys
+from shared.protocol import keys
+from shared.tenancy import apikeys
 from tests.processes import WorkerProcess, metric_value
 from tests.stack import Stack
 from tests.test_faults import chat_body, expected, sse_frames, stream_text

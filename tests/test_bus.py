@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared import bus, errors
+from shared.protocol import bus, errors
 
 
 def test_job_round_trip() -> None:

@@ -8,8 +8,8 @@ import pytest
 
 from services.edge.formats import chat
 from services.edge.formats.base import decode, openai_error, unknown_fields
-from shared import bus
-from shared.errors import InvalidRequest, RequestTimeout
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest, RequestTimeout
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

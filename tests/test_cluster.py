@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
 from services.supervisor import free_port, private_redis_cluster
-from shared import keys
+from shared.protocol import keys
 from tests.processes import ROOT, Edge, metric_value, process_env, spawn_process, start_edge, stop_process
 from tests.stack import FAST_BEATS
 

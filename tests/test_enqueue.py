@@ -15,9 +15,11 @@ from redis.exceptions import RedisError
 
 from services.edge.enqueue import JobQueue
 from services.supervisor import RedisServer, free_port
-from shared import bus, fairshare, keys, redis_clients
-from shared.errors import QueueFull
-from shared.settings import Settings
+from shared.protocol import bus, keys
+from shared.protocol.errors import QueueFull
+from shared.redisio import clients as redis_clients
+from shared.runtime.settings import Settings
+from shared.tenancy import fairshare
 
 
 def job(model: str, i: int = 0) -> bus.Job:

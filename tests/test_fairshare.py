@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from shared import bus, fairshare, keys, redis_clients
-from shared.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
-from shared.settings import Settings
+from shared.protocol import bus, keys
+from shared.protocol.errors import QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
+from shared.redisio import clients as redis_clients
+from shared.runtime.settings import Settings
+from shared.tenancy import fairshare
 
 PROMPT, OUTPUT = 10, 100
 """Every job's estimate; with the default weights (1 and 2) it charges 210 / weight."""

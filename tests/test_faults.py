@@ -17,7 +17,7 @@ import openai
 import orjson
 import pytest
 
-from shared import keys
+from shared.protocol import keys
 from tests.processes import metric_value
 from tests.stack import Stack
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from services.edge.formats import chat, completions, embeddings, responses, tgi
 from services.edge.formats.base import decode
-from shared import bus
-from shared.errors import TokenbusError
+from shared.protocol import bus
+from shared.protocol.errors import TokenbusError
 
 MAX_MODEL_LEN = 2048
 IDS = {"job_id": "job-1", "reply_to": "tokenbus:events:{edge}", "deadline_ms": 1}

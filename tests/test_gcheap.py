@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared import gcheap
+from shared.runtime import gcheap
 
 
 class Node:

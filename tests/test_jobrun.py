@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY
 from services.worker.jobrun import JobRunner
 from services.worker.jobtable import JobTable, Run
 from services.worker.publisher import EventPublisher
-from shared import bus
-from shared.settings import Settings
+from shared.protocol import bus
+from shared.runtime.settings import Settings
 
 
 class _Publisher:

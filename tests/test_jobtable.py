@@ -7,7 +7,7 @@ import asyncio
 import uuid
 
 from services.worker.jobtable import PRIORITY_BAND_SPAN, Holding, JobTable, Run
-from shared import bus
+from shared.protocol import bus
 
 
 def _run(tenant: str = "", priority: int = 0, reply_to: str = "edge-a") -> Run:

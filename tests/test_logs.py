@@ -24,7 +24,7 @@ async def test_request_ids_are_returned_and_logged_and_nothing_secret_is(tmp_pat
         import redis.asyncio as aioredis
 
         from services.admin import run as _unused  # noqa: F401  (the keys command is what operators use)
-        from shared import apikeys
+        from shared.tenancy import apikeys
 
         client = aioredis.Redis.from_url(stack.url)
         key, _record = await apikeys.create(client, apikeys.KeyChanges(tenant="logged"))

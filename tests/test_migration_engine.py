@@ -12,7 +12,7 @@ import uuid
 import pytest
 import redis
 
-from shared import bus, keys
+from shared.protocol import bus, keys
 from tests.channel import listening
 from tests.processes import MODEL, WorkerProcess
 

@@ -16,8 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-RAWPIPE, RELAY, SERVER, SSE = "shared/rawpipe.py", "services/edge/relay.py", "services/edge/server.py", \
-    "services/edge/sse.py"
+REDIS_INTERNALS, SERVER, SSE = "shared/redisio/internals.py", "services/edge/server.py", "services/edge/sse.py"
 
 
 @dataclass(frozen=True)
@@ -41,15 +40,15 @@ Redis (with hiredis's parser), a low-level server and the connection protocol it
 
 
 PRIVATE = [
-    Private("redis", "redis._parsers.hiredis", "NOT_ENOUGH_DATA", RAWPIPE),
-    Private("redis", "connection", "_parser", f"{RAWPIPE}, {RELAY}"),
-    Private("redis", "connection", "_parser._reader", f"{RAWPIPE}, {RELAY}"),
-    Private("redis", "connection", "_parser.read_from_socket", f"{RAWPIPE}, {RELAY}"),
-    Private("redis", "connection", "_parser._hiredis_PushNotificationType", RAWPIPE),
-    Private("redis", "connection", "_writer.transport", f"{RAWPIPE}, {RELAY}"),
-    Private("redis", "connection", "_reader", RAWPIPE),
-    Private("python", "connection", "_reader._buffer", RAWPIPE),
-    Private("python", "connection", "_reader._paused", RAWPIPE),
+    Private("redis", "redis._parsers.hiredis", "NOT_ENOUGH_DATA", REDIS_INTERNALS),
+    Private("redis", "connection", "_parser", REDIS_INTERNALS),
+    Private("redis", "connection", "_parser._reader", REDIS_INTERNALS),
+    Private("redis", "connection", "_parser.read_from_socket", REDIS_INTERNALS),
+    Private("redis", "connection", "_parser._hiredis_PushNotificationType", REDIS_INTERNALS),
+    Private("redis", "connection", "_writer.transport", REDIS_INTERNALS),
+    Private("redis", "connection", "_reader", REDIS_INTERNALS),
+    Private("python", "connection", "_reader._buffer", REDIS_INTERNALS),
+    Private("python", "connection", "_reader._paused", REDIS_INTERNALS),
     Private("aiohttp", "aiohttp.web_runner.AppRunner", "_make_server", SERVER),
     Private("aiohttp", "server", "_kwargs", SERVER),
     Private("aiohttp", "server", "request_factory", SERVER),
@@ -120,7 +119,7 @@ async def test_the_hiredis_parser_is_the_one_read_from(live: dict[str, Any]) -> 
     its own Python parser (whose reader is something else) without a word."""
     reader = live["connection"]._parser._reader
     assert isinstance(reader, hiredis.Reader), \
-        f"{release('redis')} reads with {type(reader).__name__}, not hiredis.Reader: {RAWPIPE}, {RELAY} need it"
+        f"{release('redis')} reads with {type(reader).__name__}, not hiredis.Reader: {REDIS_INTERNALS} needs it"
 
 
 @pytest.mark.parametrize("method", sorted(OVERRIDDEN))

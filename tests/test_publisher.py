@@ -14,9 +14,10 @@ import redis.asyncio as aioredis
 
 from services.worker import publisher as publisher_module
 from services.worker.publisher import EventPublisher
-from shared import bus, joblog, keys, redis_clients
-from shared.rawpipe import PipelineLike
-from shared.sequence import in_order
+from shared.protocol import bus, joblog, keys
+from shared.protocol.sequence import in_order
+from shared.redisio import clients as redis_clients
+from shared.redisio.rawpipe import PipelineLike
 from tests.channel import listening
 from tests.test_enqueue import counting_writes
 

@@ -17,8 +17,8 @@ import redis
 from services.worker import worker as worker_module
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
-from shared import bus, keys
-from shared.settings import Settings
+from shared.protocol import bus, keys
+from shared.runtime.settings import Settings
 from tests.channel import listening
 
 CHECK_WAIT_S = 0.5

@@ -9,7 +9,8 @@ import uuid
 import pytest
 from redis.exceptions import ResponseError
 
-from shared import rawpipe, redis_clients
+from shared.redisio import clients as redis_clients
+from shared.redisio import rawpipe
 
 
 @pytest.mark.parametrize("keep", [True, False])

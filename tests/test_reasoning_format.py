@@ -12,8 +12,8 @@ import pytest
 
 from services.edge.formats import chat, completions, responses
 from services.edge.formats.base import decode
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 from tests.openapi import validate
 
 USER = {"role": "user", "content": "2 + 2?"}

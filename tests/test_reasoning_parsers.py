@@ -14,7 +14,7 @@ import pytest
 from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import JobOutput, for_job
 from services.worker.parsing.reasoning import ReasoningParser, Split, ThinkParser, reasoning_format
-from shared import bus
+from shared.protocol import bus
 
 QWEN3_FORMAT = reasoning_format("qwen3")
 R1_FORMAT = reasoning_format("deepseek_r1")

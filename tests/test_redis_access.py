@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from services.supervisor import TlsFiles
-from shared import keys, redis_clients
+from shared.protocol import keys
+from shared.redisio import clients as redis_clients
 from tests.processes import ROOT
 from tests.stack import Stack
 

@@ -7,7 +7,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from services.edge.redis_boundary import MESSAGE, redis_boundary
-from shared.errors import InvalidRequest, Overloaded, Unavailable
+from shared.protocol.errors import InvalidRequest, Overloaded, Unavailable
 
 
 @pytest.mark.parametrize("failure", [RedisConnectionError("gone"), ResponseError("LOADING"), OSError("reset"),

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from services.edge.jobevents import LOG_PAGE_EVENTS, JobEvents
-from shared import bus
-from shared.errors import ContextLengthExceeded, RequestTimeout, StreamAbandoned, WorkerLost
+from shared.protocol import bus
+from shared.protocol.errors import ContextLengthExceeded, RequestTimeout, StreamAbandoned, WorkerLost
 
 TOKENS = [bus.Tokens(job="j", text=t, token_ids=[i], seq=i) for i, t in enumerate("abc")]
 FINAL = bus.Final(job="j", prompt_tokens=1, completion_tokens=3, seq=3)

@@ -19,7 +19,8 @@ from services.edge.jobevents import JobEvents
 from services.edge.relay import EventRelay, Timing
 from services.supervisor import RedisServer
 from services.worker.publisher import EventPublisher
-from shared import bus, keys, redis_clients
+from shared.protocol import bus, keys
+from shared.redisio import clients as redis_clients
 
 LOG_MAX = 100
 
@@ -169,7 +170,7 @@ async def test_while_events_flow_the_reader_looks_at_the_waiting_requests_and_th
 
 
 async def test_a_job_log_is_read_in_pages_each_entry_once(redis_url: str) -> None:
-    from shared import joblog
+    from shared.protocol import joblog
 
     job_id = f"paged-{uuid.uuid4().hex}"
     client = redis_clients.pooled(redis_url, "test", 1)

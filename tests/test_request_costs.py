@@ -17,8 +17,8 @@ from services.edge.formats.base import decode
 from services.edge.handlers import parse_event_id
 from services.worker.models import default_chat_model_dir
 from services.worker.template_kwargs import allowed, template_variables
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 IDS = {"job_id": "job-1", "reply_to": "r", "deadline_ms": 1}
 

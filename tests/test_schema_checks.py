@@ -19,8 +19,8 @@ from services.edge import schema_checks
 from services.edge.formats import chat
 from services.edge.formats.base import decode
 from services.edge.schema_checks import Checker, Deferred
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 from tests.stack import Stack
 
 USER = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from services.edge.formats.responses import ResponsesRenderer, ResponsesRequest
-from shared.errors import WorkerLost
+from shared.protocol.errors import WorkerLost
 from tests.openapi import sse_events, validate
 from tests.processes import MODEL, Edge, WorkerProcess
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from shared import bus, keys
+from shared.protocol import bus, keys
 from tests.channel import listening
 from tests.processes import MODEL, Edge, WorkerProcess, metric_samples, metric_value
 

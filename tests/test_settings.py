@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.cli import parser
-from shared.settings import Settings, load
+from shared.runtime.settings import Settings, load
 
 
 def test_defaults() -> None:

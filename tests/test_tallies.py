@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shared.metrics import TallyCounter, TallyGauge, TallyHistogram
+from shared.runtime.metrics import TallyCounter, TallyGauge, TallyHistogram
 
 BUCKETS = (0.001, 0.0025, 0.01, 0.1, 1)
 GAPS = (0.0, 0.001, 0.0015, 0.0025, 0.02, 0.1, 0.5, 1.0, 3.0)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import redis
 
-from shared import keys
+from shared.protocol import keys
 from tests.processes import ROOT, metric_value
 from tests.stack import Stack
 
@@ -327,7 +327,7 @@ def test_make_run_serves_without_keys_and_says_so() -> None:
     args = parser().parse_args(["run"])
     assert args.auth is None  # `tokenbus run` then serves with --auth none (see services.cli.main)
     edge_args = parser().parse_args(["edge"])
-    from shared.settings import load
+    from shared.runtime.settings import load
 
     assert load(edge_args, environ={}).auth == "keys"
 
@@ -338,10 +338,10 @@ async def test_without_redis_for_limits_the_policy_decides(tmp_path: Path) -> No
     from services.edge.admission import Admitter
     from services.edge.auth import Caller
     from services.supervisor import free_port
-    from shared import bus
-    from shared.apikeys import KeyRecord
-    from shared.errors import RateLimited, Unavailable
-    from shared.limits import Limits, Settlements
+    from shared.protocol import bus
+    from shared.protocol.errors import RateLimited, Unavailable
+    from shared.tenancy.apikeys import KeyRecord
+    from shared.tenancy.limits import Limits, Settlements
 
     dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}", socket_connect_timeout=0.5)
     caller = Caller("t", KeyRecord(id="k", hash="h", tenant="t", created_at=0, rpm=4))

@@ -12,8 +12,8 @@ import pytest
 from services.edge.formats import calling, chat, responses
 from services.edge.formats.base import decode
 from services.edge.sse import DONE
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 from tests.openapi import validate
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {

@@ -12,7 +12,7 @@ from services.worker.ownership import continuation_of
 from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import call_id, for_job
 from services.worker.parsing.tools import JsonParser, NamedParser, TaggedParser
-from shared import bus
+from shared.protocol import bus
 
 WEATHER = bus.Tool(name="get_weather", description="The weather in a city.",
                    parameters={"type": "object", "properties": {"city": {"type": "string"}}})

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from services.worker.parsing.tools import JsonParser, NamedParser, Parsed, TaggedParser, ToolParser
-from shared import bus
+from shared.protocol import bus
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "recorded_tool_outputs.json").read_text())
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from services.worker import conversation
 from services.worker.engine import Counts, VllmEngine
 from services.worker.models import default_chat_model_dir
-from shared import bus
-from shared.settings import Settings
+from shared.protocol import bus
+from shared.runtime.settings import Settings
 
 WORDS = ["the", "sea", "is", "deep", "and", "wide", "and", "ships", "go", "over", "it", "at", "night", "under", "stars"]
 

@@ -16,8 +16,8 @@ from prometheus_client import REGISTRY
 
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
-from shared import bus, keys
-from shared.settings import Settings
+from shared.protocol import bus, keys
+from shared.runtime.settings import Settings
 from tests.channel import listening
 
 BEAT_S = 0.2

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from services.supervisor import free_port
-from shared import keys
+from shared.protocol import keys
 from tests.processes import MODEL, WorkerProcess, metric_value, process_env, running_worker, spawn_process, stop_process
 
 pytestmark = pytest.mark.engine

@@ -18,8 +18,9 @@ import orjson
 from aiohttp import web
 
 from services.worker.sim import SimEngine
-from shared import bus, eventloop
-from shared.settings import Settings
+from shared.protocol import bus
+from shared.runtime import eventloop
+from shared.runtime.settings import Settings
 
 MODEL = "bare"
 

@@ -28,7 +28,7 @@ from services.bench import (
     wakes,
 )
 from services.bench.workload import Distribution, requests
-from shared.settings import DEFAULT_MODEL_NAME
+from shared.runtime.settings import DEFAULT_MODEL_NAME
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:

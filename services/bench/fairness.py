@@ -24,8 +24,9 @@ from services.bench import systems
 from services.bench.client import Timing, send
 from services.bench.stats import Summary
 from services.bench.workload import Request, prompt_of
-from shared import apikeys, fairshare, redis_clients
-from shared.settings import Settings
+from shared.redisio import clients as redis_clients
+from shared.runtime.settings import Settings
+from shared.tenancy import apikeys, fairshare
 
 SLOTS = 64
 LOAD_TIMEOUT_S = 120.0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from services.bench import fairness
 from services.bench.report import splice
-from shared.settings import Settings, headroom_seqs
+from shared.runtime.settings import Settings, headroom_seqs
 
 FAIRNESS_HEADING = "## Fair share between tenants (simulated engine)"
 FAIRNESS_PLOT = "bench-fairness.png"

@@ -28,8 +28,8 @@ import hiredis
 from services.bench import edge_bench
 from services.bench.stats import Summary
 from services.supervisor import private_redis
-from shared import eventloop
-from shared.rawpipe import pack
+from shared.redisio.rawpipe import pack
+from shared.runtime import eventloop
 
 THERE, BACK = "floor:there", "floor:back"
 READY = "subscribed"

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from services.supervisor import free_port, private_redis
-from shared.settings import ENV_PREFIX
+from shared.runtime.settings import ENV_PREFIX
 
 READY_TIMEOUT_S = 600.0
 

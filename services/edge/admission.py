@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from services.edge.auth import Caller
 from services.edge.estimate import estimate
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
-from shared import bus, metrics
-from shared.apikeys import KeyRecord
-from shared.background import looping
-from shared.errors import QuotaExceeded, RateLimited
-from shared.limits import WINDOW_MS, Admission, Limits, Settlements, Verdict, headers, period_end
+from shared.protocol import bus
+from shared.protocol.errors import QuotaExceeded, RateLimited
+from shared.runtime import metrics
+from shared.runtime.background import looping
+from shared.tenancy.apikeys import KeyRecord
+from shared.tenancy.limits import WINDOW_MS, Admission, Limits, Settlements, Verdict, headers, period_end
 
 log = logging.getLogger(__name__)
 

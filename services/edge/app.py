@@ -36,10 +36,13 @@ from services.edge.state import (
     STORE,
 )
 from services.edge.store import ResponseStore, watching
-from shared import fairshare, keys, logs, metrics, redis_clients
-from shared.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError
-from shared.limits import Limits, Settlements
-from shared.settings import Settings
+from shared.protocol import keys
+from shared.protocol.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError
+from shared.redisio import clients as redis_clients
+from shared.runtime import logs, metrics
+from shared.runtime.settings import Settings
+from shared.tenancy import fairshare
+from shared.tenancy.limits import Limits, Settlements
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,12 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.edge.redis_boundary import REDIS_FAILURES
-from shared import apikeys, keys, redis_clients
-from shared.apikeys import KeyRecord
-from shared.background import looping
-from shared.errors import ModelNotFound, Unauthenticated
+from shared.protocol import keys
+from shared.protocol.errors import ModelNotFound, Unauthenticated
+from shared.redisio import clients as redis_clients
+from shared.runtime.background import looping
+from shared.tenancy import apikeys
+from shared.tenancy.apikeys import KeyRecord
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,10 @@ import time
 import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import REDIS_FAILURES
-from shared import bus, keys, metrics, rawpipe
-from shared.background import looping
+from shared.protocol import bus, keys
+from shared.redisio import rawpipe
+from shared.runtime import metrics
+from shared.runtime.background import looping
 
 log = logging.getLogger(__name__)
 

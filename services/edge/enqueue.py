@@ -1,9 +1,9 @@
-"""Queues jobs through their model's scheduler (shared.fairshare). A job that finds no write in flight is written
-on the spot, in the step of its request, on a connection held for good: deferred to a task, its write waited for
-whatever else the loop had ready (at 64 streams, often a step's tokens for every client: p90 1.4 ms before it
-left). The jobs of the requests that were ready in the same pass follow it at once, in one write; those that
-arrive while writes are in flight go out together once their replies are in: a burst costs the edge a few writes,
-not one each. Admission happens in the same write: a refused job leaves nothing queued."""
+"""Queues jobs through their model's scheduler (shared.tenancy.fairshare). A job that finds no write in flight
+is written on the spot, in the step of its request, on a connection held for good: deferred to a task, its write
+would wait for whatever else the loop had ready (at many streams, often a step's tokens for every client). The jobs
+of the requests that were ready in the same pass follow it at once, in one write; those that arrive while writes
+are in flight go out together once their replies are in: a burst costs the edge a few writes, not one each.
+Admission happens in the same write: a refused job leaves nothing queued."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from services.edge.redis_boundary import REDIS_FAILURES
-from shared import bus, fairshare, metrics, rawpipe
-from shared.errors import TokenbusError
-from shared.rawpipe import PipelineLike
+from shared.protocol import bus
+from shared.protocol.errors import TokenbusError
+from shared.redisio import rawpipe
+from shared.redisio.rawpipe import PipelineLike
+from shared.runtime import metrics
+from shared.tenancy import fairshare
 
 Record = tuple[str, bytes, int]
 """A key written with a job: (key, value, time to live in ms)."""

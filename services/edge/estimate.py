@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared import bus
+from shared.protocol import bus
 
 ASCII_BYTES_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4

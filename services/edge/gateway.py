@@ -17,8 +17,9 @@ from services.edge.jobevents import JobEvents
 from services.edge.redis_boundary import redis_boundary, unavailable
 from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
-from shared import bus, fairshare, keys
-from shared.errors import InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated
+from shared.protocol import bus, keys
+from shared.protocol.errors import InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated
+from shared.tenancy import fairshare
 
 log = logging.getLogger(__name__)
 

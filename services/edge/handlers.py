@@ -18,9 +18,11 @@ from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
-from shared import bus, fairshare, keys, metrics
-from shared.errors import InvalidRequest, NotFound, RateLimited
-from shared.settings import Settings
+from shared.protocol import bus, keys
+from shared.protocol.errors import InvalidRequest, NotFound, RateLimited
+from shared.runtime import metrics
+from shared.runtime.settings import Settings
+from shared.tenancy import fairshare
 
 OVMS_PREFIX = "/v3"
 """OpenVINO Model Server's paths for the OpenAI API: every /v1 route is served under /v3 too, and its

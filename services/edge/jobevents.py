@@ -1,7 +1,7 @@
 """One request's view of its job's events: in order, each position once, from the job's current owner.
 
 The relay offers every event it reads (`offer`); the request takes them (`next`, `ready`). Events are judged
-by a shared.sequence.Sequencer, so a job that moved to another worker continues without a repeat, and a gap
+by a shared.protocol.sequence.Sequencer, so a job that moved to another worker continues without a repeat, and a gap
 (events the edge never saw, say from a worker that died mid-write) is filled from the job's log before
 anything after it goes out. A resumed stream starts with such a gap: everything from position 0.
 """
@@ -14,9 +14,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from shared import bus
-from shared.errors import RequestTimeout, StreamAbandoned, TokenbusError, WorkerLost, from_kind, kind_of
-from shared.sequence import Sequencer, Verdict
+from shared.protocol import bus
+from shared.protocol.errors import RequestTimeout, StreamAbandoned, TokenbusError, WorkerLost, from_kind, kind_of
+from shared.protocol.sequence import Sequencer, Verdict
 
 log = logging.getLogger(__name__)
 

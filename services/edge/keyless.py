@@ -14,7 +14,7 @@ import ipaddress
 
 from aiohttp import web
 
-from shared.errors import HostNotAllowed, UnsupportedMediaType
+from shared.protocol.errors import HostNotAllowed, UnsupportedMediaType
 
 LOCAL_NAMES = frozenset({"localhost"})
 

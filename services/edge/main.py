@@ -7,8 +7,8 @@ import resource
 
 from services.edge.app import create_app
 from services.edge.server import serve
-from shared import eventloop
-from shared.settings import Settings
+from shared.runtime import eventloop
+from shared.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The operational routes: liveness and readiness. They need no key and answer during a Redis outage
-(readiness then says why it is not ready). The metrics are not among them: see shared/exposition.py."""
+(readiness then says why it is not ready). The metrics are not among them: see shared/runtime/exposition.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from aiohttp import web
 
 from services.edge.redis_boundary import REDIS_FAILURES
 from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS
-from shared.settings import Settings
+from shared.runtime.settings import Settings
 
 
 async def health(request: web.Request) -> web.Response:

@@ -22,8 +22,9 @@ from services.edge.formats import chat, completions, embeddings, responses, tgi
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.state import CHECKER, GATEWAY, SETTINGS, STORE
 from services.edge.store import Conversation
-from shared import bus, metrics
-from shared.errors import NotFound
+from shared.protocol import bus
+from shared.protocol.errors import NotFound
+from shared.runtime import metrics
 
 T = TypeVar("T", bound=msgspec.Struct)
 

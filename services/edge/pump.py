@@ -10,8 +10,9 @@ from aiohttp import web
 from services.edge.formats.base import Renderer
 from services.edge.jobevents import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter, bound_send_buffer
-from shared import bus, metrics
-from shared.errors import EngineError, TokenbusError
+from shared.protocol import bus
+from shared.protocol.errors import EngineError, TokenbusError
+from shared.runtime import metrics
 
 
 class _Delivery:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from redis.exceptions import RedisError
 
-from shared.errors import Overloaded, Unavailable
+from shared.protocol.errors import Overloaded, Unavailable
 
 REDIS_FAILURES = (RedisError, OSError)
 """What a Redis call raises when Redis cannot answer: redis-py's errors, or a socket's (TimeoutError, a deadline's

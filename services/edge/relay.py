@@ -28,9 +28,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.edge.jobevents import JobEvents
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
-from shared import bus, joblog, keys, metrics, rawpipe
-from shared.background import looping
-from shared.errors import WorkerLost
+from shared.protocol import bus, joblog, keys
+from shared.protocol.errors import WorkerLost
+from shared.redisio import internals, rawpipe
+from shared.runtime import metrics
+from shared.runtime.background import looping
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +192,7 @@ class EventRelay:
         per read would cost every token's read a timer): PING_AFTER_S of quiet sends a PING, and when nothing
         answers it for PONG_WAIT_S the connection is closed, which ends the listening."""
         self.quiet_check = None
-        transport = None if self.connection is None or self.connection._writer is None \
-            else self.connection._writer.transport
+        transport = None if self.connection is None else internals.transport(self.connection)
         if transport is None or transport.is_closing():  # its listening ends, or has ended, on its own
             return
         loop = asyncio.get_running_loop()
@@ -246,14 +247,14 @@ class EventRelay:
     async def _receive(self) -> bool:
         """One read of the socket, while subscribing (after that, `rawpipe.Listener` hands each read to
         `_route`); True when the subscription was confirmed."""
-        await self.connection._parser.read_from_socket()
+        await internals.read_from_socket(self.connection)
         return self._route()
 
     def _route(self) -> bool:
         """Routes the messages the connection's reader holds whole, taken from hiredis's reader (in C: redis-py's
         read_response costs a few Python calls and a timer per reply); True when one confirmed the
         subscription."""
-        reader = self.connection._parser._reader
+        reader = internals.hiredis_reader(self.connection)
         self.heard, self.pinged_at = asyncio.get_running_loop().time(), None
         subscribed = False
         while (reply := reader.gets()) is not rawpipe.NOT_ENOUGH_DATA:

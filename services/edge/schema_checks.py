@@ -47,7 +47,7 @@ from typing import Any
 import jsonschema_rs
 import orjson
 
-from shared.errors import InvalidRequest, Overloaded
+from shared.protocol.errors import InvalidRequest, Overloaded
 
 log = logging.getLogger(__name__)
 

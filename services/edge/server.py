@@ -27,9 +27,9 @@ from aiohttp.web_server import Server
 from services.edge.formats.base import openai_error
 from services.edge.sse import ClientGone
 from services.edge.state import DRAINING
-from shared import exposition, gcheap, metrics
-from shared.errors import InvalidRequest, TokenbusError
-from shared.settings import Settings
+from shared.protocol.errors import InvalidRequest, TokenbusError
+from shared.runtime import exposition, gcheap, metrics
+from shared.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

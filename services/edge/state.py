@@ -12,7 +12,7 @@ from services.edge.auth import KeyCache
 from services.edge.gateway import Gateway
 from services.edge.schema_checks import Checker
 from services.edge.store import ResponseStore
-from shared.settings import Settings
+from shared.runtime.settings import Settings
 
 SETTINGS = web.AppKey("settings", Settings)
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -24,12 +24,13 @@ import msgspec
 import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary
-from shared import bus, keys, metrics
-from shared.apikeys import KeyRecord
-from shared.background import looping
-from shared.errors import NotFound, Overloaded, StorageFull
-from shared.settings import Settings
-from shared.storage import TRIM_EXPIRED
+from shared.protocol import bus, keys
+from shared.protocol.errors import NotFound, Overloaded, StorageFull
+from shared.runtime import metrics
+from shared.runtime.background import looping
+from shared.runtime.settings import Settings
+from shared.tenancy.apikeys import KeyRecord
+from shared.tenancy.storage import TRIM_EXPIRED
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class ResponseStore:
     async def charge_stream(self, tenant: str, key: KeyRecord | None, job: bus.Job, body_bytes: int) -> None:
         """Charges a resumable stream's request (kept to resume it, up to --max-body-bytes) until its log expires
         at the latest, or refuses the stream when its tenant's storage is full. Its event log is charged by the
-        worker when the job ends (shared.storage), as written: charging what it may grow to (max_tokens events)
+        worker when the job ends (shared.tenancy.storage), as written: charging what it may grow to (max_tokens events)
         for as long as it may live would refuse a tenant's ordinary streaming. So a tenant overshoots its quota
         by at most the logs of the streams it has running, each bounded by --replay-max-events."""
         expires_ms = job.deadline_ms + int(self.settings.replay_ttl_s * 1000)

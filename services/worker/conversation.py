@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from services.worker.parsing.formats import ToolFormat, system_prompt
-from shared import bus
+from shared.protocol import bus
 
 _TOOLS = re.compile(r"\btools\b")
 

@@ -18,9 +18,10 @@ import orjson
 from services.worker import conversation, template_kwargs
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
-from shared import bus, metrics
-from shared.errors import ContextLengthExceeded, InvalidRequest
-from shared.settings import Settings, engine_seqs
+from shared.protocol import bus
+from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
+from shared.runtime import metrics
+from shared.runtime.settings import Settings, engine_seqs
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,12 @@ from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import for_job
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.publisher import EventPublisher
-from shared import bus, keys, logs, metrics
-from shared.errors import EngineError, RequestTimeout, StreamAbandoned, TokenbusError, kind_of
-from shared.limits import Settlements
-from shared.settings import Settings
-from shared.storage import LogCharges
+from shared.protocol import bus, keys
+from shared.protocol.errors import EngineError, RequestTimeout, StreamAbandoned, TokenbusError, kind_of
+from shared.runtime import logs, metrics
+from shared.runtime.settings import Settings
+from shared.tenancy.limits import Settlements
+from shared.tenancy.storage import LogCharges
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from services.worker.parsing.output import JobOutput
 from services.worker.slots import Slots
-from shared import bus, fairshare
+from shared.protocol import bus
+from shared.tenancy import fairshare
 
 PRIORITY_BAND_SPAN = 1_000_000
 """Engine priorities of one band lie within this span (a tenant's slots over its weight), below a lower band's."""

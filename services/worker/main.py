@@ -12,8 +12,8 @@ from services.worker.parsing.formats import tool_format
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
-from shared import eventloop, exposition, gcheap, metrics
-from shared.settings import Settings
+from shared.runtime import eventloop, exposition, gcheap, metrics
+from shared.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

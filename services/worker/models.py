@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from shared.settings import DEFAULT_MODEL_NAME, cache_dir
+from shared.runtime.settings import DEFAULT_MODEL_NAME, cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from shared import bus, joblog, keys
-from shared.rawpipe import PipelineLike, field_map
-from shared.sequence import in_order
+from shared.protocol import bus, joblog, keys
+from shared.protocol.sequence import in_order
+from shared.redisio.rawpipe import PipelineLike, field_map
 
 log = logging.getLogger(__name__)
 

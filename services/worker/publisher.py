@@ -24,9 +24,10 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import bus, keys, metrics
-from shared.rawpipe import Arg, PipelineLike, Pipelines
-from shared.storage import LOG_ENTRY_BYTES
+from shared.protocol import bus, keys
+from shared.redisio.rawpipe import Arg, PipelineLike, Pipelines
+from shared.runtime import metrics
+from shared.tenancy.storage import LOG_ENTRY_BYTES
 
 log = logging.getLogger(__name__)
 

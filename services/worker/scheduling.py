@@ -1,4 +1,4 @@
-"""A worker's side of the fair-share scheduler (shared.fairshare): it offers its slots and dispatches before it
+"""A worker's side of the fair-share scheduler (shared.tenancy.fairshare): it offers its slots and dispatches before it
 reads jobs, and settles each finished job's charge in the same write that acknowledges the job, followed by a
 dispatch into the slot it freed, so the next job is on its way without another round trip."""
 
@@ -9,8 +9,10 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
-from shared import fairshare, keys, metrics
-from shared.rawpipe import PipelineLike
+from shared.protocol import keys
+from shared.redisio.rawpipe import PipelineLike
+from shared.runtime import metrics
+from shared.tenancy import fairshare
 
 log = logging.getLogger(__name__)
 

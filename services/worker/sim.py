@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from services.worker.prefill import PrefillLane
-from shared import bus, metrics
-from shared.settings import Settings, engine_seqs
+from shared.protocol import bus
+from shared.runtime import metrics
+from shared.runtime.settings import Settings, engine_seqs
 
 DEFAULT_MAX_TOKENS = 128
 SPIN_S = 0.0015

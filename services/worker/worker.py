@@ -23,9 +23,13 @@ from services.worker.ownership import Ownership
 from services.worker.parsing.output import for_job
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from shared import bus, fairshare, keys, logs, metrics, rawpipe, redis_clients
-from shared.errors import QueueTimeout, WorkerLost
-from shared.settings import Settings, engine_seqs
+from shared.protocol import bus, keys
+from shared.protocol.errors import QueueTimeout, WorkerLost
+from shared.redisio import clients as redis_clients
+from shared.redisio import rawpipe
+from shared.runtime import logs, metrics
+from shared.runtime.settings import Settings, engine_seqs
+from shared.tenancy import fairshare
 
 log = logging.getLogger(__name__)
 

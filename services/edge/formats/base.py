@@ -10,8 +10,8 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from services.edge.sse import DONE, data_frame
-from shared import bus
-from shared.errors import ContextLengthExceeded, InvalidRequest, TokenbusError
+from shared.protocol import bus
+from shared.protocol.errors import ContextLengthExceeded, InvalidRequest, TokenbusError
 
 T = TypeVar("T")
 

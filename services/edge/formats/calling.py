@@ -18,8 +18,8 @@ from msgspec import Meta
 
 from services.edge.formats import structured
 from services.edge.formats.base import Request, refuse
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 MAX_FUNCTIONS = 32
 MAX_PROPERTIES = 15

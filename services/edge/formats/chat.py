@@ -32,8 +32,8 @@ from services.edge.formats.common import (
     token_logprobs_out,
 )
 from services.edge.sse import data_frame
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 # request
 

@@ -9,8 +9,8 @@ from msgspec import Meta
 
 from services.edge.formats import structured
 from services.edge.formats.base import Out, Request, StopList, StopString, stop_list
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1

@@ -24,8 +24,8 @@ from services.edge.formats.common import (
     sampling_params,
 )
 from services.edge.sse import data_frame
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""

@@ -10,8 +10,8 @@ from typing import Annotated, Literal
 from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats.base import Out, Request, encode, openai_error
-from shared import bus
-from shared.errors import InvalidRequest, TokenbusError
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest, TokenbusError
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
 MAX_INSTRUCTION_CHARS = 4096

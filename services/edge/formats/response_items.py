@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.edge.formats.base import Out
-from shared import bus
+from shared.protocol import bus
 
 Event = tuple[str, dict[str, Any]]
 """A stream event's type and fields (the renderer numbers it)."""

@@ -13,8 +13,8 @@ from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, 
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.sse import DONE, event_frame
 from services.edge.store import Conversation, ResponseStore
-from shared import bus
-from shared.errors import InvalidRequest, TokenbusError
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest, TokenbusError
 
 # request
 

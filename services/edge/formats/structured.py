@@ -15,8 +15,8 @@ import orjson
 
 from services.edge import schema_checks
 from services.edge.formats.base import Request
-from shared import bus
-from shared.errors import InvalidRequest
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 SchemaName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 MAX_SPEC_BYTES = 64 * 1024

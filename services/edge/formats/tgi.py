@@ -25,8 +25,8 @@ from services.edge.formats.base import (
     stop_list,
 )
 from services.edge.sse import data_frame
-from shared import bus
-from shared.errors import (
+from shared.protocol import bus
+from shared.protocol.errors import (
     ContextLengthExceeded,
     EngineError,
     InvalidRequest,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from services.worker.parsing.tools import CallIds, JsonParser, TaggedParser, ToolParser
-from shared import bus
+from shared.protocol import bus
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import msgspec
 from services.worker.parsing.formats import ToolFormat
 from services.worker.parsing.reasoning import ReasoningFormat, ReasoningParser, Split
 from services.worker.parsing.tools import CallIds, JsonParser, NamedParser, Parsed, ToolParser
-from shared import bus
+from shared.protocol import bus
 
 
 def call_id(job_id: str, choice: int, index: int) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.worker.parsing.scan import CallScanner
-from shared import bus
+from shared.protocol import bus
 
 CallIds = Callable[[int], str]
 """The id of a choice's call number n (the same on every worker, so that a continued job keeps its ids)."""

@@ -1,5 +1,5 @@
-"""The fair-share scheduler's Lua scripts (see shared.fairshare for what they do; each takes the keys of
-shared.keys.fair_keys, in that order). Each runs atomically, so edges and workers that call them at
+"""The fair-share scheduler's Lua scripts (see shared.tenancy.fairshare for what they do; each takes the keys of
+shared.protocol.keys.fair_keys, in that order). Each runs atomically, so edges and workers that call them at
 once never see a half-moved job.
 
 How the sorted sets encode order (every score is 0; members sort by name):

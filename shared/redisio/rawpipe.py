@@ -22,12 +22,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from shared.redis_clients import COMMAND_TIMEOUT_S
-
-try:
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA  # what its hiredis reader answers for a partial reply
-except ImportError:  # pragma: no cover - a redis-py that moved it: its own reads are used
-    NOT_ENOUGH_DATA = None
+from shared.redisio import internals
+from shared.redisio.clients import COMMAND_TIMEOUT_S
+from shared.redisio.internals import NOT_ENOUGH_DATA
 
 Arg = bytes | str | int | float
 pack = cast(Callable[[tuple[Arg, ...]], bytes], hiredis.pack_command)  # its stub takes 1-tuples only
@@ -159,8 +156,8 @@ class HeldConnection:
                 await self._drop(connection)
                 raise
             self.unread += len(commands)
-            if not connection._writer.transport.is_closing():
-                connection._writer.transport.pause_reading()
+            if internals.is_open(connection):
+                internals.transport(connection).pause_reading()  # type: ignore[union-attr]
 
     def try_send_unread(self, commands: list[tuple[Arg, ...]]) -> bool:
         """`send_unread` on the spot, when it can be: hands the commands to an open, idle connection's transport,
@@ -169,9 +166,7 @@ class HeldConnection:
         (its caches are cold after the engine's step): at one stream, where every token is a wake, the worker
         spent about 12% less CPU per token with this and the publisher's single quiet timer. False: nothing was
         sent; `send_unread` sends them the careful way (connecting, waiting out a full buffer, failing)."""
-        connection = self.connection
-        writer = None if connection is None or self.lock.locked() else connection._writer
-        transport = None if writer is None else writer.transport
+        transport = None if self.connection is None or self.lock.locked() else internals.transport(self.connection)
         if transport is None or transport.is_closing() or transport.get_write_buffer_size() > 0:
             return False
         transport.write(b"".join(map(pack, commands)))
@@ -192,17 +187,17 @@ class HeldConnection:
                 return []
             connection = self.connection
             try:
-                if connection._writer.transport.is_closing():  # a write found it gone (a paused one can't resume)
+                transport = internals.transport(connection)
+                if transport is None or transport.is_closing():  # a write found it gone (a paused one can't resume)
                     raise RedisConnectionError("the connection was lost with replies unread")
-                connection._writer.transport.resume_reading()
+                transport.resume_reading()
                 return await read_replies(connection, count)
             except BaseException:
                 await self._drop(connection)
                 raise
 
     async def _connection(self) -> Any:
-        if self.connection is not None and (self.connection._writer is None
-                                            or self.connection._writer.transport.is_closing()):
+        if self.connection is not None and not internals.is_open(self.connection):
             await self._drop(self.connection)  # a write found it gone; uvloop refuses any use of it now
         if self.connection is None:
             self.connection = await self.client.connection_pool.get_connection()
@@ -220,17 +215,16 @@ async def read_replies(connection: Any, count: int) -> list[Any]:
     (always installed: redis[hiredis]) they are taken from its reader as each socket read completes them, in C;
     redis-py's read_response costs a few Python calls and a timer check per reply, which a step's write of
     dozens of commands pays dozens of times. No timer per read: the caller bounds the whole call."""
-    parser = connection._parser
-    reader = getattr(parser, "_reader", None)
-    if reader is None or NOT_ENOUGH_DATA is None:  # redis-py's Python parser, or a redis-py that changed
+    reader = internals.hiredis_reader(connection)
+    if reader is None:  # redis-py's Python parser, or a redis-py that changed
         return [await _read_one(connection) for _ in range(count)]
-    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    push = internals.push_type(connection)
     replies: list[Any] = []
     while len(replies) < count:
         reply = reader.gets()
         if reply is NOT_ENOUGH_DATA:
             try:
-                await parser.read_from_socket()
+                await internals.read_from_socket(connection)
             except OSError as exc:
                 raise RedisConnectionError(f"Error while reading from Redis: {exc}") from exc
         elif isinstance(reply, RedisConnectionError):
@@ -270,18 +264,19 @@ class Listener(asyncio.Protocol):
     what ended the listening: the connection's loss, or an exception `on_read` raised."""
 
     def __init__(self, connection: Any, on_read: Callable[[], object]) -> None:
-        self.reader = connection._parser._reader
+        self.reader = internals.hiredis_reader(connection)
         self.on_read = on_read
         self.ended: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
-        transport = connection._writer.transport
-        self.inner = transport.get_protocol()
-        stream = connection._reader
-        if stream._buffer:  # read from the socket, not yet by the parser: nothing arrives before set_protocol
-            self.reader.feed(bytes(stream._buffer))
-            stream._buffer.clear()
+        transport = internals.transport(connection)
+        # nosec B101: an invariant (tokenbus never runs with -O)
+        assert transport is not None and self.reader is not None, "listens on a connection, with hiredis"  # nosec B101
+        self.inner = cast(asyncio.Protocol, transport.get_protocol())
+        # read from the socket, not yet by the parser: nothing arrives before set_protocol
+        buffered, paused = internals.take_stream(connection)
+        if buffered:
+            self.reader.feed(buffered)
         transport.set_protocol(self)
-        if stream._paused:  # its buffer was full: the stream reader stopped the transport's reads
-            stream._paused = False
+        if paused:  # its buffer was full: the stream reader stopped the transport's reads
             transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:

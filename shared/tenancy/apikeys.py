@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import msgspec
 import redis.asyncio as aioredis
 
-from shared import keys
+from shared.protocol import keys
 
 KEY_PREFIX = "tb-"
 QUOTA_PERIODS = ("day", "month")

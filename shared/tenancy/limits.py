@@ -20,9 +20,9 @@ from datetime import UTC, datetime, timedelta
 
 import redis.asyncio as aioredis
 
-from shared import bus, keys
-from shared.apikeys import KeyRecord
-from shared.rawpipe import Arg
+from shared.protocol import bus, keys
+from shared.redisio.rawpipe import Arg
+from shared.tenancy.apikeys import KeyRecord
 
 WINDOW_MS = 60_000
 USAGE_TTL_S = 400 * 24 * 3600

@@ -7,7 +7,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shared import bus, keys
+from shared.protocol import bus, keys
 
 
 def parse(entries: Any) -> list[bus.Event]:
@@ -43,5 +43,5 @@ async def read_page(redis: aioredis.Redis, job_id: str, after: str) -> tuple[lis
 
 
 async def read(redis: aioredis.Redis, job_id: str) -> list[bus.Event]:
-    """Every event in the job's log, in position order (not yet judged: see shared.sequence)."""
+    """Every event in the job's log, in position order (not yet judged: see shared.protocol.sequence)."""
     return parse(await redis.xrange(keys.job_log(job_id)))

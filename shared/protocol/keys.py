@@ -50,7 +50,7 @@ def stored_response(tenant: str, response_id: str) -> str:
 
 def storage_tally(tenant: str) -> str:
     """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
-    (r:<response id>, s:<job id>, l:<job id>: see shared.storage)."""
+    (r:<response id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""
     return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:tally"
 
 
@@ -148,7 +148,7 @@ def settled(key_id: str, job_id: str) -> str:
 
 
 FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots", "inflight")
-"""The fair-share scheduler's keys of a model (see shared.fairshare), all under the model's hash tag like its
+"""The fair-share scheduler's keys of a model (see shared.tenancy.fairshare), all under the model's hash tag like its
 request stream, so that each of its scripts touches one Redis Cluster slot:
 
     ready     sorted set (by name): the backlogged tenants of each priority band, ordered by their counters

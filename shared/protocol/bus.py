@@ -7,7 +7,7 @@ each other.
 
 Every event has a position (`seq`) in its job's sequence and the `epoch` of the owner that wrote it: a job
 that moves to another worker continues at the next position under a higher epoch, so a reader keeps each
-position once and drops what a former owner writes late (see shared.sequence).
+position once and drops what a former owner writes late (see shared.protocol.sequence).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class Job(Base):
     """The rate-limit reservation to settle with the real usage when the job ends (None: no limits)."""
     replayable: bool = False
     """Its client may resume the stream (it asked for event ids): the worker charges the job's event log to its
-    tenant's storage when the job ends (shared.storage)."""
+    tenant's storage when the job ends (shared.tenancy.storage)."""
     handovers: int = 0
     """How many times a draining worker handed this job on (0: as the edge enqueued it). A job with
     handovers, or one reclaimed from a dead worker, continues from its event log."""
@@ -300,7 +300,7 @@ class Final(Stamped, tag="end", kw_only=True):
 
 
 class Error(Stamped, tag="err", kw_only=True):
-    """The job failed; `kind` names a class in shared.errors."""
+    """The job failed; `kind` names a class in shared.protocol.errors."""
 
     kind: str
     message: str

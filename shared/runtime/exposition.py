@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from shared.settings import Settings
+from shared.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 

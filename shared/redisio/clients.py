@@ -13,7 +13,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared.settings import Settings
+from shared.runtime.settings import Settings
 
 CHECKOUT_TIMEOUT_S = 30.0
 """How long a caller waits for a free connection of a full pool."""

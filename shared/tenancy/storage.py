@@ -14,7 +14,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import bus, keys
+from shared.protocol import bus, keys
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Every Prometheus metric tokenbus exports, in two registries: the edge's (`EDGE`) and the worker's
 (prometheus_client's default registry, beside the engine's own `vllm:*` metrics), so that neither shows the
-other's series; each is served on its process's metrics port (shared/exposition.py). No `_created` series.
+other's series; each is served on its process's metrics port (shared/runtime/exposition.py). No `_created` series.
 
 Labels are bounded: routes, status codes, error codes, finish reasons, served models, and tenants (the first
 `metrics_max_tenants` seen by a process; the rest are counted as `other`)."""

@@ -25,11 +25,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shared import bus, keys
-from shared.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
-from shared.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
-from shared.rawpipe import PipelineLike, field_map
-from shared.settings import Settings, engine_seqs, headroom_seqs
+from shared.protocol import bus, keys
+from shared.protocol.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
+from shared.redisio.rawpipe import PipelineLike, field_map
+from shared.runtime.settings import Settings, engine_seqs, headroom_seqs
+from shared.tenancy.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
 
 Arg = bytes | str | int | float
 """A script argument."""
@@ -55,7 +55,7 @@ class Ticket:
     """Counter units per prompt token: the input weight over the tenant's weight."""
     output_price: float
     sequences: int = 1
-    """The worker slots the job takes (shared.bus.Job.sequences)."""
+    """The worker slots the job takes (shared.protocol.bus.Job.sequences)."""
 
     def fields(self) -> dict[bytes, bytes]:
         return {ENTITY_FIELD: self.entity.encode(), COST_FIELD: (

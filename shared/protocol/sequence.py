@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from shared import bus
+from shared.protocol import bus
 
 
 class Verdict(enum.Enum):
