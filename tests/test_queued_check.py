@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from services.worker import worker as worker_module
+from services.worker import intake
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
 from shared.protocol import bus, keys
@@ -27,7 +27,7 @@ TOKENS = 4
 
 @pytest.fixture
 async def worker(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Worker]:
-    monkeypatch.setattr(worker_module, "CHECK_WAIT_S", CHECK_WAIT_S)
+    monkeypatch.setattr(intake, "CHECK_WAIT_S", CHECK_WAIT_S)
     settings = Settings(redis_url=redis_url, model=f"check-{uuid.uuid4().hex[:8]}", engine="sim",
                         sim_ttft_ms=10, sim_itl_ms=5, max_num_seqs=4)
     running = Worker(settings, SimEngine(settings))
@@ -68,7 +68,7 @@ async def test_a_job_whose_cancel_check_is_never_answered_starts_after_a_bounded
     kinds = [type(e) for _t, e in events]
     assert kinds == [bus.Started] + [bus.Tokens] * TOKENS + [bus.Final], kinds
     started_after = events[0][0] - sent
-    if queued_ms > worker_module.CHECK_FIRST_AFTER_MS:
+    if queued_ms > intake.CHECK_FIRST_AFTER_MS:
         assert CHECK_WAIT_S <= started_after < CHECK_WAIT_S + 5
     else:
         assert started_after < CHECK_WAIT_S

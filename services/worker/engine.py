@@ -1,6 +1,6 @@
-"""The engine adapter: turns a job into vLLM parameters and vLLM outputs into bus events.
+"""The engine adapter: turns a job into vLLM requests and vLLM outputs into bus events.
 
-This is the only module that imports vllm; the edge never does.
+With services.worker.vllm_terms (the two types' terms), the only module that imports vllm; the edge never does.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from services.worker import conversation, template_kwargs
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
+from services.worker.vllm_terms import engine_gauges, sampling_params, token_logprobs
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
-from shared.runtime import metrics
 from shared.runtime.settings import Settings, engine_seqs
 
 log = logging.getLogger(__name__)
@@ -55,24 +53,6 @@ class _EngineRequest:
     params: Any
     echo_ids: list[int] | None = None
     """The prompt alone, when `ids` continues it with tokens generated before (for echo logprobs)."""
-
-
-def token_logprobs(
-    token_ids: list[int], entries: list[dict[int, Any]] | None, top: int, special_ids: frozenset[int] = frozenset()
-) -> list[bus.TokenLogprob]:
-    """vLLM's per-position logprob dicts as bus logprobs: the chosen token and the `top` likeliest."""
-    out: list[bus.TokenLogprob] = []
-    for token_id, entry in zip(token_ids, entries or (), strict=False):
-        chosen = entry[token_id]
-        ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top),
-                        key=lambda pair: pair[1].rank)
-        out.append(bus.TokenLogprob(
-            token=chosen.decoded_token or "", logprob=max(chosen.logprob, -9999.0),
-            top=[bus.TopLogprob(token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0), token_id=tid)
-                 for tid, lp in ranked],
-            special=token_id in special_ids,
-        ))
-    return out
 
 
 class VllmEngine:
@@ -238,40 +218,6 @@ class VllmEngine:
             param=param,
         )
 
-    def sampling_params(self, job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = False,
-                        prompt_logprobs: bool = True) -> Any:
-        """vLLM's parameters; a choice that continues after `had` tokens runs alone (`one`) for what is left."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        p = job.params
-        try:
-            return SamplingParams(
-                n=1 if one else p.n,
-                max_tokens=max_tokens - had,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k if p.top_k > 0 else 0,
-                min_p=p.min_p,
-                seed=p.seed,
-                stop=p.stop or None,
-                stop_token_ids=p.stop_token_ids or None,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
-                repetition_penalty=p.repetition_penalty,
-                logprobs=p.logprobs,
-                prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None,
-                logit_bias=p.logit_bias or None,
-                ignore_eos=p.ignore_eos,
-                min_tokens=max(0, p.min_tokens - had),
-                skip_special_tokens=p.skip_special_tokens,
-                include_stop_str_in_output=p.include_stop_str_in_output,
-                output_kind=RequestOutputKind.DELTA,
-                structured_outputs=structured_outputs(p.constraint),
-            )
-        except ValueError as exc:  # vLLM's own parameter checks
-            raise InvalidRequest(str(exc)) from None
-
     # generation
 
     async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
@@ -304,14 +250,14 @@ class VllmEngine:
             prompt, max_tokens = self._budget(job, ids)
             counts.prompt_tokens += len(prompt)
             if cont is None:
-                reqs.append(_EngineRequest(index, index * n, prompt, self.sampling_params(job, max_tokens)))
+                reqs.append(_EngineRequest(index, index * n, prompt, sampling_params(job, max_tokens)))
                 continue
             for choice in range(index * n, index * n + n):
                 if choice >= len(cont.finished) or cont.finished[choice]:
                     continue
                 had = cont.token_ids[choice]
                 echo = choice == index * n and index not in cont.prompted
-                params = self.sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
+                params = sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
                 reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
         return reqs
 
@@ -427,47 +373,3 @@ async def _merge(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def structured_outputs(constraint: bus.Constraint | None) -> Any:
-    """vLLM's structured-output parameters for a constraint (None: free text)."""
-    if constraint is None:
-        return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if constraint.kind == "json":
-        return StructuredOutputsParams(json=constraint.spec)
-    if constraint.kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if constraint.kind == "regex":
-        return StructuredOutputsParams(regex=constraint.spec)
-    if constraint.kind == "choice":
-        return StructuredOutputsParams(choice=orjson.loads(constraint.spec))
-    if constraint.kind == "structural_tag":
-        return StructuredOutputsParams(structural_tag=constraint.spec)
-    raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")
-
-
-def engine_gauges(model: str) -> Any:
-    """A vLLM stat logger that keeps the worker's engine gauges (running and waiting sequences, KV-cache use)
-    from the scheduler's own figures, each time the engine reports them."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    running, waiting, cache = (metrics.ENGINE_RUNNING.labels(model), metrics.ENGINE_WAITING.labels(model),
-                               metrics.KV_CACHE_USAGE.labels(model))
-
-    class EngineGauges(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                running.set(scheduler_stats.num_running_reqs)
-                waiting.set(scheduler_stats.num_waiting_reqs)
-                cache.set(scheduler_stats.kv_cache_usage)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return EngineGauges

@@ -195,6 +195,16 @@ class JobRunner:
             reply = exc
         self._cost_settled(job, prompt, completion, reply, alone=True)
 
+    async def abort(self, job_id: str, abandoned: bool = False) -> None:
+        """Aborts a running job in the engine (its client went away, or `abandoned`: its edge did and no resume
+        came); its generator then ends by itself."""
+        if (run := self.jobs.abort(job_id, abandoned)) is None:
+            return
+        await self.engine.abort(job_id)
+        metrics.ENGINE_ABORTS.labels(self.model).inc()
+        with logs.about(run.job.request_id or job_id):
+            log.info("aborted job %s in the engine: its client went away", job_id)
+
     def in_background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(work)
         self.background.add(task)

@@ -1,0 +1,110 @@
+"""tokenbus's job and vLLM's types in each other's terms: a job's sampling parameters and output constraint as
+vLLM's, vLLM's logprobs as the bus's, and vLLM's scheduler figures as the worker's engine gauges. vllm is imported
+inside each function: importing this module costs nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
+from shared.runtime import metrics
+
+
+def sampling_params(job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = False,
+                    prompt_logprobs: bool = True) -> Any:
+    """vLLM's parameters; a choice that continues after `had` tokens runs alone (`one`) for what is left."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    p = job.params
+    try:
+        return SamplingParams(
+            n=1 if one else p.n,
+            max_tokens=max_tokens - had,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0,
+            min_p=p.min_p,
+            seed=p.seed,
+            stop=p.stop or None,
+            stop_token_ids=p.stop_token_ids or None,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logprobs=p.logprobs,
+            prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None,
+            logit_bias=p.logit_bias or None,
+            ignore_eos=p.ignore_eos,
+            min_tokens=max(0, p.min_tokens - had),
+            skip_special_tokens=p.skip_special_tokens,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs(p.constraint),
+        )
+    except ValueError as exc:  # vLLM's own parameter checks
+        raise InvalidRequest(str(exc)) from None
+
+
+def token_logprobs(
+    token_ids: list[int], entries: list[dict[int, Any]] | None, top: int, special_ids: frozenset[int] = frozenset()
+) -> list[bus.TokenLogprob]:
+    """vLLM's per-position logprob dicts as bus logprobs: the chosen token and the `top` likeliest."""
+    out: list[bus.TokenLogprob] = []
+    for token_id, entry in zip(token_ids, entries or (), strict=False):
+        chosen = entry[token_id]
+        ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top),
+                        key=lambda pair: pair[1].rank)
+        out.append(bus.TokenLogprob(
+            token=chosen.decoded_token or "", logprob=max(chosen.logprob, -9999.0),
+            top=[bus.TopLogprob(token=lp.decoded_token or "", logprob=max(lp.logprob, -9999.0), token_id=tid)
+                 for tid, lp in ranked],
+            special=token_id in special_ids,
+        ))
+    return out
+
+
+def structured_outputs(constraint: bus.Constraint | None) -> Any:
+    """vLLM's structured-output parameters for a constraint (None: free text)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.kind == "json":
+        return StructuredOutputsParams(json=constraint.spec)
+    if constraint.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if constraint.kind == "regex":
+        return StructuredOutputsParams(regex=constraint.spec)
+    if constraint.kind == "choice":
+        return StructuredOutputsParams(choice=orjson.loads(constraint.spec))
+    if constraint.kind == "structural_tag":
+        return StructuredOutputsParams(structural_tag=constraint.spec)
+    raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")
+
+
+def engine_gauges(model: str) -> Any:
+    """A vLLM stat logger that keeps the worker's engine gauges (running and waiting sequences, KV-cache use)
+    from the scheduler's own figures, each time the engine reports them."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    running, waiting, cache = (metrics.ENGINE_RUNNING.labels(model), metrics.ENGINE_WAITING.labels(model),
+                               metrics.KV_CACHE_USAGE.labels(model))
+
+    class EngineGauges(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                running.set(scheduler_stats.num_running_reqs)
+                waiting.set(scheduler_stats.num_waiting_reqs)
+                cache.set(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineGauges
