@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess  # nosec B404: runs our own programs, never a shell
-import sys
 import tempfile
 import threading
 import time
@@ -23,7 +22,8 @@ from typing import Any
 import msgspec
 import redis
 
-from shared.runtime.settings import ENV_PREFIX, Settings, cache_dir
+from shared.runtime import processes
+from shared.runtime.settings import Settings, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -255,14 +255,12 @@ def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], options: dict[str, 
 
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment that hands these settings to a child process."""
-    env = dict(os.environ)
-    for name in settings.__struct_fields__:
-        env[ENV_PREFIX + name.upper()] = str(getattr(settings, name))
-    return env
+    return processes.settings_env({name: getattr(settings, name) for name in settings.__struct_fields__})
 
 
 def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=child_env(settings))  # nosec B603: our own argv, no shell
+    """A child in this process's group: a terminal's Ctrl-C reaches it too."""
+    return processes.spawn(role, child_env(settings), own_session=False)
 
 
 def wait_until_ready(base_url: str, children: list[subprocess.Popen[bytes]], timeout_s: float) -> bool:
@@ -283,16 +281,7 @@ def wait_until_ready(base_url: str, children: list[subprocess.Popen[bytes]], tim
 
 
 def stop_all(children: list[subprocess.Popen[bytes]]) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for child in children:
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    processes.stop(*children, timeout_s=STOP_TIMEOUT_S)
 
 
 def run(settings: Settings) -> int:

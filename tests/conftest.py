@@ -1,4 +1,4 @@
-"""One private Redis, one real vLLM worker and one edge per test session, started as real processes."""
+"""One private Redis, the real vLLM workers and one edge per test session, started as real processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,18 @@ import pytest
 import redis
 
 from services.supervisor import private_redis
-from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess, running_worker, start_edge, stop_process
+from tests.processes import (
+    EMBEDDING_MODEL,
+    GATHERING_MODEL,
+    MODEL,
+    STREAM_INTERVAL,
+    Edge,
+    WorkerProcess,
+    spawn_worker,
+    start_edge,
+    stop_process,
+    wait_serving,
+)
 from tests.stack import Stack
 
 
@@ -35,25 +46,61 @@ def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     stop_process(started.process)
 
 
-@pytest.fixture(scope="session")
-def worker(
-    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """The real vLLM worker on the default model, started once (with a reasoning parser: SmolLM2 never opens
-    a <think> block by itself, so its answers are as without one, and test_reasoning_engine makes it write one)."""
-    with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("worker") / "worker.log", MODEL,
-                        kv_cache_gib=2, reasoning_parser="qwen3") as started:
-        yield started
+REAL_WORKERS: dict[str, tuple[str, dict[str, object]]] = {
+    # with a reasoning parser: SmolLM2 never opens a <think> block by itself, so its answers are as without one,
+    # and test_reasoning_engine makes it write one
+    "worker": (MODEL, {"kv_cache_gib": 2, "reasoning_parser": "qwen3"}),
+    "embedder": (EMBEDDING_MODEL, {"kv_cache_gib": 1, "task": "embed"}),
+    "gathering_worker": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 4, "stream_interval": STREAM_INTERVAL}),
+    # a second worker of that model, for test_workers to share the queue with and kill (so a short heartbeat TTL)
+    "gathering_twin": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 2, "stream_interval": STREAM_INTERVAL,
+                                         "heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}),
+}
+"""The real vLLM workers of a session, by fixture name: the model each serves and its settings."""
 
 
 @pytest.fixture(scope="session")
-def embedder(
-    redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """A real vLLM worker in pooling mode on all-MiniLM-L6-v2, started once."""
-    with running_worker(redis_url, redis_client, tmp_path_factory.mktemp("embedder") / "worker.log",
-                        EMBEDDING_MODEL, kv_cache_gib=1, task="embed") as started:
+def real_workers(request: pytest.FixtureRequest, redis_url: str, redis_client: redis.Redis,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
+    """Every real worker the session's tests use, started side by side when the first is needed and stopped at the
+    session's end: an engine's start is mostly one core importing vLLM in three processes in turn, so on two cores
+    four starts together take about as long as two one after the other."""
+    needed = [name for name in REAL_WORKERS if any(name in item.fixturenames for item in request.session.items)]
+    started: dict[str, WorkerProcess] = {}
+    try:
+        for name in needed or REAL_WORKERS:
+            model, settings = REAL_WORKERS[name]
+            started[name] = spawn_worker(redis_url, tmp_path_factory.mktemp(name) / "worker.log", model, **settings)
+        for name, running in started.items():
+            wait_serving(running, redis_client, REAL_WORKERS[name][0])
         yield started
+    finally:
+        for running in started.values():
+            stop_process(running.process)
+
+
+@pytest.fixture(scope="session")
+def worker(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    """The real vLLM worker on the default model."""
+    return real_workers["worker"]
+
+
+@pytest.fixture(scope="session")
+def embedder(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    """A real vLLM worker in pooling mode on all-MiniLM-L6-v2."""
+    return real_workers["embedder"]
+
+
+@pytest.fixture(scope="session")
+def gathering_worker(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    """A real vLLM worker on the default model as GATHERING_MODEL, sending STREAM_INTERVAL tokens per event."""
+    return real_workers["gathering_worker"]
+
+
+@pytest.fixture(scope="session")
+def gathering_twin(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    """A second worker of GATHERING_MODEL, with two slots and a 2 s heartbeat TTL (test_workers kills it)."""
+    return real_workers["gathering_twin"]
 
 
 @pytest.fixture(scope="session")

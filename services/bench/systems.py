@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from services.supervisor import free_port, private_redis
-from shared.runtime.settings import ENV_PREFIX
+from shared.runtime import processes
 
 READY_TIMEOUT_S = 600.0
 
@@ -82,22 +81,6 @@ class Running:
     """Every edge's /metrics (on a port of its own), in the order of `base_urls`."""
 
 
-def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # nosec B603: our own argv, no shell
-
-
-def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """SIGTERM, then SIGKILL for the whole process group (engines leave children behind otherwise)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=timeout_s)
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
 def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path,
                ready_path: str = "/v1/models") -> None:
     """Until the server lists the model: on /v1/models (OpenAI's shape), or tokenbus's /ready (needs no key)."""
@@ -114,12 +97,6 @@ def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{base_url} was not ready in {READY_TIMEOUT_S} s; see {log}")
-
-
-def _env(**settings: object) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({ENV_PREFIX + k.upper(): str(v) for k, v in settings.items()})
-    return env
 
 
 @contextmanager
@@ -142,23 +119,22 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
         if sim is not None:
             settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
         settings.update(worker_settings or {})
-        processes: dict[str, subprocess.Popen[bytes]] = {}
+        children: dict[str, subprocess.Popen[bytes]] = {}
         for i in range(workers):
-            processes[f"worker{i or ''}"] = _spawn([sys.executable, "-m", "services.cli", "worker"],
-                                                   _env(**settings), log)
-            stack.callback(_stop, processes[f"worker{i or ''}"])
+            children[f"worker{i or ''}"] = processes.spawn("worker", processes.settings_env(settings), log)
+            stack.callback(processes.stop, children[f"worker{i or ''}"])
         urls, metrics_urls = [], []
         for i in range(edges):
             port, metrics_port = free_port(), free_port()
             edge_env = {"redis_url": redis_url, "model": engine.model, "port": port, "metrics_port": metrics_port,
                         "log_level": "WARNING", "auth": "none", **(edge_settings or {})}
-            processes[f"edge{i or ''}"] = _spawn([sys.executable, "-m", "services.cli", "edge"], _env(**edge_env), log)
-            stack.callback(_stop, processes[f"edge{i or ''}"])
+            children[f"edge{i or ''}"] = processes.spawn("edge", processes.settings_env(edge_env), log)
+            stack.callback(processes.stop, children[f"edge{i or ''}"])
             urls.append(f"http://127.0.0.1:{port}")
             metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
         for url in urls:
-            wait_ready(url, engine.model, list(processes.values()), log, ready_path="/ready")
-        yield Running(urls[0], {name: p.pid for name, p in processes.items()}, redis_url, tuple(urls),
+            wait_ready(url, engine.model, list(children.values()), log, ready_path="/ready")
+        yield Running(urls[0], {name: p.pid for name, p in children.items()}, redis_url, tuple(urls),
                       tuple(metrics_urls))
 
 
@@ -166,14 +142,14 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
 def bare(log: Path, *, sim: tuple[float, float]) -> Iterator[Running]:
     """The bus-less reference over the simulator, (ttft_ms, itl_ms): see services.bench.bare."""
     port = free_port()
-    process = _spawn([sys.executable, "-m", "services.bench.bare", str(port), str(sim[0]), str(sim[1])],
-                     dict(os.environ), log)
+    process = processes.launch([sys.executable, "-m", "services.bench.bare", str(port), str(sim[0]), str(sim[1])],
+                               dict(os.environ), log)
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, "bare", [process], log, ready_path="/ready")
         yield Running(base_url, {"bare": process.pid})
     finally:
-        _stop(process)
+        processes.stop(process)
 
 
 @contextmanager
@@ -188,13 +164,13 @@ def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
     if engine.enforce_eager:
         args.append("--enforce-eager")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib), HF_HUB_OFFLINE="1")
-    process = _spawn(args, env, log)
+    process = processes.launch(args, env, log)
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, engine.model, [process], log)
         yield Running(base_url, {"server": process.pid})
     finally:
-        _stop(process)
+        processes.stop(process)
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
