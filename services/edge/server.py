@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -29,9 +29,21 @@ from services.edge.sse import ClientGone
 from services.edge.state import DRAINING
 from shared.protocol.errors import InvalidRequest, TokenbusError
 from shared.runtime import exposition, gcheap, metrics
-from shared.runtime.settings import Settings
+from shared.runtime.exposition import MetricsSettings
 
 log = logging.getLogger(__name__)
+
+
+class ServerSettings(MetricsSettings, Protocol):
+    """The settings the server reads, its metrics endpoint's included (Settings has them)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def read_timeout_s(self) -> float: ...
+
 
 MAX_REQUEST_LINE_BYTES = 8190
 """aiohttp's default; a longer request line (a longer URL) is a 414."""
@@ -185,14 +197,14 @@ class GuardedRunner(web.AppRunner):
         return _Server(await super()._make_server(), self.read_timeout_s)
 
 
-async def serve(app: web.Application, settings: Settings, *, shutdown_timeout: float) -> None:
+async def serve(app: web.Application, settings: ServerSettings, *, shutdown_timeout: float) -> None:
     """Serves until SIGINT or SIGTERM, then shuts down as web.run_app does (handlers get shutdown_timeout); the
     metrics endpoint outlasts the drain."""
     async with exposition.serving(settings, metrics.EDGE, "edge"):
         await _serve_api(app, settings, shutdown_timeout)
 
 
-async def _serve_api(app: web.Application, settings: Settings, shutdown_timeout: float) -> None:
+async def _serve_api(app: web.Application, settings: ServerSettings, shutdown_timeout: float) -> None:
     runner = GuardedRunner(app, read_timeout_s=settings.read_timeout_s, access_log=None,
                            shutdown_timeout=shutdown_timeout)
     await runner.setup()

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -28,11 +28,24 @@ from shared.protocol import bus, keys
 from shared.protocol.errors import NotFound, Overloaded, StorageFull
 from shared.runtime import metrics
 from shared.runtime.background import looping
-from shared.runtime.settings import Settings
 from shared.tenancy.apikeys import KeyRecord
 from shared.tenancy.storage import TRIM_EXPIRED
 
 log = logging.getLogger(__name__)
+
+
+class StoreSettings(Protocol):
+    """The settings the store reads (Settings has them)."""
+
+    @property
+    def replay_ttl_s(self) -> float: ...
+    @property
+    def response_ttl_s(self) -> float: ...
+    @property
+    def storage_bytes(self) -> int: ...
+    @property
+    def storage_items(self) -> int: ...
+
 
 SNAPSHOT_EVERY = 16
 """A chain holds a whole copy of its history at least every this many responses: what bounds the reads of one
@@ -133,7 +146,7 @@ _decoder = msgspec.json.Decoder(StoredResponse)
 
 
 class ResponseStore:
-    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+    def __init__(self, redis: aioredis.Redis, settings: StoreSettings) -> None:
         self.redis = redis
         self.ttl_ms = int(settings.response_ttl_s * 1000)
         self.settings = settings

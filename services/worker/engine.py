@@ -11,7 +11,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from services.worker import conversation, template_kwargs
 from services.worker.parsing.formats import tool_format
@@ -19,12 +19,35 @@ from services.worker.prompt_encoder import PromptEncoder
 from services.worker.vllm_terms import engine_gauges, sampling_params, token_logprobs
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
-from shared.runtime.settings import Settings, engine_seqs
+from shared.runtime.settings import SlotSettings, engine_seqs
 
 log = logging.getLogger(__name__)
 
 
-def _configure_environment(settings: Settings) -> None:
+class EngineSettings(SlotSettings, Protocol):
+    """The settings the vLLM engine reads (Settings has them)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def enforce_eager(self) -> bool: ...
+    @property
+    def gpu_memory_utilization(self) -> float: ...
+    @property
+    def kv_cache_gib(self) -> float: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def stream_interval(self) -> int: ...
+    @property
+    def task(self) -> str: ...
+    @property
+    def tool_parser(self) -> str: ...
+
+
+def _configure_environment(settings: EngineSettings) -> None:
     # Without it the CPU backend reserves most of the machine's memory for its KV cache.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, settings.kv_cache_gib))))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,7 +81,7 @@ class _EngineRequest:
 class VllmEngine:
     """One vLLM AsyncLLM with continuous batching, fed with token ids, streaming deltas."""
 
-    def __init__(self, settings: Settings, model_dir: Path) -> None:
+    def __init__(self, settings: EngineSettings, model_dir: Path) -> None:
         self.settings = settings
         self.model_dir = model_dir
         self.llm: Any = None

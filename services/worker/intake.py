@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -23,10 +23,23 @@ from shared.protocol import bus, keys
 from shared.protocol.errors import QueueTimeout, WorkerLost
 from shared.redisio import rawpipe
 from shared.runtime import metrics
-from shared.runtime.settings import Settings
 from shared.tenancy import fairshare
 
 log = logging.getLogger(__name__)
+
+
+class IntakeSettings(Protocol):
+    """The settings the intake reads (Settings has them)."""
+
+    @property
+    def max_reclaims(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def queue_timeout_s(self) -> float: ...
+    @property
+    def replay_ttl_s(self) -> float: ...
+
 
 PULL_BLOCK_MS = 5000
 """A job's arrival ends the read at once; the block only sets how often an idle worker asks again (within the
@@ -73,7 +86,7 @@ def _answer(marks: asyncio.Future[list[Marks]], index: int) -> Marks | None:
 class Intake:
     """Brings jobs to the runner: pulled, decoded, checked and started, or taken over."""
 
-    def __init__(self, settings: Settings, engine: Engine, worker_id: str, jobs: JobTable, runner: JobRunner,
+    def __init__(self, settings: IntakeSettings, engine: Engine, worker_id: str, jobs: JobTable, runner: JobRunner,
                  publisher: EventPublisher, scheduler: SchedulerLink, ownership: Ownership,
                  redis: aioredis.Redis) -> None:
         self.settings = settings

@@ -21,11 +21,27 @@ from services.worker.publisher import EventPublisher
 from shared.protocol import bus, keys
 from shared.protocol.errors import EngineError, RequestTimeout, StreamAbandoned, TokenbusError, kind_of
 from shared.runtime import logs, metrics
-from shared.runtime.settings import Settings
 from shared.tenancy.limits import Settlements
 from shared.tenancy.storage import LogCharges
 
 log = logging.getLogger(__name__)
+
+
+class RunnerSettings(Protocol):
+    """The settings the runner reads (Settings has them)."""
+
+    @property
+    def metrics_max_tenants(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def reasoning_parser(self) -> str: ...
+    @property
+    def replay_ttl_s(self) -> float: ...
+    @property
+    def tool_parser(self) -> str: ...
+
+
 T = TypeVar("T")
 
 
@@ -55,8 +71,8 @@ def error_event(job_id: str, error: TokenbusError) -> bus.Error:
 class JobRunner:
     """Runs the jobs of one worker, each from its slot to its settlement."""
 
-    def __init__(self, settings: Settings, engine: Engine, worker_id: str, jobs: JobTable, publisher: EventPublisher,
-                 redis: aioredis.Redis) -> None:
+    def __init__(self, settings: RunnerSettings, engine: Engine, worker_id: str, jobs: JobTable,
+                 publisher: EventPublisher, redis: aioredis.Redis) -> None:
         self.settings = settings
         self.engine = engine
         self.worker_id = worker_id

@@ -13,11 +13,28 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.worker.prefill import PrefillLane
 from shared.protocol import bus
 from shared.runtime import metrics
-from shared.runtime.settings import Settings, engine_seqs
+from shared.runtime.settings import SlotSettings, engine_seqs
+
+
+class SimSettings(SlotSettings, Protocol):
+    """The settings the simulated engine reads (Settings has them)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def sim_itl_ms(self) -> float: ...
+    @property
+    def sim_prefill_us_per_token(self) -> float: ...
+    @property
+    def sim_ttft_ms(self) -> float: ...
+
 
 DEFAULT_MAX_TOKENS = 128
 SPIN_S = 0.0015
@@ -50,7 +67,7 @@ class _Sequence:
 class SimEngine:
     """Engine protocol over a timer instead of a model."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: SimSettings) -> None:
         self.ttft_s = settings.sim_ttft_ms / 1000
         self.itl_s = settings.sim_itl_ms / 1000
         self.max_model_len = settings.max_model_len

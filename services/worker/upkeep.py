@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -23,9 +23,26 @@ from services.worker.scheduling import SchedulerLink
 from shared.protocol import bus, keys
 from shared.redisio import clients as redis_clients
 from shared.redisio import rawpipe
-from shared.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+class UpkeepSettings(Protocol):
+    """The settings the upkeep reads (Settings has them)."""
+
+    @property
+    def heartbeat_interval_s(self) -> float: ...
+    @property
+    def heartbeat_ttl_s(self) -> float: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def resume_window_s(self) -> float: ...
+    @property
+    def task(self) -> str: ...
+
 
 FORGET_CONSUMERS_EVERY = 10
 """Supervision rounds between two sweeps for dead consumers of the group."""
@@ -57,7 +74,7 @@ class RoundReads:
 class Upkeep:
     """The loops that keep a worker known, its jobs its own and its clients heard."""
 
-    def __init__(self, settings: Settings, engine: Engine, worker_id: str, jobs: JobTable, runner: JobRunner,
+    def __init__(self, settings: UpkeepSettings, engine: Engine, worker_id: str, jobs: JobTable, runner: JobRunner,
                  intake: Intake, scheduler: SchedulerLink, ownership: Ownership, redis: aioredis.Redis,
                  channels: aioredis.Redis) -> None:
         self.settings = settings

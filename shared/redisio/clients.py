@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import msgspec
@@ -13,7 +13,21 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared.runtime.settings import Settings
+
+class AccessSettings(Protocol):
+    """How a process logs in to Redis (Settings has it)."""
+
+    @property
+    def redis_password_file(self) -> str: ...
+    @property
+    def redis_tls_ca_file(self) -> str: ...
+    @property
+    def redis_tls_cert_file(self) -> str: ...
+    @property
+    def redis_tls_key_file(self) -> str: ...
+    @property
+    def redis_username(self) -> str: ...
+
 
 CHECKOUT_TIMEOUT_S = 30.0
 """How long a caller waits for a free connection of a full pool."""
@@ -38,7 +52,7 @@ class Access(msgspec.Struct, frozen=True, kw_only=True):
 NO_ACCESS = Access()
 
 
-def access_of(settings: Settings) -> Access:
+def access_of(settings: AccessSettings) -> Access:
     """The Access its --redis-* settings give a process."""
     return Access(username=settings.redis_username, password_file=settings.redis_password_file,
                   tls_ca_file=settings.redis_tls_ca_file, tls_cert_file=settings.redis_tls_cert_file,

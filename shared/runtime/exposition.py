@@ -6,23 +6,33 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from shared.runtime.settings import Settings
-
 log = logging.getLogger(__name__)
 
 
-def metrics_host(settings: Settings) -> str:
+class MetricsSettings(Protocol):
+    """The settings the endpoint reads (Settings has them)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def metrics_host(self) -> str: ...
+    @property
+    def metrics_port(self) -> int: ...
+
+
+def metrics_host(settings: MetricsSettings) -> str:
     """Where the metrics endpoint listens: --metrics-host, or the API's --host."""
     return settings.metrics_host or settings.host
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Settings, registry: CollectorRegistry, role: str) -> AsyncIterator[None]:
+async def serving(settings: MetricsSettings, registry: CollectorRegistry, role: str) -> AsyncIterator[None]:
     """Serves `registry` on --metrics-port (none when 0) from the process's own loop: prometheus_client's server
     thread wakes twice a second to poll, and takes the interpreter's lock from the loop to do so."""
     if not settings.metrics_port:

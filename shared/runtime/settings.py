@@ -6,7 +6,7 @@ import argparse
 import itertools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -189,12 +189,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """A job that waited longer than this for a worker is never started; its client gets an error."""
 
 
-def headroom_seqs(settings: Settings) -> int:
+class SlotSettings(Protocol):
+    """What a worker's sequences at once follow from."""
+
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def fair_headroom(self) -> float: ...
+    @property
+    def scheduler(self) -> str: ...
+
+
+def headroom_seqs(settings: SlotSettings) -> int:
     """Sequences a worker runs beyond max_num_seqs for tenants using little (fair_headroom; none with fifo)."""
     return int(settings.max_num_seqs * settings.fair_headroom) if settings.scheduler == "fair" else 0
 
 
-def engine_seqs(settings: Settings) -> int:
+def engine_seqs(settings: SlotSettings) -> int:
     """Sequences a worker's engine runs at once: its slots and the headroom beyond them."""
     return settings.max_num_seqs + headroom_seqs(settings)
 

@@ -21,15 +21,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
 from shared.redisio.rawpipe import PipelineLike, field_map
-from shared.runtime.settings import Settings, engine_seqs, headroom_seqs
+from shared.runtime.settings import SlotSettings, engine_seqs, headroom_seqs
 from shared.tenancy.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
+
+
+class SchedulerSettings(SlotSettings, Protocol):
+    """The settings the scheduler and a worker's offer read (Settings has them)."""
+
+    @property
+    def fair_input_weight(self) -> float: ...
+    @property
+    def fair_output_weight(self) -> float: ...
+    @property
+    def heartbeat_ttl_s(self) -> float: ...
+    @property
+    def max_queued_bytes_per_tenant(self) -> int: ...
+    @property
+    def max_queued_jobs(self) -> int: ...
+    @property
+    def max_queued_per_tenant(self) -> int: ...
+    @property
+    def queue_timeout_s(self) -> float: ...
+    @property
+    def scheduler(self) -> str: ...
+
 
 Arg = bytes | str | int | float
 """A script argument."""
@@ -102,7 +124,7 @@ class Offer:
         return [self.worker, self.slots, self.ttl_ms, self.headroom]
 
     @classmethod
-    def of(cls, worker: str, settings: Settings) -> Offer:
+    def of(cls, worker: str, settings: SchedulerSettings) -> Offer:
         """A worker's offer: its slots and headroom as its settings have them, good for a heartbeat's TTL."""
         return cls(worker, engine_seqs(settings), int(settings.heartbeat_ttl_s * 1000), headroom_seqs(settings))
 
@@ -188,7 +210,7 @@ class Scheduler:
 
     fair = False
 
-    def __init__(self, redis: aioredis.Redis, settings: Settings) -> None:
+    def __init__(self, redis: aioredis.Redis, settings: SchedulerSettings) -> None:
         self.redis = redis
         self.settings = settings
         self._enqueue = redis.register_script(ENQUEUE)
@@ -271,5 +293,5 @@ def _pipelined(pipe: PipelineLike, script: Any, model: str, args: list[Arg]) -> 
     pipe.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
 
 
-def for_settings(redis: aioredis.Redis, settings: Settings) -> Scheduler:
+def for_settings(redis: aioredis.Redis, settings: SchedulerSettings) -> Scheduler:
     return FairShare(redis, settings) if settings.scheduler == "fair" else Scheduler(redis, settings)
