@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from services.worker.jobtable import PRIORITY_BAND_SPAN, Holding, JobTable, Run
+from services.worker.jobtable import PRIORITY_BAND_SPAN, JobTable, Phase, Run
 from shared.protocol import bus
 
 
@@ -27,9 +27,9 @@ def test_a_job_given_up_still_publishes_and_one_let_go_does_nothing_more_here() 
     both.give_up()
     both.let_go()
     gone.give_up()  # a job another worker has stays that worker's
-    assert [(r.holding, r.publishes, r.acknowledges) for r in (owned, given_up, gone, both)] == [
-        (Holding.OWNED, True, True), (Holding.GIVEN_UP, True, False), (Holding.GONE, False, False),
-        (Holding.GONE, False, False)]
+    assert [(r.phase, r.publishes, r.acknowledges) for r in (owned, given_up, gone, both)] == [
+        (Phase.ATTACHED, True, True), (Phase.GIVEN_UP, True, False), (Phase.GONE, False, False),
+        (Phase.GONE, False, False)]
 
 
 async def test_a_job_is_aborted_once_and_forgotten_when_it_ends() -> None:
@@ -37,9 +37,21 @@ async def test_a_job_is_aborted_once_and_forgotten_when_it_ends() -> None:
     await _held(table, run)
     assert run.job.id in table and len(table) == 1
     assert table.abort(run.job.id, abandoned=True) is run and table.abort(run.job.id) is None  # once only
-    assert table.aborted == {run.job.id: True} and table.abort("not-here") is None
+    assert run.aborted and run.phase is Phase.ABANDONED and table.abort("not-here") is None
+    assert run.publishes and run.acknowledges  # an aborted job still ends here: its last event, its ack
     table.remove(run)
-    assert run.job.id not in table and run.job.id not in table.aborted and table.slot_freed.is_set()
+    assert run.job.id not in table and table.slot_freed.is_set()
+
+
+def test_a_job_no_longer_this_workers_is_not_aborted_here() -> None:
+    given_up, gone, cancelled = _run(), _run(), _run()
+    given_up.give_up()
+    gone.let_go()
+    assert cancelled.abort()
+    assert not given_up.abort() and not gone.abort() and not cancelled.abort(abandoned=True)
+    assert (given_up.phase, gone.phase, cancelled.phase) == (Phase.GIVEN_UP, Phase.GONE, Phase.CANCELLED)
+    cancelled.let_go()  # taken by another worker after all: nothing of it is published here
+    assert not cancelled.publishes and not cancelled.aborted
 
 
 async def test_a_route_moves_a_job_to_a_new_edge_or_keeps_it_for_a_resume() -> None:
@@ -47,11 +59,13 @@ async def test_a_route_moves_a_job_to_a_new_edge_or_keeps_it_for_a_resume() -> N
     await _held(table, run)
     table.route(bus.Route(job=run.job.id, keep_until_ms=5))
     table.route(bus.Route(job=run.job.id, keep_until_ms=9))  # the first deadline holds
-    assert run.keep_until_ms == 5 and table.attached_streams() == []
+    assert (run.phase, run.keep_until_ms) == (Phase.DETACHED, 5) and table.attached_streams() == []
     table.route(bus.Route(job=run.job.id, reply_to="edge-b"))
-    assert (run.job.reply_to, run.keep_until_ms) == ("edge-b", 0) and table.attached_streams() == ["edge-b"]
+    assert (run.phase, run.job.reply_to) == (Phase.ATTACHED, "edge-b") and table.attached_streams() == ["edge-b"]
+    table.detach({"edge-a"}, 6)  # not its edge
+    assert run.phase is Phase.ATTACHED
     table.detach({"edge-b"}, 7)
-    assert run.keep_until_ms == 7
+    assert (run.phase, run.keep_until_ms) == (Phase.DETACHED, 7)
 
 
 async def test_a_tenants_standing_counts_its_running_jobs_of_its_band_only() -> None:

@@ -203,7 +203,7 @@ class Intake:
     async def _run_fresh(self, run: Run, marks: asyncio.Future[list[Marks]], index: int) -> None:
         job = run.job
         waited_ms = bus.now_ms() - job.created_ms
-        cancelled = job.id in self.jobs.aborted
+        cancelled = run.aborted
         if not cancelled and waited_ms > CHECK_FIRST_AFTER_MS:
             await asyncio.wait([marks], timeout=CHECK_WAIT_S)
             cancelled = (found := _answer(marks, index)) is not None and found.cancelled

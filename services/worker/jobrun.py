@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
-from services.worker.jobtable import JobTable, Run
+from services.worker.jobtable import JobTable, Phase, Run
 from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import for_job
 from services.worker.parsing.reasoning import reasoning_format
@@ -122,8 +122,8 @@ class JobRunner:
         finally:
             if not run.publishes:
                 outcome = "handed_over"
-            elif run.job.id in self.jobs.aborted:  # its log still ends, for a client that tries to resume it
-                abandoned = self.jobs.aborted[run.job.id]
+            elif run.aborted:  # its log still ends, for a client that tries to resume it
+                abandoned = run.phase is Phase.ABANDONED
                 why = "Nobody resumed the stream in time" if abandoned else "The stream was cancelled"
                 self.end_with(run, StreamAbandoned(f"{why}; it was stopped."))
             metrics.JOBS.labels(self.model, outcome).inc()
@@ -160,7 +160,7 @@ class JobRunner:
         try:
             async with asyncio.timeout(remaining_s):
                 async for event in self.engine.run(job, self.jobs.standing(job)):
-                    if job.id in self.jobs.aborted or not run.publishes:
+                    if run.aborted or not run.publishes:
                         # the cancel may have come before the engine knew the request: abort again
                         await self.engine.abort(job.id)
                         break
@@ -175,7 +175,7 @@ class JobRunner:
             raise RequestTimeout("The request did not finish before its deadline.") from None
         finally:
             running.dec()
-        return "aborted" if job.id in self.jobs.aborted else "finished"
+        return "aborted" if run.aborted else "finished"
 
     def _settle_cost(self, run: Run) -> None:
         """Settles the job's reservation with what it used (a job that ended early counts its estimate), in the

@@ -1,5 +1,5 @@
-"""The jobs a worker holds: each job's run and task, the ones aborted in the engine, the routes their events take,
-and the engine slots they fill."""
+"""The jobs a worker holds: each job's run (with its phase: attached, detached, aborted, given up, gone) and task,
+the routes their events take, and the engine slots they fill."""
 
 from __future__ import annotations
 
@@ -17,11 +17,21 @@ PRIORITY_BAND_SPAN = 1_000_000
 """Engine priorities of one band lie within this span (a tenant's slots over its weight), below a lower band's."""
 
 
-class Holding(enum.Enum):
-    """Whose a job on this worker is. It only ever moves down: OWNED, then GIVEN_UP or GONE, then GONE."""
+class Phase(enum.Enum):
+    """Where a job on this worker stands; each change is one of Run's transitions.
 
-    OWNED = "owned"
-    """This worker's: it publishes the job's events, acknowledges its entry after them and settles what it cost."""
+    ATTACHED <-> DETACHED (its client or edge left; a resume brings it back); either -> CANCELLED or ABANDONED
+    (aborted in the engine); any of those four -> GIVEN_UP (its entry went to the dead-letter stream); any -> GONE
+    (another worker has it). The first four are this worker's to publish, acknowledge and settle."""
+
+    ATTACHED = "attached"
+    """Running for a client that is there."""
+    DETACHED = "detached"
+    """Its client (or its edge) is gone: it runs on until `keep_until_ms`, for a resume."""
+    CANCELLED = "cancelled"
+    """Aborted in the engine because its client cancelled it: its log ends with a StreamAbandoned error."""
+    ABANDONED = "abandoned"
+    """Aborted in the engine because nobody resumed it in time: its log ends with a StreamAbandoned error."""
     GIVEN_UP = "given_up"
     """Moved to the dead-letter stream (no acknowledgement is due): its last events are still published and its
     cost settled."""
@@ -29,9 +39,13 @@ class Holding(enum.Enum):
     """Handed over, or taken by another worker: nothing more of it is published, acknowledged or settled here."""
 
 
+OWNED = frozenset({Phase.ATTACHED, Phase.DETACHED, Phase.CANCELLED, Phase.ABANDONED})
+"""The phases of a job this worker owns (its entry included)."""
+
+
 @dataclass(eq=False)
 class Run:
-    """One job on this worker: its place in the job's sequence, where its events go, how it may end."""
+    """One job on this worker: its place in the job's sequence, where its events go, its phase."""
 
     job: bus.Job
     entry_id: bytes
@@ -39,9 +53,9 @@ class Run:
     """What the fair-share scheduler charged for the job (None: it came without the scheduler)."""
     epoch: int = 1
     next_seq: int = 0
+    phase: Phase = Phase.ATTACHED
     keep_until_ms: int = 0
-    """While its client (or edge) is gone: when to stop waiting for a resume and abort; 0 while attached."""
-    holding: Holding = Holding.OWNED
+    """While DETACHED: when to stop waiting for a resume and abort it."""
     began: float = 0.0
     """When it reached the engine here (monotonic seconds; 0: it never did)."""
     generated: int = 0
@@ -54,21 +68,45 @@ class Run:
     @property
     def publishes(self) -> bool:
         """Whether the job's events, and what it cost, are still this worker's to write."""
-        return self.holding is not Holding.GONE
+        return self.phase is not Phase.GONE
 
     @property
     def acknowledges(self) -> bool:
         """Whether its queue entry is still this worker's to acknowledge (not moved, nor another worker's)."""
-        return self.holding is Holding.OWNED
+        return self.phase in OWNED
+
+    @property
+    def aborted(self) -> bool:
+        """Whether it was aborted in the engine (cancelled or abandoned): it is to stop, and its log to say why."""
+        return self.phase in (Phase.CANCELLED, Phase.ABANDONED)
+
+    def detach(self, keep_until_ms: int) -> None:
+        """Its client or edge left: it waits for a resume until `keep_until_ms` (a first deadline holds)."""
+        if self.phase is Phase.ATTACHED:
+            self.phase, self.keep_until_ms = Phase.DETACHED, keep_until_ms
+
+    def attach(self, reply_to: str) -> None:
+        """Resumed on an edge: its events go there now."""
+        self.job.reply_to = reply_to
+        if self.phase is Phase.DETACHED:
+            self.phase, self.keep_until_ms = Phase.ATTACHED, 0
+
+    def abort(self, abandoned: bool = False) -> bool:
+        """Marks it aborted (`abandoned`: nobody came back for it, else cancelled); False when it already was,
+        or is no longer this worker's to stop."""
+        if self.phase not in (Phase.ATTACHED, Phase.DETACHED):
+            return False
+        self.phase = Phase.ABANDONED if abandoned else Phase.CANCELLED
+        return True
 
     def give_up(self) -> None:
         """Its entry went to the dead-letter stream."""
-        if self.holding is Holding.OWNED:
-            self.holding = Holding.GIVEN_UP
+        if self.phase in OWNED:
+            self.phase = Phase.GIVEN_UP
 
     def let_go(self) -> None:
         """Another worker has it now (handed over, or taken while this one stalled)."""
-        self.holding = Holding.GONE
+        self.phase = Phase.GONE
 
     def used(self) -> tuple[int, int]:
         """(prompt, completion) tokens the job used: as its Final event reported them, or, for a job that ended
@@ -95,9 +133,6 @@ class JobTable:
     def __init__(self, sequences: int) -> None:
         self.runs: dict[str, Run] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.aborted: dict[str, bool] = {}
-        """Jobs aborted in the engine that have not ended yet: whether because nobody came back for them (their log
-        ends with a StreamAbandoned error), else because they were cancelled."""
         self.slots = Slots(sequences)
         """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
         self.slot_freed = asyncio.Event()
@@ -122,16 +157,13 @@ class JobTable:
         """Forgets an ended job; whoever waits for a free slot looks again."""
         self.runs.pop(run.job.id, None)
         self.tasks.pop(run.job.id, None)
-        self.aborted.pop(run.job.id, None)
         self.slot_freed.set()
 
     def abort(self, job_id: str, abandoned: bool = False) -> Run | None:
-        """Marks a running job aborted; its run, or None when it is not here or was aborted already."""
+        """Marks a running job aborted; its run, or None when it is not here, was aborted already or is no longer
+        this worker's to stop."""
         run = self.runs.get(job_id)
-        if run is None or job_id in self.aborted:
-            return None
-        self.aborted[job_id] = abandoned
-        return run
+        return run if run is not None and run.abort(abandoned) else None
 
     def free_slots(self) -> int:
         """Slots new jobs may fill (a read takes at most one job per slot): none while a wide job waits for its own."""
@@ -148,9 +180,9 @@ class JobTable:
         if run is None:
             return
         if route.reply_to:
-            run.job.reply_to, run.keep_until_ms = route.reply_to, 0
-        elif not run.keep_until_ms:
-            run.keep_until_ms = route.keep_until_ms
+            run.attach(route.reply_to)
+        else:
+            run.detach(route.keep_until_ms)
 
     def claimed(self) -> list[Run]:
         """The runs whose queue entries are still this worker's."""
@@ -158,13 +190,13 @@ class JobTable:
 
     def attached_streams(self) -> list[str]:
         """The edges' streams of the runs whose clients are attached."""
-        return sorted({run.job.reply_to for run in self.runs.values() if not run.keep_until_ms})
+        return sorted({run.job.reply_to for run in self.runs.values() if run.phase is Phase.ATTACHED})
 
     def detach(self, gone: set[str], keep_until_ms: int) -> None:
         """The runs of edges that stopped beating wait for a resume until `keep_until_ms`."""
         for run in self.runs.values():
-            if run.job.reply_to in gone and not run.keep_until_ms:
-                run.keep_until_ms = keep_until_ms
+            if run.job.reply_to in gone:
+                run.detach(keep_until_ms)
 
     def standing(self, job: bus.Job) -> int:
         """The job's engine priority, its tenant's fair-share standing here: the slots the tenant's running jobs of

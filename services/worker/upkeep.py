@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from services.worker.intake import Intake, Marks
 from services.worker.jobrun import Engine, JobRunner
-from services.worker.jobtable import JobTable, Run
+from services.worker.jobtable import JobTable, Phase, Run
 from services.worker.ownership import Ownership
 from services.worker.scheduling import SchedulerLink
 from shared.protocol import bus, keys
@@ -234,5 +234,5 @@ class Upkeep:
     async def _expire_detached(self) -> None:
         now = bus.now_ms()
         for run in self.jobs.all():
-            if run.keep_until_ms and now >= run.keep_until_ms:
+            if run.phase is Phase.DETACHED and now >= run.keep_until_ms:
                 await self.runner.abort(run.job.id, abandoned=True)
