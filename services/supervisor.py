@@ -41,11 +41,11 @@ every second, no snapshots, `hz 1`, and a maxmemory past which writes are refuse
 evicted: evicting would drop queued jobs, keys and limits silently, and without a bound the kernel kills Redis
 and its append-only file's replay may kill it again. Refused writes reach clients as 503s; the
 TokenbusRedisMemoryHigh alert warns at 80%, and each tenant's storage quota keeps one tenant from filling it.
-Besides, `hz 1`: Redis's timer (`hz`, 10 by default) expires keys, checks blocked clients'
-timeouts and flushes the AOF; each tick costs ~0.2 ms of CPU with tokenbus's clients and keys, which was two
-thirds of an idle tokenbus Redis's CPU (2.65 ms/s at hz 10, 0.67 at hz 1). At `hz 1` a BLOCK ends up to a second
-late (tokenbus's blocking reads block for 2 and 5 s and allow 2 s of grace) and an expired key nobody reads is
-dropped later (a read still never sees it). A Redis Cluster keeps the default: its failure detection runs on the
+Besides, `hz 1`: Redis's timer (`hz`, 10 by default) expires keys, checks blocked clients' timeouts and flushes the
+AOF; with tokenbus's clients and keys its ticks were most of an idle tokenbus Redis's CPU at the default, and `hz 1`
+has a tenth of them (docs/benchmarks.md gives redis-server's CPU while idle, at `hz 1`). At `hz 1` a BLOCK ends up to
+a second late (tokenbus's blocking reads block for 2 and 5 s and allow 2 s of grace) and an expired key nobody reads
+is dropped later (a read still never sees it). A Redis Cluster keeps the default: its failure detection runs on the
 same timer."""
 
 
@@ -88,10 +88,10 @@ class RedisServer:
 
     With `unix_socket` it also listens on a Unix socket, and its URL names that: every token crosses Redis
     twice (the worker's write, the edge's subscription), and over loopback TCP each message pays the TCP stack
-    on both ends. On this project's 2-core machine a pipelined XADD + PEXPIRE + SPUBLISH with one subscriber
-    (20,000 times) cost the writer 25-28 us of CPU over the socket against 29-39 over TCP, Redis 36-38 against
-    43-51, the subscriber 12 against 19-20. A restart keeps the socket's path. (A Redis that runs elsewhere, in
-    a container or a cluster, is reached over TCP, as its URL says.)"""
+    on both ends: a pipelined XADD + PEXPIRE + SPUBLISH with one subscriber costs the writer, Redis and the
+    subscriber each less CPU over the socket than over TCP, the subscriber most of all. A restart keeps the
+    socket's path. (A Redis that runs elsewhere, in a container or a cluster, is reached over TCP, as its URL
+    says.)"""
 
     def __init__(self, data_dir: str, port: int | None = None, unix_socket: bool = False,
                  secrets_dir: str | None = None, tls: TlsFiles | None = None, acl: str | None = None) -> None:

@@ -28,7 +28,7 @@ class ModelDirectory:
     def __init__(self, redis: aioredis.Redis, expected: list[str] | None = None, refresh_s: float = 2.0) -> None:
         self.redis = redis
         self.pipelines = rawpipe.Pipelines(redis, keep=False)
-        """Its reads, every `refresh_s`: raw pipelines cost a third of redis-py's in the edge's CPU."""
+        """Its reads, every `refresh_s`: raw pipelines cost the edge's CPU a fraction of redis-py's."""
         self.refresh_s = refresh_s
         """The workers' heartbeat interval: reading more often learns nothing new."""
         self.expected = list(expected or [])

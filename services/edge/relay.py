@@ -44,8 +44,8 @@ SUBSCRIBE_WAIT_S = 5.0
 """How long connecting and subscribing may take."""
 TICK_S = 0.15
 """How often the waiting requests are looked at (their deadlines, their clients): by the reader, on its way, while
-events arrive; by the ticker, TICK_S later than that (so every 2 * TICK_S), while none do: each of its wakes costs
-the edge one, a few hundred microseconds of CPU on a small virtual machine."""
+events arrive; by the ticker, TICK_S later than that (so every 2 * TICK_S), while none do: each of its wakes is
+a wake of the edge's process, which costs CPU whatever the code then does (docs/benchmarks.md measures a wake)."""
 RETRY_PAUSE_S = 0.5
 CANCEL_MARK_TTL_S = 3600
 """How long a cancelled job's mark stays, for a worker yet to pick the job up."""

@@ -1,29 +1,21 @@
 """The checks of a request's JSON schemas and regular expressions that cost by the byte, kept off the event loop.
 
-The format code bounds a schema's size on the loop (one `orjson.dumps`: 0.1-0.2 ms for 64 KiB), then the
-schema's shape (depth, alternatives) and the JSON Schema meta-schema are checked (`check_schema`). Measured
-on the dev machine (2 cores, busy with other work: figures vary by 2x) for schemas just within the bounds:
-
-    64 KiB schema, within the bounds   meta-schema   shape walk   both, as main checked them on the loop
-    1,400 plain properties               1.3-2.3 ms       0.7 ms     3.8 ms
-    512 filled anyOf branches            1.0-1.9 ms       0.8 ms     3.9 ms
-    63 levels, filled                    1.6-2.8 ms       0.7 ms     5.2 ms
-    prefixItems of 21,844 `{}`             6-11 ms       3.8 ms      31-64 ms (its walk alone: 55 ms)
-    a typical 1 KB tool schema             0.01 ms      0.01 ms     0.04 ms
-
-(the shape walk, main's larger cost, is now a level at a time: 10x faster). `re.compile` is not bounded by a
-pattern's length at all: `[\x00-\U0010ffff]` (5 characters) takes 9 ms, 100 of them 0.36 s, 13,107 of them
-(64 KiB) 90 s; a 64 KiB literal 83 ms. jsonschema-rs and `re` hold the GIL: a thread would not free the
-loop. So while a planner builds its job (`deferring()`), the format code defers every pattern, and every
-schema beyond the request's first INLINE_SCHEMA_BYTES, and the planner awaits them in the edge's checking
-process (`Checker`), all of a request's on one line: the round trip costs the loop 0.08-0.15 ms for a few
-KiB, 0.4-0.5 ms for 64 KiB, 0.16 ms for 32 tools of 1 KB (0.56 ms to check them inline), and takes 0.15 ms
-(1 KB) to 13 ms (the 64 KiB of `{}`). A request's checks must all end within CHECK_DEADLINE_S, or it is
-refused with a 400 naming the field being checked, and the process is replaced, so that no check holds the
-next one. Without a collector (unit tests, other callers) the checks run inline, as they did.
+The format code bounds a schema's size on the loop (one `orjson.dumps`, cheap even at the largest size), then the
+schema's shape (depth, alternatives) and the JSON Schema meta-schema are checked (`check_schema`). Those checks
+cost by the byte: a typical tool schema's cost next to nothing, but a schema just within the bounds holds the loop
+for milliseconds, most of all an array of many `{}` (`prefixItems`), and the meta-schema check costs more than the
+shape walk, which goes a level at a time (see `_next_level`). `re.compile` is not bounded by a pattern's length
+at all: a class of a few characters spanning all of Unicode (`[\x00-\U0010ffff]`) is slow to compile, and a
+pattern of 64 KiB of them takes far longer than any request may. jsonschema-rs and `re` hold the GIL: a thread
+would not free the loop. So while a planner builds its job (`deferring()`), the format code defers every pattern,
+and every schema beyond the request's first INLINE_SCHEMA_BYTES, and the planner awaits them in the edge's
+checking process (`Checker`), all of a request's on one line: the round trip costs the loop less than checking
+all but small schemas inline would, and adds its latency to the request. A request's checks must all end within
+CHECK_DEADLINE_S, or it is refused with a 400 naming the field being checked, and the process is replaced, so that
+no check holds the next one. Without a collector (unit tests, other callers) the checks run inline, as they did.
 
 The checking process is a fresh interpreter (`python -m services.edge.schema_checks`: it imports `orjson`,
-`jsonschema_rs` and this module, nothing else of the edge; 0.15-0.3 s to start), started on first use: it
+`jsonschema_rs` and this module, nothing else of the edge, so it starts quickly), started on first use: it
 reads a request's checks per line on its stdin, answers on its stdout with the first that failed (or null),
 and shows the index of the check it is making in 4 bytes of shared memory (read when it takes too long)."""
 
@@ -56,11 +48,13 @@ MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_BRANCHES = 512
 BRANCHING = frozenset({"anyOf", "oneOf", "allOf"})
 INLINE_SCHEMA_BYTES = 2048
-"""Of a request's schemas, how many bytes of JSON are checked on the loop: 0.3-0.6 ms at their worst (680
-`{}`), 0.06 ms for typical schemas, which then pay no round trip (0.15 ms or more of latency)."""
+"""Of a request's schemas, how many bytes of JSON are checked on the loop: few enough that even the worst such
+schemas (all `{}`) hold it only briefly, and typical ones, cheaper to check than a round trip to the checking
+process, pay no round trip."""
 CHECK_DEADLINE_S = 1.0
-"""How long one request's deferred checks may take in the checking process, all told: ten times what the
-slowest requests within the bounds took (a 64 KiB literal pattern: 0.08 s; the 64 KiB of `{}`: 0.03 s)."""
+"""How long one request's deferred checks may take in the checking process, all told: well above what the
+slowest requests within the bounds take (a 64 KiB literal pattern, a 64 KiB schema of `{}`), so that only a check
+the bounds cannot catch (a pattern slow to compile) reaches it."""
 START_TIMEOUT_S = 30.0
 """How long the checking process may take to start (an interpreter, orjson and jsonschema-rs)."""
 NICENESS = 10
@@ -102,8 +96,8 @@ def _check_shape(schema: dict[str, Any], param: str) -> None:
 
 def _next_level(level: list[Any]) -> tuple[list[Any], int]:
     """The objects and arrays one level below these, and the alternatives these hold. The schema is walked a
-    level at a time comparing types (JSON gives exact dicts and lists): 0.3 microseconds a node, where a stack
-    of (node, depth) pairs and generators took 3."""
+    level at a time comparing types (JSON gives exact dicts and lists): a small fraction of the time per node
+    that a stack of (node, depth) pairs and generators took."""
     below: list[Any] = []
     add = below.append
     branches = 0
@@ -174,8 +168,9 @@ def deferring() -> Iterator[list[Deferred]]:
 
 def defer(kind: str, param: str, spec: bytes) -> bool:
     """Defers a check to the caller of `deferring()`, unless it is cheap enough to make now: a schema while the
-    request's schemas checked now stay within INLINE_SCHEMA_BYTES all told (32 tools of 2 KiB each would cost
-    the loop 16 ms), never a pattern. False: check it now (nothing collects the checks, or it is cheap)."""
+    request's schemas checked now stay within INLINE_SCHEMA_BYTES all told (32 tools of 2 KiB each, checked
+    inline, would hold the loop far longer than their round trip does), never a pattern. False: check it now
+    (nothing collects the checks, or it is cheap)."""
     collected = _COLLECTED.get()
     if collected is None:
         return False

@@ -1,9 +1,10 @@
 """Prompt tokenization off the worker's event loop, the prompts of a burst in one call.
 
-Tokenizing a chat prompt of a hundred words takes about half a millisecond. Done inline, a pull of 32 jobs held
-the loop that streams every running job's tokens for ~15 ms, and the jobs reached the engine one by one, spread
-over its steps; vllm serve tokenizes in a thread pool for the same reason. Here the prompts asked for in one turn
-of the loop go to one thread as one `encode_batch` of the Rust tokenizer, which releases the GIL while it works.
+Tokenizing a chat prompt costs the worker time in proportion to its length. Done inline, a pull of 32 jobs held
+the loop that streams every running job's tokens for all their tokenizations in a row, and the jobs reached the
+engine one by one, spread over its steps; vllm serve tokenizes in a thread pool for the same reason. Here the
+prompts asked for in one turn of the loop go to one thread as one `encode_batch` of the Rust tokenizer, which
+releases the GIL while it works.
 """
 
 from __future__ import annotations

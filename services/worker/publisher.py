@@ -35,9 +35,9 @@ RETRY_PAUSE_S = 0.2
 WRITE_TIMEOUT_S = 5.0
 CONFIRM_AFTER_S = 1.0
 """Replies of token writes this old are read by the next write, before it is sent. Each such read costs the write
-a task switch and two changes of the connection's polling: at 0.1 s, every other token of a lone stream paid them
-(vLLM at one stream, ~15 tokens/s: the worker spent ~6% more CPU per token than at 1 s). A failure they show is
-found this much later, and its events are written again (see the module's doc)."""
+a task switch and two changes of the connection's polling: at 0.1 s, a lone stream whose tokens come slowly (vLLM
+on a CPU) paid them on many of its tokens, and the worker spent more CPU per token than at 1 s. A failure they
+show is found this much later, and its events are written again (see the module's doc)."""
 CONFIRM_QUIET_S = 1.0
 """Replies still unread when nothing was written for this long are read by themselves (a stream that stalled);
 a job's last write carries its acknowledgement, which reads them at once."""

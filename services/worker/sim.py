@@ -137,7 +137,7 @@ class SimEngine:
                 while (event := await seq.queue.get()) is not None:
                     yield event
                     if not joined:  # the batch's bookkeeping once the first token is out: the simulator's own
-                        joined = True  # cost (~0.15 ms here) would count as its caller's time to first token
+                        joined = True  # cost would count as its caller's time to first token
                         self._join_batch()
                 done += seq.produced
         finally:

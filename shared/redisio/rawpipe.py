@@ -1,9 +1,9 @@
 """Lean Redis pipelines: commands packed by hiredis in C and sent in one write, their replies read back raw.
 The worker publisher's per-token write runs on a connection held for good; the edge's housekeeping loops
 (registry reads, heartbeats) on one of the pool's connections per call. redis-py's own pipeline checks and
-converts every argument and reply in Python and checks a connection out of its pool per call: in a profile of
-the worker at 64 streams that was a third of its CPU, most of it per streamed token; measured alone, a
-two-command pipeline costs its client about 180 us of CPU in redis-py against 65 us raw.
+converts every argument and reply in Python and checks a connection out of its pool per call: with many streams
+that was a large share of the worker's CPU, most of it per streamed token, and a small pipeline costs its client
+several times the CPU in redis-py that it costs raw.
 
 A Redis Cluster client keeps redis-py's pipeline (it routes each command to its slot's node); both are used
 through the same few methods, `PipelineLike`.
@@ -164,7 +164,7 @@ class HeldConnection:
         which has room for them, without a task switch, a lock or a timer: the hot path of a worker's token
         writes. Each wake of a process costs more the more code it runs through, well beyond that code's own time
         (its caches are cold after the engine's step): at one stream, where every token is a wake, the worker
-        spent about 12% less CPU per token with this and the publisher's single quiet timer. False: nothing was
+        spends less CPU per token with this and the publisher's single quiet timer. False: nothing was
         sent; `send_unread` sends them the careful way (connecting, waiting out a full buffer, failing)."""
         transport = None if self.connection is None or self.lock.locked() else internals.transport(self.connection)
         if transport is None or transport.is_closing() or transport.get_write_buffer_size() > 0:

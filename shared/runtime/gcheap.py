@@ -10,11 +10,11 @@ log = logging.getLogger(__name__)
 
 def freeze_startup_heap() -> None:
     """Collects what startup left behind, then moves every object alive now out of the collector's generations:
-    a full collection later visits only what serving made, not the modules, the app or the engine. Measured on the
-    development machine: a full collection of an edge's startup heap (75 thousand objects) took 40-48 ms and
-    came during a burst of requests; one of a worker's with vLLM loaded (650 thousand) took 320 ms. Either
-    stalls every stream of its process for that long. Startup objects freed later are still freed (by their
-    reference counts); only cycles among them are never collected."""
+    a full collection later visits only what serving made, not the modules, the app or the engine. A full
+    collection takes time in proportion to the objects it visits, and a startup heap is large (an edge's holds
+    its modules and app; a worker's with vLLM loaded, many times more): such a collection can come during a
+    burst of requests, and it stalls every stream of its process while it runs. Startup objects freed later are
+    still freed (by their reference counts); only cycles among them are never collected."""
     gc.collect()
     gc.freeze()
     log.debug("the startup heap (%d objects) is out of the collector's way", gc.get_freeze_count())

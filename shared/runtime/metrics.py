@@ -78,10 +78,10 @@ class Bins:
 class _Tallied(Collector):
     """Series kept as plain numbers, turned into Prometheus samples only when scraped: for what changes on every
     token or request. prometheus_client's Counter, Gauge and Histogram take a lock and check their state on each
-    change (~2.5 us a change here, against ~0.3); the edge observed every token's gap in a Histogram, which was 8%
-    of its CPU at one stream (a wake per token finds that code cold), and a request changes about a dozen series.
-    The event loop's thread is the only writer; a scrape from another thread reads numbers that a write may
-    change under it, never a torn one."""
+    change, several times the cost of a plain number's; the edge observed every token's gap in a Histogram, which
+    was a noticeable share of its CPU at one stream (a wake per token finds that code cold), and a request changes
+    about a dozen series. The event loop's thread is the only writer; a scrape from another thread reads numbers
+    that a write may change under it, never a torn one."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
         self.name = name
