@@ -3,6 +3,7 @@ responses, models and TGI's info."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import msgspec
@@ -60,11 +61,16 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      tenant=tenant, ids=sse.wants_ids(request))
+                                      tenant=tenant, ids=sse.wants_ids(request), keep=_keeper(request))
     finally:
         in_flight.dec()
         metrics.REQUEST_DURATION.labels(plan.job.model).observe(time.monotonic() - arrival.started)
         await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
+
+
+def _keeper(request: web.Request) -> pump.Keep:
+    """Stores a finished turn as the caller's tenant's."""
+    return functools.partial(request.app[STORE].keep, caller_of(request).tenant)
 
 
 def _kept_for(settings: Settings, events: JobEvents | None) -> float:
@@ -148,7 +154,7 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      after=after)
+                                      after=after, keep=_keeper(request))
     finally:
         in_flight.dec()
         await admitter.release(record.key, record.lease, keep_for_s=_kept_for(settings, events))

@@ -151,8 +151,7 @@ async def plan_responses(request: web.Request, body: bytes, given: Arrival | Non
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
-                                           conversation=conversation, added=added, store=store,
-                                           tenant=caller.tenant, ovms=ovms)
+                                           conversation=conversation, added=added, ovms=ovms)
     return Plan("responses_ovms" if ovms else "responses", arrival, job, renderer, req.stream, "responses")
 
 

@@ -10,6 +10,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from services.edge.sse import DONE, data_frame
+from services.edge.store import Turn
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest, TokenbusError
 
@@ -166,8 +167,9 @@ class Renderer(Protocol):
         """Streaming: the SSE frames this event produces (also records it for `body`)."""
         ...
 
-    async def settle(self) -> None:
-        """Called once the Final event was seen, before its frames are sent (to store a result)."""
+    def to_store(self) -> Turn | None:
+        """Once the Final event was seen: what the caller stores before the Final's frames are sent (None:
+        nothing)."""
         ...
 
     def done(self) -> list[bytes]:
@@ -200,11 +202,15 @@ def openai_error(error: TokenbusError) -> bytes:
     return msgspec.json.encode(ErrorBody(error=detail))
 
 
-class OpenAIStreamEnd:
-    """How OpenAI's Chat Completions and Completions streams end: `[DONE]`, after an error frame if any."""
+class Unstored:
+    """A format whose answers the edge does not store."""
 
-    async def settle(self) -> None:
+    def to_store(self) -> Turn | None:
         return None
+
+
+class OpenAIStreamEnd(Unstored):
+    """How OpenAI's Chat Completions and Completions streams end: `[DONE]`, after an error frame if any."""
 
     def done(self) -> list[bytes]:
         return [DONE]

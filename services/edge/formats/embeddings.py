@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
-from services.edge.formats.base import Out, Request, encode, openai_error
+from services.edge.formats.base import Out, Request, Unstored, encode, openai_error
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest, TokenbusError
 
@@ -75,7 +75,7 @@ def as_base64(vector: list[float]) -> str:
     return base64.b64encode(floats.tobytes()).decode()
 
 
-class EmbeddingRenderer:
+class EmbeddingRenderer(Unstored):
     """Gathers one vector per input; embeddings never stream."""
 
     def __init__(self, req: EmbeddingRequest, response_id: str = "") -> None:
@@ -91,9 +91,6 @@ class EmbeddingRenderer:
         elif isinstance(event, bus.Final):
             self.prompt_tokens = event.prompt_tokens
         return []
-
-    async def settle(self) -> None:
-        return None
 
     def done(self) -> list[bytes]:
         return []

@@ -12,7 +12,7 @@ from services.edge.formats.base import MAX_MESSAGES, Out, Request, encode, refus
 from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, sampling_params, template_kwargs
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.sse import DONE, event_frame
-from services.edge.store import Conversation, ResponseStore
+from services.edge.store import Conversation, Turn
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest, TokenbusError
 
@@ -398,9 +398,8 @@ class ResponsesRenderer:
     completed / incomplete / failed."""
 
     def __init__(
-        self, req: ResponsesRequest, *, response_id: str, created_at: int, store: ResponseStore | None,
-        conversation: Conversation | None = None, added: list[bus.Message] | None = None, tenant: str = "",
-        ovms: bool = False,
+        self, req: ResponsesRequest, *, response_id: str, created_at: int,
+        conversation: Conversation | None = None, added: list[bus.Message] | None = None, ovms: bool = False,
     ) -> None:
         self.req = req
         self.id = response_id
@@ -409,8 +408,6 @@ class ResponsesRenderer:
         """What this turn continues."""
         self.added = added or []
         """This turn's input, as messages."""
-        self.store = store
-        self.tenant = tenant
         self.ovms = ovms
         """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
         `max_tokens`, as its page documents."""
@@ -483,14 +480,14 @@ class ResponsesRenderer:
         closing = self._events(self.items.finish(self.status))
         return [*out, *closing, self._event(f"response.{self.status}", response=self.response())]
 
-    async def settle(self) -> None:
-        """Stores the finished response before the client hears of it, so any edge can serve it at once; its
-        history as it was run (what truncation left of it)."""
-        if self.store is None or not self.req.store:
-            return
+    def to_store(self) -> Turn | None:
+        """The finished response, when the request asks to store it: its caller stores it before the client hears
+        of it, so any edge can serve it at once; its history as it was run (what truncation left of it)."""
+        if not self.req.store:
+            return None
         dropped = self.final.dropped_messages if self.final is not None else 0
-        await self.store.save(self.tenant, self.id, encode(self.response()), self.conversation,
-                              [*self.added, self.items.answer()], dropped)
+        return Turn(self.id, encode(self.response()), self.conversation, [*self.added, self.items.answer()],
+                    dropped)
 
     def done(self) -> list[bytes]:
         return [DONE] if self.ovms else []

@@ -19,6 +19,7 @@ from services.edge.formats.base import (
     Request,
     StopList,
     StopString,
+    Unstored,
     encode,
     refuse,
     refuse_beyond_context,
@@ -246,7 +247,7 @@ def _tokens(event: bus.Tokens) -> list[tuple[Token, list[Token]]]:
     return out
 
 
-class TgiRenderer:
+class TgiRenderer(Unstored):
     """TGI's stream: one event per token; the last one carries `generated_text` (and the details)."""
 
     def __init__(self, req: GenerateRequest, *, seed: int, array_body: bool = False) -> None:
@@ -300,9 +301,6 @@ class TgiRenderer:
                 prompt_tokens=final.prompt_tokens, seed=self.seed,
             )
         return [data_frame(encode(self.held))]
-
-    async def settle(self) -> None:
-        return None
 
     def done(self) -> list[bytes]:
         return []
