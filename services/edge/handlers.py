@@ -14,8 +14,9 @@ from services.edge import pump, sse
 from services.edge.auth import caller_of
 from services.edge.formats import responses, tgi
 from services.edge.formats.base import decode, encode
+from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
-from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
+from services.edge.plans import PLANNERS, Plan, StreamRecord
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
