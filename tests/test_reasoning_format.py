@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from services.edge.formats import chat, completions, responses
+from services.edge.formats import chat, completions, response_render, responses
 from services.edge.formats.base import decode
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
@@ -86,7 +86,7 @@ def responses_request(**fields: Any) -> responses.ResponsesRequest:
 
 def test_a_streamed_response_opens_a_reasoning_item_with_ovms_summary_events_before_the_message() -> None:
     req = responses_request(stream=True)
-    renderer = responses.ResponsesRenderer(req, response_id="resp_1", created_at=1)
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
     frames = [f for event in thinking("resp_1") for f in renderer.frames(event)]
     events = [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
     for event in events:

@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from services.edge.formats.responses import ResponsesRenderer, ResponsesRequest
+from services.edge.formats.response_render import ResponsesRenderer
+from services.edge.formats.responses import ResponsesRequest
 from shared.protocol.errors import WorkerLost
 from tests.openapi import sse_events, validate
 from tests.processes import MODEL, Edge, WorkerProcess

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from services.edge.formats import calling, chat, responses
+from services.edge.formats import calling, chat, response_render, responses
 from services.edge.formats.base import decode
 from services.edge.sse import DONE
 from shared.protocol import bus
@@ -235,7 +235,7 @@ def test_a_result_may_answer_a_call_of_the_previous_response() -> None:
 
 def render_responses(req: responses.ResponsesRequest, events: list[bus.Tokens | bus.Final]
                      ) -> list[dict[str, Any]]:
-    renderer = responses.ResponsesRenderer(req, response_id="resp_1", created_at=1)
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
     frames = [f for event in events for f in renderer.frames(event)]
     return [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
 
@@ -269,7 +269,7 @@ def test_a_streamed_response_opens_fills_and_closes_each_item_in_order() -> None
 def test_a_call_without_text_is_the_only_item_and_a_named_choice_is_echoed_flat() -> None:
     _job, req = responses_job(tools=[{"type": "function", "function": WEATHER["function"]}],
                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    renderer = responses.ResponsesRenderer(req, response_id="resp_1", created_at=1)
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
     for event in deltas("resp_1")[1:]:
         renderer.frames(event)
     body = json.loads(renderer.body())

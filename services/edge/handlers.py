@@ -12,7 +12,7 @@ from aiohttp import web
 
 from services.edge import pump, sse
 from services.edge.auth import caller_of
-from services.edge.formats import responses, tgi
+from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
@@ -202,7 +202,7 @@ async def delete_response(request: web.Request) -> web.Response:
     await _stored(request, response_id)
     if not await request.app[STORE].delete(caller_of(request).tenant, response_id):
         raise _not_found(response_id)
-    return web.Response(body=encode(responses.Deleted(id=response_id)), content_type="application/json")
+    return web.Response(body=encode(response_render.Deleted(id=response_id)), content_type="application/json")
 
 
 async def list_models(request: web.Request) -> web.Response:

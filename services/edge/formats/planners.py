@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 
 import msgspec
 
-from services.edge.formats import chat, completions, embeddings, responses, tgi
+from services.edge.formats import chat, completions, embeddings, response_render, responses, tgi
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.store import Conversation
 from shared.protocol import bus
@@ -166,7 +166,7 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
     arrival = yield from _arrive("resp_")
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
-    renderer = responses.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
+    renderer = response_render.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
                                            conversation=conversation, added=added, ovms=ovms)
     return Planned(job, renderer, req.stream, arrival)
 
