@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from services.edge.formats.base import Renderer
+from services.edge import framing
+from services.edge.formats.base import Payload, Renderer
 from services.edge.jobevents import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter, bound_send_buffer
 from services.edge.store import Turn
@@ -50,10 +51,14 @@ class _Delivery:
                 out.append(self.prefix + b"%d\n" % number + frame)
         return out
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def take(self, event: bus.Output) -> list[Payload]:
+        """The payloads the renderer makes of the event (counted unless the client already has them)."""
         if self.numbered > self.after:  # not a replayed event the client already has
             self._count(event)
         return self.renderer.frames(event)
+
+    def frames(self, event: bus.Output) -> list[bytes]:
+        return framing.frames(self.take(event))
 
     def _count(self, event: bus.Output) -> None:
         if isinstance(event, bus.Tokens):
@@ -68,8 +73,14 @@ class _Delivery:
         elif isinstance(event, bus.Final):
             metrics.PROMPT_TOKENS.labels(self.model).inc(event.prompt_tokens)
 
-    async def render(self, event: bus.Output) -> list[bytes]:
-        frames = self.frames(event)
+    async def render(self, event: bus.Output, stream: bool = True) -> list[bytes]:
+        """The event's frames (none for an answer that is not streamed: its body is made at the end); after the
+        Final's, stores what the renderer reports."""
+        if stream:
+            frames = self.frames(event)
+        else:
+            frames = []
+            self.take(event)
         if isinstance(event, bus.Final) and self.keep is not None and (turn := self.renderer.to_store()):
             await self.keep(turn)
         return frames
@@ -113,14 +124,14 @@ async def respond(
         if not stream:
             event: bus.Output | None = first
             while event is not None:
-                await delivery.render(event)
+                await delivery.render(event, stream=False)
                 event = await _next(request, events)
-            return web.Response(body=renderer.body(), content_type="application/json")
+            return web.Response(body=framing.body(renderer.body()), content_type="application/json")
         sse = await SSEWriter.open(request)
         try:
             await _stream(request, sse, events, delivery, first, keepalive_s)
         except TokenbusError as exc:
-            await sse.send(delivery.stamp(renderer.error(exc)))
+            await sse.send(delivery.stamp(framing.frames(renderer.error(exc))))
         await sse.close()
         return sse.response
     finally:
@@ -162,4 +173,4 @@ async def _stream(
         while event is None and not events.finished:
             await sse.keepalive()
             event = await _next(request, events, sse, keepalive_s)
-    await sse.send(delivery.stamp(delivery.renderer.done()))
+    await sse.send(delivery.stamp(framing.frames(delivery.renderer.done())))

@@ -9,10 +9,9 @@ from typing import Any
 from msgspec import UNSET, UnsetType
 
 from services.edge.formats import calling
-from services.edge.formats.base import Out, encode
+from services.edge.formats.base import END, Named, Out, Payload, encode
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.formats.responses import ResponsesRequest, TextFormat
-from services.edge.sse import DONE, event_frame
 from services.edge.store import Conversation, Turn
 from shared.protocol import bus
 from shared.protocol.errors import TokenbusError
@@ -196,22 +195,22 @@ class ResponsesRenderer:
 
     # stream events
 
-    def _event(self, kind: str, **fields: Any) -> bytes:
+    def _event(self, kind: str, **fields: Any) -> Named:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return event_frame(kind, encode(payload))
+        return Named(kind, payload)
 
-    def _events(self, events: list[Event]) -> list[bytes]:
+    def _events(self, events: list[Event]) -> list[Payload]:
         return [self._event(kind, **fields) for kind, fields in events]
 
-    def _opening(self) -> list[bytes]:
+    def _opening(self) -> list[Payload]:
         self.started = True
         return [
             self._event("response.created", response=self.response()),
             self._event("response.in_progress", response=self.response()),
         ]
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def frames(self, event: bus.Output) -> list[Payload]:
         if not isinstance(event, bus.Tokens | bus.Final):
             return []
         out = [] if self.started else self._opening()
@@ -233,10 +232,10 @@ class ResponsesRenderer:
         return Turn(self.id, encode(self.response()), self.conversation, [*self.added, self.items.answer()],
                     dropped)
 
-    def done(self) -> list[bytes]:
-        return [DONE] if self.ovms else []
+    def done(self) -> list[Payload]:
+        return [END] if self.ovms else []
 
-    def error(self, error: TokenbusError) -> list[bytes]:
+    def error(self, error: TokenbusError) -> list[Payload]:
         """An `error` event (its type, code, message and param, as OpenAI's stream sends them), then the
         response, failed."""
         self.status = "failed"
@@ -246,6 +245,6 @@ class ResponsesRenderer:
         return [*out, self._event("error", code=error.code or code, message=error.message, param=error.param),
                 self._event("response.failed", response=self.response()), *self.done()]
 
-    def body(self) -> bytes:
-        return encode(self.response())
+    def body(self) -> Response:
+        return self.response()
 
