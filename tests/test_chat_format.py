@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from services.edge import framing
 from services.edge.formats import chat
 from services.edge.formats.base import decode, openai_error, unknown_fields
 from shared.protocol import bus
@@ -120,7 +121,8 @@ def test_unknown_fields_are_ignored_and_found() -> None:
 
 
 def transcript(renderer: chat.ChatRenderer, events: list[bus.Tokens | bus.Final]) -> list[object]:
-    frames = [frame for event in events for frame in renderer.frames(event)] + renderer.done()
+    payloads = [payload for event in events for payload in renderer.frames(event)] + renderer.done()
+    frames = framing.frames(payloads)
     return [payload_of(f) for f in frames]
 
 
@@ -164,7 +166,7 @@ def test_content_chunks_escape_text_and_keep_their_choice() -> None:
     texts = ['say "hi"\n', "\\ caf\u00e9 \u2603 \x01", "</script>"]
     contents = []
     for i, text in enumerate(texts):
-        for frame in renderer.frames(bus.Tokens(job="j", text=text, token_ids=[i], choice=i % 2)):
+        for frame in framing.frames(renderer.frames(bus.Tokens(job="j", text=text, token_ids=[i], choice=i % 2))):
             chunk = payload_of(frame)
             assert isinstance(chunk, dict)
             if chunk["choices"][0]["delta"].get("content"):
@@ -185,7 +187,7 @@ def test_body_aggregates_the_same_events() -> None:
     renderer = chat.ChatRenderer(req, response_id="c", created=1)
     for event in EVENTS:
         renderer.frames(event)
-    body = json.loads(renderer.body())
+    body = json.loads(framing.body(renderer.body()))
     assert body["object"] == "chat.completion"
     message = {"role": "assistant", "content": "Hello", "refusal": None}
     assert body["choices"] == [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}]
@@ -195,7 +197,8 @@ def test_body_aggregates_the_same_events() -> None:
 
 def test_error_after_the_stream_began_is_an_error_frame_then_done() -> None:
     req = decode(request(stream=True), chat.ChatCompletionRequest)
-    frames = [payload_of(f) for f in chat.ChatRenderer(req, response_id="c", created=1).error(RequestTimeout("late"))]
+    renderer = chat.ChatRenderer(req, response_id="c", created=1)
+    frames = [payload_of(f) for f in framing.frames(renderer.error(RequestTimeout("late")))]
     assert frames[0] == {"error": {"message": "late", "type": "timeout_error", "param": None,
                                                "code": None}}
     assert frames[1] == "[DONE]"

@@ -3,6 +3,7 @@ the bus) succeeds or fails with a 4xx error, never with another exception (which
 
 from __future__ import annotations
 
+import functools
 import json
 import typing
 from collections.abc import Callable
@@ -14,45 +15,39 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.edge.formats import chat, completions, embeddings, responses, tgi
-from services.edge.formats.base import decode
+from services.edge.formats import chat, completions, embeddings, planners, responses, tgi
+from services.edge.store import Conversation
 from shared.protocol import bus
 from shared.protocol.errors import TokenbusError
 
 MAX_MODEL_LEN = 2048
-IDS = {"job_id": "job-1", "reply_to": "tokenbus:events:{edge}", "deadline_ms": 1}
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
-def _chat(req: Any) -> bus.Job:
-    chat.check_context(req, MAX_MODEL_LEN)
-    chat.ChatRenderer(req, response_id="chatcmpl-1", created=0)
-    return chat.to_job(req, **IDS)
+def _answer(need: planners.Need) -> object:
+    """What the edge would answer a planner: a worker of the model, no earlier turns, room to store, an arrival."""
+    if isinstance(need, planners.Model):
+        return bus.WorkerInfo(worker="w", model=need.name, task=need.task, max_model_len=MAX_MODEL_LEN,
+                              dimensions=384, adapters=["lora-1"])
+    if isinstance(need, planners.ServedModel):
+        return "m"
+    if isinstance(need, planners.PreviousTurns):
+        return Conversation()
+    if isinstance(need, planners.Arrive):
+        return planners.Arrival(job_id="job-1", started=0.0, deadline_ms=1, reply_to="tokenbus:events:{edge}",
+                                created=0, seed=need.seed)
+    return None
 
 
-def _completions(req: Any) -> bus.Job:
-    completions.check_context(req, MAX_MODEL_LEN)
-    completions.CompletionRenderer(req, response_id="cmpl-1", created=0)
-    return completions.to_job(req, **IDS)
-
-
-def _responses(req: Any) -> bus.Job:
-    responses.refuse_unsupported(req)
-    responses.check_context(req, MAX_MODEL_LEN)
-    return responses.to_job(req, responses.input_messages(req), **IDS)
-
-
-def _embeddings(req: Any) -> bus.Job:
-    embeddings.check_dimensions(req, 384)
-    embeddings.EmbeddingRenderer(req)
-    return embeddings.to_job(req, **IDS)
-
-
-def _tgi(req: Any) -> bus.Job:
-    tgi.check_context(req, MAX_MODEL_LEN)
-    seed = tgi.draw_seed(req)
-    tgi.TgiRenderer(req, seed=seed)
-    return tgi.to_job(req, model="m", seed=seed, stream=req.stream, adapters=["lora-1"], **IDS)
+def planned(plan: Callable[[bytes], planners.Planning]) -> Callable[[bytes], bus.Job]:
+    """The edge's own planner (services.edge.formats.planners), driven with `_answer`'s answers."""
+    def build(body: bytes) -> bus.Job:
+        planning = plan(body)
+        step = planners.advance(planning)
+        while not isinstance(step, planners.Planned):
+            step = planners.advance(planning, _answer(step))
+        return step.job
+    return build
 
 
 @dataclass(frozen=True)
@@ -60,17 +55,20 @@ class Format:
     kind: type[msgspec.Struct]
     example: dict[str, Any]
     """A valid body, which the fuzzers change field by field."""
-    build: Callable[[Any], bus.Job]
-    """What the edge does with a decoded request before the job goes on the bus."""
+    build: Callable[[bytes], bus.Job]
+    """What the edge does with a body before the job goes on the bus."""
 
 
 FORMATS = {
     "chat": Format(chat.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
-                   _chat),
-    "completions": Format(completions.CompletionRequest, {"model": "m", "prompt": "Once"}, _completions),
-    "responses": Format(responses.ResponsesRequest, {"model": "m", "input": "Hi"}, _responses),
-    "embeddings": Format(embeddings.EmbeddingRequest, {"model": "m", "input": "Hi"}, _embeddings),
-    "tgi": Format(tgi.GenerateRequest, {"inputs": "Hi", "parameters": {"max_new_tokens": 4}}, _tgi),
+                   planned(planners.plan_chat)),
+    "completions": Format(completions.CompletionRequest, {"model": "m", "prompt": "Once"},
+                          planned(planners.plan_completions)),
+    "responses": Format(responses.ResponsesRequest, {"model": "m", "input": "Hi"}, planned(planners.plan_responses)),
+    "embeddings": Format(embeddings.EmbeddingRequest, {"model": "m", "input": "Hi"},
+                         planned(planners.plan_embeddings)),
+    "tgi": Format(tgi.GenerateRequest, {"inputs": "Hi", "parameters": {"max_new_tokens": 4}},
+                  planned(functools.partial(planners.plan_tgi, stream=None))),
 }
 
 # values at the edges of what the structs' types hold: 64-bit and 32-bit limits, huge, negative, odd text
@@ -137,7 +135,7 @@ def _encoded(value: Any, ascii_only: bool) -> bytes:
 def survives(fmt: Format, body: bytes) -> None:
     """A body is served or refused with a 4xx; a job that is built can be sent over the bus."""
     try:
-        job = fmt.build(decode(body, fmt.kind))
+        job = fmt.build(body)
     except TokenbusError as exc:
         assert 400 <= exc.status < 500, f"{type(exc).__name__} ({exc.status}): {exc.message}"
         return
@@ -209,5 +207,5 @@ def test_each_field_at_its_edges_is_served_or_refused_with_a_4xx(name: str, fiel
 )
 def test_known_hostile_bodies_are_refused_with_a_4xx(name: str, body: bytes) -> None:
     with pytest.raises(TokenbusError) as caught:
-        FORMATS[name].build(decode(body, FORMATS[name].kind))
+        FORMATS[name].build(body)
     assert 400 <= caught.value.status < 500

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from services.edge.formats import chat, completions, responses
+from services.edge import framing
+from services.edge.formats import chat, completions, response_render, responses
 from services.edge.formats.base import decode
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
@@ -37,7 +38,7 @@ def chat_request(**fields: Any) -> chat.ChatCompletionRequest:
 def test_a_streamed_chat_sends_the_reasoning_in_vllm_fields_before_the_content() -> None:
     renderer = chat.ChatRenderer(chat_request(stream=True, stream_options={"include_usage": True}),
                                  response_id="chatcmpl-1", created=1)
-    frames = [f for event in thinking("chatcmpl-1") for f in renderer.frames(event)]
+    frames = [f for event in thinking("chatcmpl-1") for f in framing.frames(renderer.frames(event))]
     chunks = [json.loads(f.removeprefix(b"data: ")) for f in frames]
     for chunk in chunks:
         validate("CreateChatCompletionStreamResponse", chunk)
@@ -54,7 +55,7 @@ def test_a_chat_body_carries_the_reasoning_beside_the_content() -> None:
     renderer = chat.ChatRenderer(chat_request(), response_id="chatcmpl-1", created=1)
     for event in thinking("chatcmpl-1"):
         renderer.frames(event)
-    body = json.loads(renderer.body())
+    body = json.loads(framing.body(renderer.body()))
     validate("CreateChatCompletionResponse", body)
     message = body["choices"][0]["message"]
     assert (message["content"], message["reasoning"], message["reasoning_content"]) == ("Four.", "Two and two.",
@@ -67,7 +68,7 @@ def test_an_answer_without_reasoning_looks_as_it_did() -> None:
     for event in thinking("chatcmpl-1")[2:4]:
         renderer.frames(event)
     renderer.frames(bus.Final(job="chatcmpl-1", prompt_tokens=7, completion_tokens=2))
-    body = json.loads(renderer.body())
+    body = json.loads(framing.body(renderer.body()))
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Four.", "refusal": None}
     assert "reasoning_tokens" not in body["usage"]
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
@@ -86,8 +87,8 @@ def responses_request(**fields: Any) -> responses.ResponsesRequest:
 
 def test_a_streamed_response_opens_a_reasoning_item_with_ovms_summary_events_before_the_message() -> None:
     req = responses_request(stream=True)
-    renderer = responses.ResponsesRenderer(req, response_id="resp_1", created_at=1, store=None)
-    frames = [f for event in thinking("resp_1") for f in renderer.frames(event)]
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
+    frames = [f for event in thinking("resp_1") for f in framing.frames(renderer.frames(event))]
     events = [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
     for event in events:
         validate("ResponseStreamEvent", event)

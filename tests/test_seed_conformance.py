@@ -9,7 +9,9 @@ import httpx
 import openai
 import pytest
 
-from services.edge.formats.responses import ResponsesRenderer, ResponsesRequest
+from services.edge import framing
+from services.edge.formats.response_render import ResponsesRenderer
+from services.edge.formats.responses import ResponsesRequest
 from shared.protocol.errors import WorkerLost
 from tests.openapi import sse_events, validate
 from tests.processes import MODEL, Edge, WorkerProcess
@@ -79,8 +81,8 @@ async def test_chat_template_kwargs_reach_the_template_but_not_its_own_arguments
 
 def test_a_failed_response_stream_sends_an_error_event_with_type_code_and_param() -> None:
     req = ResponsesRequest(model=MODEL, input="hi", stream=True)
-    renderer = ResponsesRenderer(req, response_id="resp_1", created_at=0, store=None)
-    frames = renderer.error(WorkerLost("The worker died."))
+    renderer = ResponsesRenderer(req, response_id="resp_1", created_at=0)
+    frames = framing.frames(renderer.error(WorkerLost("The worker died.")))
     events = [json.loads(frame.split(b"data: ", 1)[1]) for frame in frames]
     error = next(e for e in events if e["type"] == "error")
     assert error["code"] == "worker_lost" and error["message"] == "The worker died." and "param" in error

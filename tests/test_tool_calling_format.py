@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from services.edge.formats import calling, chat, responses
+from services.edge import framing
+from services.edge.formats import calling, chat, response_render, responses
 from services.edge.formats.base import decode
 from services.edge.sse import DONE
 from shared.protocol import bus
@@ -148,7 +149,7 @@ def test_a_streamed_call_is_sent_as_openai_tool_call_deltas() -> None:
     req = decode(json.dumps({"model": "m", "messages": [USER], "tools": [WEATHER], "stream": True}).encode(),
                  chat.ChatCompletionRequest)
     renderer = chat.ChatRenderer(req, response_id="chatcmpl-1", created=1)
-    frames = [f for event in deltas() for f in renderer.frames(event)] + renderer.done()
+    frames = framing.frames([p for event in deltas() for p in renderer.frames(event)] + renderer.done())
     assert frames[-1] == DONE
     chunks = [json.loads(f.removeprefix(b"data: ")) for f in frames[:-1]]
     for chunk in chunks:
@@ -169,7 +170,7 @@ def test_the_body_carries_the_calls_and_null_content_without_text() -> None:
     renderer = chat.ChatRenderer(req, response_id="chatcmpl-1", created=1)
     for event in deltas()[1:]:
         renderer.frames(event)
-    body = json.loads(renderer.body())
+    body = json.loads(framing.body(renderer.body()))
     validate("CreateChatCompletionResponse", body)
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert body["choices"][0]["message"] == {
@@ -235,8 +236,8 @@ def test_a_result_may_answer_a_call_of_the_previous_response() -> None:
 
 def render_responses(req: responses.ResponsesRequest, events: list[bus.Tokens | bus.Final]
                      ) -> list[dict[str, Any]]:
-    renderer = responses.ResponsesRenderer(req, response_id="resp_1", created_at=1, store=None)
-    frames = [f for event in events for f in renderer.frames(event)]
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
+    frames = [f for event in events for f in framing.frames(renderer.frames(event))]
     return [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
 
 
@@ -269,10 +270,10 @@ def test_a_streamed_response_opens_fills_and_closes_each_item_in_order() -> None
 def test_a_call_without_text_is_the_only_item_and_a_named_choice_is_echoed_flat() -> None:
     _job, req = responses_job(tools=[{"type": "function", "function": WEATHER["function"]}],
                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    renderer = responses.ResponsesRenderer(req, response_id="resp_1", created_at=1, store=None)
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
     for event in deltas("resp_1")[1:]:
         renderer.frames(event)
-    body = json.loads(renderer.body())
+    body = json.loads(framing.body(renderer.body()))
     validate("Response", body)
     assert [item["type"] for item in body["output"]] == ["function_call"] and body["output_text"] == ""
     assert body["tool_choice"] == {"type": "function", "name": "get_weather"}

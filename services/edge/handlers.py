@@ -3,6 +3,7 @@ responses, models and TGI's info."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import msgspec
@@ -11,10 +12,11 @@ from aiohttp import web
 
 from services.edge import pump, sse
 from services.edge.auth import caller_of
-from services.edge.formats import responses, tgi
+from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
+from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
-from services.edge.plans import PLANNERS, Arrival, Plan, StreamRecord
+from services.edge.plans import PLANNERS, Plan, StreamRecord
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
@@ -60,11 +62,16 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      tenant=tenant, ids=sse.wants_ids(request))
+                                      tenant=tenant, ids=sse.wants_ids(request), keep=_keeper(request))
     finally:
         in_flight.dec()
         metrics.REQUEST_DURATION.labels(plan.job.model).observe(time.monotonic() - arrival.started)
         await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
+
+
+def _keeper(request: web.Request) -> pump.Keep:
+    """Stores a finished turn as the caller's tenant's."""
+    return functools.partial(request.app[STORE].keep, caller_of(request).tenant)
 
 
 def _kept_for(settings: Settings, events: JobEvents | None) -> float:
@@ -148,7 +155,7 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      after=after)
+                                      after=after, keep=_keeper(request))
     finally:
         in_flight.dec()
         await admitter.release(record.key, record.lease, keep_for_s=_kept_for(settings, events))
@@ -195,7 +202,7 @@ async def delete_response(request: web.Request) -> web.Response:
     await _stored(request, response_id)
     if not await request.app[STORE].delete(caller_of(request).tenant, response_id):
         raise _not_found(response_id)
-    return web.Response(body=encode(responses.Deleted(id=response_id)), content_type="application/json")
+    return web.Response(body=encode(response_render.Deleted(id=response_id)), content_type="application/json")
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from services.edge.formats.base import Renderer
+from services.edge import framing
+from services.edge.formats.base import Payload, Renderer
 from services.edge.jobevents import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter, bound_send_buffer
+from services.edge.store import Turn
 from shared.protocol import bus
 from shared.protocol.errors import EngineError, TokenbusError
 from shared.runtime import metrics
+
+Keep = Callable[[Turn], Awaitable[None]]
+"""Stores a finished turn a renderer reports (ResponseStore.keep, with the caller's tenant)."""
 
 
 class _Delivery:
@@ -21,8 +27,10 @@ class _Delivery:
     tokens and the finish reasons. A resumed stream renders everything again and sends only the frames after the
     client's last id."""
 
-    def __init__(self, renderer: Renderer, job_id: str, model: str, after: int = -1, ids: bool = True) -> None:
+    def __init__(self, renderer: Renderer, job_id: str, model: str, after: int = -1, ids: bool = True,
+                 keep: Keep | None = None) -> None:
         self.renderer = renderer
+        self.keep = keep
         self.model = model
         self.tokens = 0
         self.prefix = b"id: " + job_id.encode() + b":" if ids else b""
@@ -43,10 +51,14 @@ class _Delivery:
                 out.append(self.prefix + b"%d\n" % number + frame)
         return out
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def take(self, event: bus.Output) -> list[Payload]:
+        """The payloads the renderer makes of the event (counted unless the client already has them)."""
         if self.numbered > self.after:  # not a replayed event the client already has
             self._count(event)
         return self.renderer.frames(event)
+
+    def frames(self, event: bus.Output) -> list[bytes]:
+        return framing.frames(self.take(event))
 
     def _count(self, event: bus.Output) -> None:
         if isinstance(event, bus.Tokens):
@@ -61,10 +73,16 @@ class _Delivery:
         elif isinstance(event, bus.Final):
             metrics.PROMPT_TOKENS.labels(self.model).inc(event.prompt_tokens)
 
-    async def render(self, event: bus.Output) -> list[bytes]:
-        frames = self.frames(event)
-        if isinstance(event, bus.Final):
-            await self.renderer.settle()
+    async def render(self, event: bus.Output, stream: bool = True) -> list[bytes]:
+        """The event's frames (none for an answer that is not streamed: its body is made at the end); after the
+        Final's, stores what the renderer reports."""
+        if stream:
+            frames = self.frames(event)
+        else:
+            frames = []
+            self.take(event)
+        if isinstance(event, bus.Final) and self.keep is not None and (turn := self.renderer.to_store()):
+            await self.keep(turn)
         return frames
 
     def sink(self, sse: SSEWriter) -> Sink:
@@ -82,14 +100,15 @@ class _Delivery:
 async def respond(
     request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, model: str,
     keepalive_s: float, started: float, after: int = -1, tenant: tuple[str, str] | None = None,
-    ids: bool = True,
+    ids: bool = True, keep: Keep | None = None,
 ) -> web.StreamResponse:
     """Waits for the first event before committing to a status: errors before it are plain 4xx/5xx.
 
     A client that goes away raises ClientGone, which the caller turns into a cancel of the job (or keeps it
     for a resume). A resumed stream sends only the frames numbered after `after`; frames carry their number
     as an SSE `id:` when `ids`. `tenant` (its metrics label, the model) also counts the time to first token
-    per tenant.
+    per tenant. `keep` stores what the renderer reports once the job's Final was seen, before the client hears
+    of it.
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
     if stream:
@@ -100,19 +119,19 @@ async def respond(
     metrics.TIME_TO_FIRST_TOKEN.labels(model).observe(time.monotonic() - started)
     if tenant is not None:
         metrics.TENANT_TIME_TO_FIRST_TOKEN.labels(*tenant).observe(time.monotonic() - started)
-    delivery = _Delivery(renderer, events.job_id, model, after, ids)
+    delivery = _Delivery(renderer, events.job_id, model, after, ids, keep)
     try:
         if not stream:
             event: bus.Output | None = first
             while event is not None:
-                await delivery.render(event)
+                await delivery.render(event, stream=False)
                 event = await _next(request, events)
-            return web.Response(body=renderer.body(), content_type="application/json")
+            return web.Response(body=framing.body(renderer.body()), content_type="application/json")
         sse = await SSEWriter.open(request)
         try:
             await _stream(request, sse, events, delivery, first, keepalive_s)
         except TokenbusError as exc:
-            await sse.send(delivery.stamp(renderer.error(exc)))
+            await sse.send(delivery.stamp(framing.frames(renderer.error(exc))))
         await sse.close()
         return sse.response
     finally:
@@ -154,4 +173,4 @@ async def _stream(
         while event is None and not events.finished:
             await sse.keepalive()
             event = await _next(request, events, sse, keepalive_s)
-    await sse.send(delivery.stamp(delivery.renderer.done()))
+    await sse.send(delivery.stamp(framing.frames(delivery.renderer.done())))

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from services.edge import handlers, openapi, ops
-from services.edge.formats import chat, completions, embeddings, responses, tgi
+from services.edge.formats import chat, completions, embeddings, response_render, responses, tgi
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -69,11 +69,11 @@ ROUTES: list[Route] = [
     *_openai("post", "/v1/completions", handlers.text_completions, "OpenAI Completions",
              completions.CompletionRequest, completions.Completion, streams=True, runs_model=True),
     *_openai("post", "/v1/responses", handlers.create_response, "OpenAI Responses", responses.ResponsesRequest,
-             responses.Response, streams=True, runs_model=True),
+             response_render.Response, streams=True, runs_model=True),
     *_openai("get", "/v1/responses/{response_id}", handlers.get_response, "A stored response",
-             response=responses.Response),
+             response=response_render.Response),
     *_openai("delete", "/v1/responses/{response_id}", handlers.delete_response, "Delete a stored response",
-             response=responses.Deleted),
+             response=response_render.Deleted),
     *_openai("post", "/v1/embeddings", handlers.create_embeddings, "OpenAI Embeddings", embeddings.EmbeddingRequest,
              embeddings.EmbeddingList, runs_model=True),
     *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),

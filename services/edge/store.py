@@ -123,6 +123,18 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """A finished Responses turn to store (what its renderer reports): the response object as it was sent, the
+    conversation it continued, what it added to it, and the messages truncation dropped from the history."""
+
+    response_id: str
+    response: bytes
+    conversation: Conversation
+    added: list[bus.Message]
+    dropped: int = 0
+
+
+@dataclass(frozen=True)
 class Quota:
     """What a tenant may hold stored; 0: no limit."""
 
@@ -214,6 +226,10 @@ class ResponseStore:
         more = ([keys.stored_response(tenant, name) for name in chain], [f"r:{name}" for name in chain])
         await self._run_charge(tenant, Quota(0, 0), f"r:{response_id}", len(data), bus.now_ms() + self.ttl_ms,
                                data, more)
+
+    async def keep(self, tenant: str, turn: Turn) -> None:
+        """Stores a finished turn (see `save`)."""
+        await self.save(tenant, turn.response_id, turn.response, turn.conversation, turn.added, turn.dropped)
 
     async def load(self, tenant: str, response_id: str) -> StoredResponse | None:
         with redis_boundary(Overloaded):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from services.edge.sse import DONE, data_frame
+from services.edge.store import Turn
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest, TokenbusError
 
@@ -159,26 +159,67 @@ def finish_reason(reason: str | None) -> str | None:
     return reason if reason in (None, "stop", "length", "tool_calls") else "stop"
 
 
+Payload = Any
+"""What a renderer hands the transport (services.edge.framing) for one frame: a struct, dict or list (one `data:`
+frame, or the JSON body), a Named one (an `event:` frame), a Filled template, or END."""
+
+
+class Named(NamedTuple):
+    """A payload sent as an SSE event of its own name (the Responses stream's `event:` lines)."""
+
+    event: str
+    payload: Any
+
+
+class End:
+    """The end of an OpenAI-style stream: `data: [DONE]`."""
+
+
+END = End()
+
+TEXT_MARK = "\x00tokenbus-text\x00"
+
+
+class TextTemplate:
+    """A chunk with TEXT_MARK where its text goes: the transport encodes its frame once and fills in each
+    token's text, which costs one string encode instead of building and encoding the chunk's structs for every
+    token."""
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+        self.head = self.tail = b""
+        """The frame around the text, made by the transport on first use."""
+
+    def fill(self, text: str) -> Filled:
+        return Filled(self, text)
+
+
+class Filled(NamedTuple):
+    template: TextTemplate
+    text: str
+
+
 class Renderer(Protocol):
-    """A format's state machine: internal events in, encoded frames (or one body) out."""
+    """A format's state machine: internal events in, payloads out (the transport frames or encodes them)."""
 
-    def frames(self, event: bus.Output) -> list[bytes]:
-        """Streaming: the SSE frames this event produces (also records it for `body`)."""
+    def frames(self, event: bus.Output) -> list[Payload]:
+        """Streaming: the payloads of the frames this event produces (also records it for `body`)."""
         ...
 
-    async def settle(self) -> None:
-        """Called once the Final event was seen, before its frames are sent (to store a result)."""
+    def to_store(self) -> Turn | None:
+        """Once the Final event was seen: what the caller stores before the Final's frames are sent (None:
+        nothing)."""
         ...
 
-    def done(self) -> list[bytes]:
-        """Streaming: the frames that close a finished stream."""
+    def done(self) -> list[Payload]:
+        """Streaming: the payloads of the frames that close a finished stream."""
         ...
 
-    def error(self, error: TokenbusError) -> list[bytes]:
-        """Streaming: the frames that report an error after the stream began."""
+    def error(self, error: TokenbusError) -> list[Payload]:
+        """Streaming: the payloads of the frames that report an error after the stream began."""
         ...
 
-    def body(self) -> bytes:
+    def body(self) -> Payload:
         """Non-streaming: the whole response, once every event was passed to `frames`."""
         ...
 
@@ -194,38 +235,32 @@ class ErrorBody(Out):
     error: ErrorDetail
 
 
-def openai_error(error: TokenbusError) -> bytes:
+def openai_error_body(error: TokenbusError) -> ErrorBody:
     """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
-    detail = ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
-    return msgspec.json.encode(ErrorBody(error=detail))
+    return ErrorBody(error=ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code))
 
 
-class OpenAIStreamEnd:
-    """How OpenAI's Chat Completions and Completions streams end: `[DONE]`, after an error frame if any."""
+def openai_error(error: TokenbusError) -> bytes:
+    return msgspec.json.encode(openai_error_body(error))
 
-    async def settle(self) -> None:
+
+class Unstored:
+    """A format whose answers the edge does not store."""
+
+    def to_store(self) -> Turn | None:
         return None
 
-    def done(self) -> list[bytes]:
-        return [DONE]
 
-    def error(self, error: TokenbusError) -> list[bytes]:
-        return [data_frame(openai_error(error)), DONE]
+class OpenAIStreamEnd(Unstored):
+    """How OpenAI's Chat Completions and Completions streams end: `[DONE]`, after an error frame if any."""
+
+    def done(self) -> list[Payload]:
+        return [END]
+
+    def error(self, error: TokenbusError) -> list[Payload]:
+        return [openai_error_body(error), END]
 
 
 def encode(value: Any) -> bytes:
     return msgspec.json.encode(value)
 
-
-TEXT_MARK = "\x00tokenbus-text\x00"
-
-
-class TextTemplate:
-    """A frame encoded once with TEXT_MARK where its text goes: filling it costs one string encode,
-    instead of building and encoding the chunk's structs for every token."""
-
-    def __init__(self, frame: bytes) -> None:
-        self.head, self.tail = frame.split(encode(TEXT_MARK))
-
-    def fill(self, text: str) -> bytes:
-        return self.head + encode(text) + self.tail

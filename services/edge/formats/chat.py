@@ -13,10 +13,10 @@ from services.edge.formats.base import (
     Choices,
     OpenAIStreamEnd,
     Out,
+    Payload,
     Request,
     TextTemplate,
     Usage,
-    encode,
     finish_reason,
     refuse,
     refuse_beyond_context,
@@ -31,7 +31,6 @@ from services.edge.formats.common import (
     template_kwargs,
     token_logprobs_out,
 )
-from services.edge.sse import data_frame
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
 
@@ -297,21 +296,19 @@ class ChatRenderer(OpenAIStreamEnd):
         self.content: list[TextTemplate | None] = [None] * req.n
         """Per choice, the frame of a plain content token (no logprobs, not the last)."""
 
-    def _chunk(self, choices: list[ChunkChoice], usage: Usage | UnsetType | None = UNSET) -> bytes:
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | UnsetType | None = UNSET) -> ChatCompletionChunk:
         if usage is UNSET and self.include_usage:
             usage = None
-        return data_frame(encode(ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
-        )))
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def frames(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Final):
             self.choices.final = event
             return [self._chunk([], usage_of(event, details=True))] if self.include_usage else []
         if not isinstance(event, bus.Tokens):
             return []
         self.choices.add(event)
-        out: list[bytes] = []
+        out: list[Payload] = []
         i = event.choice
         if not self.started[i]:
             self.started[i] = True
@@ -339,7 +336,7 @@ class ChatRenderer(OpenAIStreamEnd):
                 self._chunk([ChunkChoice(index=i, delta=Delta(content=TEXT_MARK))]))
         return template
 
-    def body(self) -> bytes:
+    def body(self) -> ChatCompletion:
         choices = [
             Choice(
                 index=i,
@@ -351,7 +348,5 @@ class ChatRenderer(OpenAIStreamEnd):
             for i, reason in enumerate(self.choices.finish_reasons)
         ]
         final = self.choices.final or bus.Final(job=self.id, prompt_tokens=0, completion_tokens=0)
-        return encode(ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=choices,
-            usage=usage_of(final, details=True),
-        ))
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
+                              usage=usage_of(final, details=True))

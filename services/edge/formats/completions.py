@@ -11,8 +11,8 @@ from services.edge.formats.base import (
     Choices,
     OpenAIStreamEnd,
     Out,
+    Payload,
     Usage,
-    encode,
     finish_reason,
     refuse,
     refuse_beyond_context,
@@ -23,7 +23,6 @@ from services.edge.formats.common import (
     Sampling,
     sampling_params,
 )
-from services.edge.sse import data_frame
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
 
@@ -155,10 +154,8 @@ class CompletionRenderer(OpenAIStreamEnd):
         self.builders = [LogprobsBuilder() for _ in range(count)]
         self.logprobs: dict[int, CompletionLogprobs] = {}
 
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | UnsetType = UNSET) -> bytes:
-        return data_frame(encode(Completion(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
-        )))
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | UnsetType = UNSET) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def _piece(self, event: bus.Tokens) -> CompletionChoice:
         """The choice's new text and logprobs: the echoed prompt before its first tokens, the suffix after its last."""
@@ -173,7 +170,7 @@ class CompletionRenderer(OpenAIStreamEnd):
         return CompletionChoice(text=head + event.text + tail, index=i, logprobs=logprobs,
                                 finish_reason=finish_reason(event.finish_reason))
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def frames(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Prompt):
             self.echoes[event.index] = event
             return []
@@ -197,12 +194,11 @@ class CompletionRenderer(OpenAIStreamEnd):
         whole.top_logprobs += piece.top_logprobs
         whole.text_offset += piece.text_offset
 
-    def body(self) -> bytes:
+    def body(self) -> Completion:
         choices = [
             CompletionChoice(text=self.choices.text(i), index=i, logprobs=self.logprobs.get(i),
                              finish_reason=finish_reason(reason))
             for i, reason in enumerate(self.choices.finish_reasons)
         ]
         final = self.choices.final or bus.Final(job=self.id, prompt_tokens=0, completion_tokens=0)
-        return encode(Completion(id=self.id, created=self.created, model=self.model, choices=choices,
-                                 usage=usage_of(final)))
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage_of(final))

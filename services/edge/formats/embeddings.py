@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, UnsetType
 
-from services.edge.formats.base import Out, Request, encode, openai_error
+from services.edge.formats.base import Out, Payload, Request, Unstored, openai_error_body
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest, TokenbusError
 
@@ -75,7 +75,7 @@ def as_base64(vector: list[float]) -> str:
     return base64.b64encode(floats.tobytes()).decode()
 
 
-class EmbeddingRenderer:
+class EmbeddingRenderer(Unstored):
     """Gathers one vector per input; embeddings never stream."""
 
     def __init__(self, req: EmbeddingRequest, response_id: str = "") -> None:
@@ -85,24 +85,21 @@ class EmbeddingRenderer:
         self.vectors: dict[int, list[float]] = {}
         self.prompt_tokens = 0
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def frames(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Embedding):
             self.vectors[event.index] = event.vector
         elif isinstance(event, bus.Final):
             self.prompt_tokens = event.prompt_tokens
         return []
 
-    async def settle(self) -> None:
-        return None
-
-    def done(self) -> list[bytes]:
+    def done(self) -> list[Payload]:
         return []
 
-    def error(self, error: TokenbusError) -> list[bytes]:
-        return [openai_error(error)]
+    def error(self, error: TokenbusError) -> list[Payload]:
+        return [openai_error_body(error)]
 
-    def body(self) -> bytes:
+    def body(self) -> EmbeddingList:
         data = [EmbeddingData(index=i, embedding=as_base64(v) if self.base64 else v)
                 for i, v in sorted(self.vectors.items())]
         usage = EmbeddingUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens)
-        return encode(EmbeddingList(id=self.id or UNSET, data=data, model=self.model, usage=usage))
+        return EmbeddingList(id=self.id or UNSET, data=data, model=self.model, usage=usage)

@@ -16,15 +16,16 @@ from msgspec import UNSET, Meta, UnsetType
 from services.edge.formats import structured
 from services.edge.formats.base import (
     Out,
+    Payload,
     Request,
     StopList,
     StopString,
+    Unstored,
     encode,
     refuse,
     refuse_beyond_context,
     stop_list,
 )
-from services.edge.sse import data_frame
 from shared.protocol import bus
 from shared.protocol.errors import (
     ContextLengthExceeded,
@@ -232,8 +233,12 @@ def error_status(error: TokenbusError) -> tuple[int, str]:
     return error.status, error.type
 
 
+def tgi_error_body(error: TokenbusError) -> ErrorBody:
+    return ErrorBody(error=error.message, error_type=error_status(error)[1])
+
+
 def tgi_error(error: TokenbusError) -> bytes:
-    return encode(ErrorBody(error=error.message, error_type=error_status(error)[1]))
+    return encode(tgi_error_body(error))
 
 
 def _tokens(event: bus.Tokens) -> list[tuple[Token, list[Token]]]:
@@ -246,7 +251,7 @@ def _tokens(event: bus.Tokens) -> list[tuple[Token, list[Token]]]:
     return out
 
 
-class TgiRenderer:
+class TgiRenderer(Unstored):
     """TGI's stream: one event per token; the last one carries `generated_text` (and the details)."""
 
     def __init__(self, req: GenerateRequest, *, seed: int, array_body: bool = False) -> None:
@@ -267,7 +272,7 @@ class TgiRenderer:
         with_top = self.req.parameters.top_n_tokens
         return StreamResponse(index=len(self.tokens), token=token, top_tokens=top if with_top else UNSET)
 
-    def frames(self, event: bus.Output) -> list[bytes]:
+    def frames(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Prompt):
             self.prefill = [PrefillToken(id=event.token_ids[0], text=event.first_token, logprob=None)] + [
                 PrefillToken(id=tid, text=lp.token, logprob=lp.logprob)
@@ -278,10 +283,10 @@ class TgiRenderer:
         if not isinstance(event, bus.Tokens):
             return []
         self.texts.append(event.text)
-        out = []
+        out: list[Payload] = []
         for token, top in _tokens(event):
             if self.held is not None:
-                out.append(data_frame(encode(self.held)))
+                out.append(self.held)
             self.held = self._stream_event(token, top)
             self.tokens.append(token)
             self.top_tokens.append(top)
@@ -289,7 +294,7 @@ class TgiRenderer:
             self.reason = finish_reason(event.finish_reason, event.stop_reason)
         return out
 
-    def _finish(self, final: bus.Final) -> list[bytes]:
+    def _finish(self, final: bus.Final) -> list[Payload]:
         self.prompt_tokens = final.prompt_tokens
         if self.held is None:
             return []
@@ -299,18 +304,15 @@ class TgiRenderer:
                 finish_reason=self.reason, generated_tokens=len(self.tokens), input_length=final.prompt_tokens,
                 prompt_tokens=final.prompt_tokens, seed=self.seed,
             )
-        return [data_frame(encode(self.held))]
+        return [self.held]
 
-    async def settle(self) -> None:
-        return None
-
-    def done(self) -> list[bytes]:
+    def done(self) -> list[Payload]:
         return []
 
-    def error(self, error: TokenbusError) -> list[bytes]:
-        return [data_frame(tgi_error(error))]
+    def error(self, error: TokenbusError) -> list[Payload]:
+        return [tgi_error_body(error)]
 
-    def body(self) -> bytes:
+    def body(self) -> GenerateResponse | list[GenerateResponse]:
         p = self.req.parameters
         details: Details | UnsetType = UNSET
         if p.details or p.decoder_input_details:
@@ -320,4 +322,4 @@ class TgiRenderer:
                 tokens=self.tokens, top_tokens=self.top_tokens if p.top_n_tokens else UNSET,
             )
         response = GenerateResponse(generated_text=self.prefix + "".join(self.texts), details=details)
-        return encode([response] if self.array_body else response)
+        return [response] if self.array_body else response

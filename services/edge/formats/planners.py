@@ -1,0 +1,195 @@
+"""The pure planners: how each generation format turns a request body into a job and the renderer of its answer.
+
+A planner does no I/O and reads no app state. What only I/O can give (the model's heartbeat behind the caller's key
+check, the conversation a Responses turn continues, room in the store, the request's arrival) it asks its caller
+for: it is a generator that yields a `Need` and is sent back the answer. So its checks run in the order a request's
+refusals must come (a body that does not decode is a 400 before its model is looked up, a context too long for the
+model is refused before the store is read), one caller (services.edge.plans) does all the I/O, and a test can drive
+a planner with answers of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import msgspec
+
+from services.edge.formats import chat, completions, embeddings, response_render, responses, tgi
+from services.edge.formats.base import Renderer, decode, unknown_fields
+from services.edge.store import Conversation
+from shared.protocol import bus
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What every generation request gets on arrival: its id, its deadline, where its events go."""
+
+    job_id: str
+    started: float
+    deadline_ms: int
+    reply_to: str
+    created: int
+    """Unix seconds, as the answer reports them."""
+    seed: int | None = None
+    """TGI's drawn seed, kept so that a resumed stream reports the same one."""
+
+
+# what a planner asks its caller for
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """Top-level fields of the body the format does not know (counted per route); answered with None."""
+
+    route: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model the caller's key may use, with a live worker for the task; answered with its bus.WorkerInfo."""
+
+    name: str
+    task: str = "generate"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model the edge serves by default (TGI's requests need not name one); answered with its name."""
+
+
+@dataclass(frozen=True)
+class PreviousTurns:
+    """The conversation the stored response `response_id` ended; answered with a store.Conversation."""
+
+    response_id: str
+
+
+@dataclass(frozen=True)
+class Room:
+    """Room in the caller's storage for a response of `size` bytes (a resumed stream was checked when it began);
+    answered with None."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Arrive:
+    """The request's arrival (a resumed stream's own); answered with an Arrival."""
+
+    prefix: str
+    seed: int | None = None
+
+
+Need = Ignored | Model | ServedModel | PreviousTurns | Room | Arrive
+
+
+@dataclass(frozen=True)
+class Planned:
+    job: bus.Job
+    renderer: Renderer
+    stream: bool
+    arrival: Arrival
+
+
+Planning = Generator[Need, Any, Planned]
+"""A planner at work: it yields what it needs, is sent the answer, and returns its plan."""
+
+
+def advance(planning: Planning, answer: object = None) -> Need | Planned:
+    """Sends a planner the answer to what it last asked (None to start it): what it needs next, or its plan."""
+    try:
+        return planning.send(answer)
+    except StopIteration as done:
+        planned: Planned = done.value
+        return planned
+
+
+def _decode(body: bytes, kind: type[T], route: str) -> Generator[Need, Any, T]:
+    parsed = decode(body, kind)
+    if ignored := unknown_fields(body, kind):
+        yield Ignored(route, len(ignored))
+    return parsed
+
+
+def _model(name: str, task: str = "generate") -> Generator[Need, Any, bus.WorkerInfo]:
+    return cast(bus.WorkerInfo, (yield Model(name, task)))
+
+
+def _arrive(prefix: str, seed: int | None = None) -> Generator[Need, Any, Arrival]:
+    return cast(Arrival, (yield Arrive(prefix, seed)))
+
+
+def plan_chat(body: bytes) -> Planning:
+    req = yield from _decode(body, chat.ChatCompletionRequest, "chat")
+    info = yield from _model(req.model)
+    chat.check_context(req, info.max_model_len)
+    arrival = yield from _arrive("chatcmpl-")
+    job = chat.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    renderer = chat.ChatRenderer(req, response_id=arrival.job_id, created=arrival.created)
+    return Planned(job, renderer, req.stream, arrival)
+
+
+def plan_completions(body: bytes, raw_prompt_default: bool = True) -> Planning:
+    req = yield from _decode(body, completions.CompletionRequest, "completions")
+    if not raw_prompt_default:  # Databricks' completions: the chat template, and no token limit by default
+        if req.use_raw_prompt is None:
+            req.use_raw_prompt = False
+        if "max_tokens" not in msgspec.json.decode(body, type=dict[str, msgspec.Raw]):
+            req.max_tokens = None
+    info = yield from _model(req.model)
+    completions.check_context(req, info.max_model_len)
+    arrival = yield from _arrive("cmpl-")
+    job = completions.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                             deadline_ms=arrival.deadline_ms)
+    renderer = completions.CompletionRenderer(req, response_id=arrival.job_id, created=arrival.created)
+    return Planned(job, renderer, req.stream, arrival)
+
+
+def plan_responses(body: bytes, ovms: bool = False) -> Planning:
+    """OpenAI Responses; `ovms`: as OVMS serves it on /v3 (see ResponsesRenderer.ovms)."""
+    req = yield from _decode(body, responses.ResponsesRequest, "responses")
+    responses.refuse_unsupported(req)
+    info = yield from _model(req.model)
+    responses.check_context(req, info.max_model_len)
+    conversation = Conversation()
+    if req.previous_response_id:
+        conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
+    added = responses.input_messages(req, conversation.history)
+    responses.check_length(req, conversation, added)
+    if req.store:
+        yield Room(len(body))
+    arrival = yield from _arrive("resp_")
+    job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                           deadline_ms=arrival.deadline_ms)
+    renderer = response_render.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
+                                           conversation=conversation, added=added, ovms=ovms)
+    return Planned(job, renderer, req.stream, arrival)
+
+
+def plan_embeddings(body: bytes) -> Planning:
+    req = yield from _decode(body, embeddings.EmbeddingRequest, "embeddings")
+    info = yield from _model(req.model, task="embed")
+    embeddings.check_dimensions(req, info.dimensions)
+    arrival = yield from _arrive("embd-")
+    job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    return Planned(job, embeddings.EmbeddingRenderer(req, arrival.job_id), False, arrival)
+
+
+def plan_tgi(body: bytes, *, stream: bool | None, array_body: bool = False) -> Planning:
+    """TGI / MindIE; `stream` None: the body's `stream` decides (the `/` route)."""
+    req = yield from _decode(body, tgi.GenerateRequest, "tgi")
+    streaming = req.stream if stream is None else stream
+    model = req.model or cast(str, (yield ServedModel()))
+    info = yield from _model(model)
+    tgi.check_context(req, info.max_model_len)
+    arrival = yield from _arrive("gen-", seed=tgi.draw_seed(req))
+    seed = arrival.seed if arrival.seed is not None else tgi.draw_seed(req)
+    job = tgi.to_job(req, model=model, seed=seed, stream=streaming, adapters=info.adapters,
+                     job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    renderer = tgi.TgiRenderer(req, seed=seed, array_body=array_body)
+    return Planned(job, renderer, streaming, arrival)

@@ -1,0 +1,250 @@
+"""The OpenAI Responses API's answer: the response object at every point of its life, and the typed stream events
+that carry it (created, in progress, the output items, then completed / incomplete / failed)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from msgspec import UNSET, UnsetType
+
+from services.edge.formats import calling
+from services.edge.formats.base import END, Named, Out, Payload, encode
+from services.edge.formats.response_items import Event, OutputItem, OutputItems
+from services.edge.formats.responses import ResponsesRequest, TextFormat
+from services.edge.store import Conversation, Turn
+from shared.protocol import bus
+from shared.protocol.errors import TokenbusError
+
+
+class IncompleteDetails(Out):
+    reason: str
+
+
+class ResponseError(Out):
+    code: str
+    message: str
+
+
+class InputTokensDetails(Out):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(Out):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Out):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class Reasoning(Out):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class TextFormatOut(Out):
+    type: str = "text"
+    name: str | UnsetType = UNSET
+    schema: dict[str, Any] | UnsetType = UNSET
+    description: str | UnsetType | None = UNSET
+    strict: bool | UnsetType | None = UNSET
+
+
+def echo_format(fmt: TextFormat | None) -> TextFormatOut:
+    """The response's `text.format`: the request's, as OpenAI echoes it."""
+    if fmt is None or fmt.type != "json_schema":
+        return TextFormatOut(type=fmt.type if fmt else "text")
+    return TextFormatOut(type=fmt.type, name=fmt.name or "", schema=fmt.schema or {}, description=fmt.description,
+                         strict=fmt.strict)
+
+
+class TextOut(Out):
+    format: TextFormatOut
+
+
+class FunctionToolOut(Out, kw_only=True):
+    type: str = "function"
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool | None
+
+
+class NamedChoiceOut(Out):
+    type: str
+    name: str
+
+
+def echo_tools(tools: list[calling.ResponsesTool] | None) -> list[FunctionToolOut]:
+    """The response's `tools`: each function in OpenAI's flat form, however it was given."""
+    return [FunctionToolOut(name=f.name, description=f.description, parameters=f.parameters, strict=f.strict)
+            for f, _param in calling.responses_functions(tools)]
+
+
+def echo_tool_choice(choice: calling.ToolChoice | None) -> str | NamedChoiceOut:
+    """The response's `tool_choice`: as sent; a function in OpenAI's flat form."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        return choice
+    return NamedChoiceOut(type=choice.type, name=choice.function.name if choice.function else choice.name or "")
+
+
+class Response(Out, kw_only=True):
+    id: str
+    object: str = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: str
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputItem]
+    output_text: str
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None
+    reasoning: Reasoning
+    store: bool
+    temperature: float
+    text: TextOut
+    tool_choice: str | NamedChoiceOut = "auto"
+    tools: list[FunctionToolOut] = []
+    top_logprobs: int | None
+    top_p: float
+    truncation: str
+    usage: ResponseUsage | UnsetType = UNSET
+    """Absent until the response is done (the schema does not allow null here)."""
+    user: str | UnsetType = UNSET
+    metadata: dict[str, str]
+
+
+class Deleted(Out):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+_ERROR_CODES = {"InvalidRequest": "invalid_prompt", "ContextLengthExceeded": "invalid_prompt"}
+
+
+class ResponsesRenderer:
+    """The Responses stream as a state machine: created and in_progress, then the output items as they come
+    (messages with their text deltas, function calls with their argument deltas; see response_items), then
+    completed / incomplete / failed."""
+
+    def __init__(
+        self, req: ResponsesRequest, *, response_id: str, created_at: int,
+        conversation: Conversation | None = None, added: list[bus.Message] | None = None, ovms: bool = False,
+    ) -> None:
+        self.req = req
+        self.id = response_id
+        self.created_at = created_at
+        self.conversation = conversation or Conversation()
+        """What this turn continues."""
+        self.added = added or []
+        """This turn's input, as messages."""
+        self.ovms = ovms
+        """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
+        `max_tokens`, as its page documents."""
+        self.sequence = 0
+        self.items = OutputItems("msg_" + response_id.removeprefix("resp_"),
+                                 eager=not req.tools or req.tool_choice == "none")
+        self.final: bus.Final | None = None
+        self.cut = False
+        """The answer ended at its token budget."""
+        self.status = "in_progress"
+        self.completed_at: int | None = None
+        self.error_detail: ResponseError | None = None
+        self.started = False
+
+    # the response object at any point of its life
+
+    def response(self) -> Response:
+        req, final = self.req, self.final
+        usage = UNSET if final is None else ResponseUsage(
+            input_tokens=final.prompt_tokens, input_tokens_details=InputTokensDetails(),
+            output_tokens=final.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=final.reasoning_tokens),
+            total_tokens=final.prompt_tokens + final.completion_tokens,
+        )
+        done = self.status in ("completed", "incomplete")
+        return Response(
+            id=self.id, created_at=self.created_at, completed_at=self.completed_at, status=self.status,
+            error=self.error_detail,
+            incomplete_details=IncompleteDetails(reason="max_tokens" if self.ovms else "max_output_tokens")
+            if self.status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=req.model,
+            output=self.items.output() if done else [], output_text=self.items.text() if done else "",
+            previous_response_id=req.previous_response_id,
+            tool_choice=echo_tool_choice(req.tool_choice), tools=echo_tools(req.tools),
+            parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            reasoning=Reasoning(effort=req.reasoning.effort if req.reasoning else None),
+            store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
+            text=TextOut(format=echo_format(req.text.format if req.text else None)), top_logprobs=req.top_logprobs,
+            top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
+            usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
+        )
+
+    # stream events
+
+    def _event(self, kind: str, **fields: Any) -> Named:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return Named(kind, payload)
+
+    def _events(self, events: list[Event]) -> list[Payload]:
+        return [self._event(kind, **fields) for kind, fields in events]
+
+    def _opening(self) -> list[Payload]:
+        self.started = True
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
+
+    def frames(self, event: bus.Output) -> list[Payload]:
+        if not isinstance(event, bus.Tokens | bus.Final):
+            return []
+        out = [] if self.started else self._opening()
+        if isinstance(event, bus.Tokens):
+            self.cut = self.cut or event.finish_reason == "length"
+            return out + self._events(self.items.tokens(event))
+        self.final = event
+        self.completed_at = int(time.time())
+        self.status = "incomplete" if self.cut else "completed"
+        closing = self._events(self.items.finish(self.status))
+        return [*out, *closing, self._event(f"response.{self.status}", response=self.response())]
+
+    def to_store(self) -> Turn | None:
+        """The finished response, when the request asks to store it: its caller stores it before the client hears
+        of it, so any edge can serve it at once; its history as it was run (what truncation left of it)."""
+        if not self.req.store:
+            return None
+        dropped = self.final.dropped_messages if self.final is not None else 0
+        return Turn(self.id, encode(self.response()), self.conversation, [*self.added, self.items.answer()],
+                    dropped)
+
+    def done(self) -> list[Payload]:
+        return [END] if self.ovms else []
+
+    def error(self, error: TokenbusError) -> list[Payload]:
+        """An `error` event (its type, code, message and param, as OpenAI's stream sends them), then the
+        response, failed."""
+        self.status = "failed"
+        code = _ERROR_CODES.get(type(error).__name__, "server_error")
+        self.error_detail = ResponseError(code=code, message=error.message)
+        out = [] if self.started else self._opening()
+        return [*out, self._event("error", code=error.code or code, message=error.message, param=error.param),
+                self._event("response.failed", response=self.response()), *self.done()]
+
+    def body(self) -> Response:
+        return self.response()
+
