@@ -121,7 +121,7 @@ def test_unknown_fields_are_ignored_and_found() -> None:
 
 
 def transcript(renderer: chat.ChatRenderer, events: list[bus.Tokens | bus.Final]) -> list[object]:
-    payloads = [payload for event in events for payload in renderer.frames(event)] + renderer.done()
+    payloads = [payload for event in events for payload in renderer.render(event)] + renderer.done()
     frames = framing.frames(payloads)
     return [payload_of(f) for f in frames]
 
@@ -166,7 +166,7 @@ def test_content_chunks_escape_text_and_keep_their_choice() -> None:
     texts = ['say "hi"\n', "\\ caf\u00e9 \u2603 \x01", "</script>"]
     contents = []
     for i, text in enumerate(texts):
-        for frame in framing.frames(renderer.frames(bus.Tokens(job="j", text=text, token_ids=[i], choice=i % 2))):
+        for frame in framing.frames(renderer.render(bus.Tokens(job="j", text=text, token_ids=[i], choice=i % 2))):
             chunk = payload_of(frame)
             assert isinstance(chunk, dict)
             if chunk["choices"][0]["delta"].get("content"):
@@ -186,7 +186,7 @@ def test_body_aggregates_the_same_events() -> None:
     req = decode(request(), chat.ChatCompletionRequest)
     renderer = chat.ChatRenderer(req, response_id="c", created=1)
     for event in EVENTS:
-        renderer.frames(event)
+        renderer.render(event)
     body = json.loads(framing.body(renderer.body()))
     assert body["object"] == "chat.completion"
     message = {"role": "assistant", "content": "Hello", "refusal": None}

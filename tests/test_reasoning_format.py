@@ -38,7 +38,7 @@ def chat_request(**fields: Any) -> chat.ChatCompletionRequest:
 def test_a_streamed_chat_sends_the_reasoning_in_vllm_fields_before_the_content() -> None:
     renderer = chat.ChatRenderer(chat_request(stream=True, stream_options={"include_usage": True}),
                                  response_id="chatcmpl-1", created=1)
-    frames = [f for event in thinking("chatcmpl-1") for f in framing.frames(renderer.frames(event))]
+    frames = [f for event in thinking("chatcmpl-1") for f in framing.frames(renderer.render(event))]
     chunks = [json.loads(f.removeprefix(b"data: ")) for f in frames]
     for chunk in chunks:
         validate("CreateChatCompletionStreamResponse", chunk)
@@ -54,7 +54,7 @@ def test_a_streamed_chat_sends_the_reasoning_in_vllm_fields_before_the_content()
 def test_a_chat_body_carries_the_reasoning_beside_the_content() -> None:
     renderer = chat.ChatRenderer(chat_request(), response_id="chatcmpl-1", created=1)
     for event in thinking("chatcmpl-1"):
-        renderer.frames(event)
+        renderer.render(event)
     body = json.loads(framing.body(renderer.body()))
     validate("CreateChatCompletionResponse", body)
     message = body["choices"][0]["message"]
@@ -66,8 +66,8 @@ def test_a_chat_body_carries_the_reasoning_beside_the_content() -> None:
 def test_an_answer_without_reasoning_looks_as_it_did() -> None:
     renderer = chat.ChatRenderer(chat_request(), response_id="chatcmpl-1", created=1)
     for event in thinking("chatcmpl-1")[2:4]:
-        renderer.frames(event)
-    renderer.frames(bus.Final(job="chatcmpl-1", prompt_tokens=7, completion_tokens=2))
+        renderer.render(event)
+    renderer.render(bus.Final(job="chatcmpl-1", prompt_tokens=7, completion_tokens=2))
     body = json.loads(framing.body(renderer.body()))
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Four.", "refusal": None}
     assert "reasoning_tokens" not in body["usage"]
@@ -88,7 +88,7 @@ def responses_request(**fields: Any) -> responses.ResponsesRequest:
 def test_a_streamed_response_opens_a_reasoning_item_with_ovms_summary_events_before_the_message() -> None:
     req = responses_request(stream=True)
     renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
-    frames = [f for event in thinking("resp_1") for f in framing.frames(renderer.frames(event))]
+    frames = [f for event in thinking("resp_1") for f in framing.frames(renderer.render(event))]
     events = [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
     for event in events:
         validate("ResponseStreamEvent", event)

@@ -149,7 +149,7 @@ def test_a_streamed_call_is_sent_as_openai_tool_call_deltas() -> None:
     req = decode(json.dumps({"model": "m", "messages": [USER], "tools": [WEATHER], "stream": True}).encode(),
                  chat.ChatCompletionRequest)
     renderer = chat.ChatRenderer(req, response_id="chatcmpl-1", created=1)
-    frames = framing.frames([p for event in deltas() for p in renderer.frames(event)] + renderer.done())
+    frames = framing.frames([p for event in deltas() for p in renderer.render(event)] + renderer.done())
     assert frames[-1] == DONE
     chunks = [json.loads(f.removeprefix(b"data: ")) for f in frames[:-1]]
     for chunk in chunks:
@@ -169,7 +169,7 @@ def test_the_body_carries_the_calls_and_null_content_without_text() -> None:
                  chat.ChatCompletionRequest)
     renderer = chat.ChatRenderer(req, response_id="chatcmpl-1", created=1)
     for event in deltas()[1:]:
-        renderer.frames(event)
+        renderer.render(event)
     body = json.loads(framing.body(renderer.body()))
     validate("CreateChatCompletionResponse", body)
     assert body["choices"][0]["finish_reason"] == "tool_calls"
@@ -237,7 +237,7 @@ def test_a_result_may_answer_a_call_of_the_previous_response() -> None:
 def render_responses(req: responses.ResponsesRequest, events: list[bus.Tokens | bus.Final]
                      ) -> list[dict[str, Any]]:
     renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
-    frames = [f for event in events for f in framing.frames(renderer.frames(event))]
+    frames = [f for event in events for f in framing.frames(renderer.render(event))]
     return [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
 
 
@@ -272,7 +272,7 @@ def test_a_call_without_text_is_the_only_item_and_a_named_choice_is_echoed_flat(
                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
     for event in deltas("resp_1")[1:]:
-        renderer.frames(event)
+        renderer.render(event)
     body = json.loads(framing.body(renderer.body()))
     validate("Response", body)
     assert [item["type"] for item in body["output"]] == ["function_call"] and body["output_text"] == ""

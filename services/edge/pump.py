@@ -55,7 +55,7 @@ class _Delivery:
         """The payloads the renderer makes of the event (counted unless the client already has them)."""
         if self.numbered > self.after:  # not a replayed event the client already has
             self._count(event)
-        return self.renderer.frames(event)
+        return self.renderer.render(event)
 
     def frames(self, event: bus.Output) -> list[bytes]:
         return framing.frames(self.take(event))

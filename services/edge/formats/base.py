@@ -202,8 +202,8 @@ class Filled(NamedTuple):
 class Renderer(Protocol):
     """A format's state machine: internal events in, payloads out (the transport frames or encodes them)."""
 
-    def frames(self, event: bus.Output) -> list[Payload]:
-        """Streaming: the payloads of the frames this event produces (also records it for `body`)."""
+    def render(self, event: bus.Output) -> list[Payload]:
+        """The payloads this event produces (streaming; also recorded for `body`)."""
         ...
 
     def to_store(self) -> Turn | None:

@@ -301,7 +301,7 @@ class ChatRenderer(OpenAIStreamEnd):
             usage = None
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def frames(self, event: bus.Output) -> list[Payload]:
+    def render(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Final):
             self.choices.final = event
             return [self._chunk([], usage_of(event, details=True))] if self.include_usage else []

@@ -170,7 +170,7 @@ class CompletionRenderer(OpenAIStreamEnd):
         return CompletionChoice(text=head + event.text + tail, index=i, logprobs=logprobs,
                                 finish_reason=finish_reason(event.finish_reason))
 
-    def frames(self, event: bus.Output) -> list[Payload]:
+    def render(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Prompt):
             self.echoes[event.index] = event
             return []

@@ -85,7 +85,7 @@ class EmbeddingRenderer(Unstored):
         self.vectors: dict[int, list[float]] = {}
         self.prompt_tokens = 0
 
-    def frames(self, event: bus.Output) -> list[Payload]:
+    def render(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Embedding):
             self.vectors[event.index] = event.vector
         elif isinstance(event, bus.Final):

@@ -210,7 +210,7 @@ class ResponsesRenderer:
             self._event("response.in_progress", response=self.response()),
         ]
 
-    def frames(self, event: bus.Output) -> list[Payload]:
+    def render(self, event: bus.Output) -> list[Payload]:
         if not isinstance(event, bus.Tokens | bus.Final):
             return []
         out = [] if self.started else self._opening()

@@ -272,7 +272,7 @@ class TgiRenderer(Unstored):
         with_top = self.req.parameters.top_n_tokens
         return StreamResponse(index=len(self.tokens), token=token, top_tokens=top if with_top else UNSET)
 
-    def frames(self, event: bus.Output) -> list[Payload]:
+    def render(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Prompt):
             self.prefill = [PrefillToken(id=event.token_ids[0], text=event.first_token, logprob=None)] + [
                 PrefillToken(id=tid, text=lp.token, logprob=lp.logprob)
