@@ -268,8 +268,7 @@ class Listener(asyncio.Protocol):
         self.on_read = on_read
         self.ended: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
         transport = internals.transport(connection)
-        # nosec B101: an invariant (tokenbus never runs with -O)
-        assert transport is not None and self.reader is not None, "listens on a connection, with hiredis"  # nosec B101
+        assert transport is not None and self.reader is not None, "a connection, with hiredis"  # nosec B101: an invariant
         self.inner = cast(asyncio.Protocol, transport.get_protocol())
         # read from the socket, not yet by the parser: nothing arrives before set_protocol
         buffered, paused = internals.take_stream(connection)
