@@ -167,7 +167,7 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = response_render.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
-                                           conversation=conversation, added=added, ovms=ovms)
+                                                  conversation=conversation, added=added, ovms=ovms)
     return Planned(job, renderer, req.stream, arrival)
 
 
