@@ -11,11 +11,11 @@ _MARK = encode(TEXT_MARK)
 
 def frame(payload: Payload) -> bytes:
     """The SSE frame of one payload."""
-    if isinstance(payload, Filled):  # most tokens
-        template = payload.template
+    if type(payload) is Filled:  # most tokens: the one path every streamed token takes, kept short
+        template, text = payload
         if not template.head:
             template.head, template.tail = data_frame(encode(template.payload)).split(_MARK)
-        return template.head + encode(payload.text) + template.tail
+        return template.head + encode(text) + template.tail
     if isinstance(payload, Named):
         return event_frame(payload.event, encode(payload.payload))
     if payload is END:

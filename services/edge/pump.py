@@ -58,7 +58,7 @@ class _Delivery:
         return self.renderer.render(event)
 
     def frames(self, event: bus.Output) -> list[bytes]:
-        return framing.frames(self.take(event))
+        return [framing.frame(payload) for payload in self.take(event)]
 
     def _count(self, event: bus.Output) -> None:
         if isinstance(event, bus.Tokens):
