@@ -274,8 +274,10 @@ def test_a_hop_target_is_met_or_missed_only_by_a_whole_interval(tmp_path: Path) 
     overheads = edge_bench.Overheads(ttft_ms=flat, itl_ms=flat, first_wave_ttft_ms=flat)
     added = {"ttft p50": Interval(0.8, 0.6, 0.95, 6), "ttft p99": Interval(3.2, 2.5, 4.0, 6),
              "first wave p50": Interval(20.0, 15.0, 25.0, 6)}
+    cpu_us = {"tokenbus": {"edge": [500.0] * 6, "worker": [300.0] * 6, "redis-server": [100.0] * 6},
+              "bare": {"bare": [400.0, 380.0, 420.0, 400.0, 390.0, 410.0]}}
     hop = edge_bench.HopResult(64, 50.0, 20.0, tokenbus=overheads, bare=overheads, rounds=6, pinned=True,
-                               added_ms=added)
+                               added_ms=added, cpu_us=cpu_us)
     out = tmp_path / "bench.md"
     report.write(report.Report(command="test", comparison={}, hops=(hop,), throughput=None, many=None,
                                vllm_bench=None), out)
@@ -284,3 +286,6 @@ def test_a_hop_target_is_met_or_missed_only_by_a_whole_interval(tmp_path: Path) 
         in text
     assert "| < 3 ms | 3.20 ms [2.50, 4.00] (6 rounds) | undecided (within noise) |" in text
     assert "| < 10 ms | 20.00 ms [15.00, 25.00] (6 rounds) | **missed** |" in text
+    # 900 us across the three processes against 400 for the bare server: 2.25x, wholly above the 1.5x target
+    assert "| own core | edge 500 + worker 300 + redis-server 100 = 900 | 400 | 2.25x [" in text
+    assert text.split("| 400 | 2.25x [")[1].split("\n")[0].endswith("| **missed** |")

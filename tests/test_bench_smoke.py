@@ -68,6 +68,11 @@ def test_edge_figures_and_report(engine: systems.Engine, tmp_path: Path) -> None
     added = hop.added_ms["ttft p50"]  # round by round: two rounds are too few for a verdict on the target
     assert added.rounds == 2 and added.low <= added.estimate <= added.high
     assert f"| < 1 ms | {added.estimate:.2f} ms [{added.low:.2f}, {added.high:.2f}] (2 rounds) | not judged" in text
+    # every process of both systems did work in every round: CPU per request, and tokenbus's against the bare one's
+    assert set(hop.cpu_us["tokenbus"]) == {"edge", "worker", "redis-server"} and set(hop.cpu_us["bare"]) == {"bare"}
+    assert all(len(rounds) == 2 and min(rounds) > 0 for parts in hop.cpu_us.values() for rounds in parts.values())
+    ratio = hop.cpu_ratio()
+    assert ratio is not None and f"| {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] | not judged" in text
 
 
 def test_a_scale_cell_spreads_the_load_over_every_edge_and_worker(engine: systems.Engine, tmp_path: Path) -> None:

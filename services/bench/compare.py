@@ -13,8 +13,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
 from services.bench import load, systems
 from services.bench.workload import Distribution, requests
 
@@ -141,8 +139,7 @@ class Deployment:
 def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
     worker = running.pids["worker"]
     edges = tuple(pid for name, pid in running.pids.items() if name.startswith("edge"))
-    with redis.Redis.from_url(running.redis_url) as client:
-        redis_pid = int(client.info("server")["process_id"])
+    redis_pid = systems.redis_pid(running.redis_url)
     engine = tuple(systems.descendants(worker))
     # the one-edge system is counted as deployed alone: the second edge's idle loops are not its cost
     shared = ((WORKER, worker), (REDIS, redis_pid))

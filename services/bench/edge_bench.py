@@ -15,7 +15,7 @@ import redis
 from services.bench import bare as bare_server
 from services.bench import load, systems
 from services.bench.client import Timing
-from services.bench.stats import Interval, Summary, bootstrap_mean, percentile
+from services.bench.stats import Interval, Summary, bootstrap_mean, paired_bootstrap_ratio, percentile
 from services.bench.workload import Distribution, requests
 
 
@@ -45,6 +45,21 @@ class HopResult:
     added_ms: dict[str, Interval] = field(default_factory=dict)
     """Per round, tokenbus's percentile minus the bare server's of the same round; the mean over the rounds with its
     95% bootstrap interval: `ttft p50`, `ttft p99`, `first wave p50`."""
+    cpu_us: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """CPU per request served, in us, per system and process, one figure per round: tokenbus's `edge`, `worker`
+    and `redis-server`, the bare server's `bare`. Every process's own time (children not included), first wave,
+    steady state and every token streamed alike."""
+
+    def cpu_total(self, system: str) -> list[float]:
+        """A system's CPU per request in each round, over all its processes."""
+        parts = self.cpu_us.get(system, {})
+        return [sum(figures) for figures in zip(*parts.values(), strict=True)]
+
+    def cpu_ratio(self) -> Interval | None:
+        """tokenbus's CPU per request over the bare server's, paired by round, with its interval."""
+        if not self.cpu_us:
+            return None
+        return paired_bootstrap_ratio(self.cpu_total("tokenbus"), self.cpu_total("bare"))
 
 
 @dataclass(frozen=True)
@@ -105,19 +120,28 @@ def hop_overhead(engine: systems.Engine, log: Path, streams: int = 64, ttft_ms: 
     work = requests(streams * 4, Distribution("fixed", 32), Distribution("uniform", tokens // 2, tokens * 3 // 2),
                     seed=1)
     timings: dict[str, list[tuple[list[Timing], list[Timing]]]] = {"tokenbus": [], "bare": []}
+    cpu_us: dict[str, dict[str, list[float]]] = {"tokenbus": {}, "bare": {}}
     with pinned_apart(pin) as move_load, systems.tokenbus(engine, log, sim=(ttft_ms, itl_ms)) as running, \
             systems.bare(log, sim=(ttft_ms, itl_ms)) as bare:
         move_load()
+        pids = {"tokenbus": {"edge": running.pids["edge"], "worker": running.pids["worker"],
+                             "redis-server": systems.redis_pid(running.redis_url)},
+                "bare": {"bare": bare.pids["bare"]}}
         shapes = {"tokenbus": load.Load(running.base_url, engine.model, concurrency=streams),
                   "bare": load.Load(bare.base_url, bare_server.MODEL, concurrency=streams)}
         for shape in shapes.values():
             asyncio.run(load.run(shape, work[:streams], system="warm-up", quiet=True))
         for number in range(rounds):
             for system in sorted(shapes, reverse=number % 2 == 1):
+                before = {part: systems.cpu_reading(pid) for part, pid in pids[system].items()}
                 measured, _duration = asyncio.run(load.collect(shapes[system], work, system=system, quiet=True))
+                after = {part: systems.cpu_reading(pid) for part, pid in pids[system].items()}
                 ok = sorted((t for t in measured if t.ok), key=lambda t: t.start)
                 timings[system].append((ok[:streams], ok[streams:]))
-    return HopResult(streams, ttft_ms, itl_ms, rounds=rounds, pinned=pin, added_ms=_added(timings),
+                for part in pids[system]:
+                    cpu_us[system].setdefault(part, []).append(
+                        after[part].seconds_since(before[part]) / max(len(ok), 1) * 1e6)
+    return HopResult(streams, ttft_ms, itl_ms, rounds=rounds, pinned=pin, added_ms=_added(timings), cpu_us=cpu_us,
                      **{system: _overheads(runs, ttft_ms, itl_ms) for system, runs in timings.items()})
 
 

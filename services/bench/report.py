@@ -12,7 +12,7 @@ from pathlib import Path
 
 from services.bench import compare, compare_report, edge_bench, floor, systems, wakes
 from services.bench.compare import Comparison, Idle
-from services.bench.stats import MIN_ROUNDS
+from services.bench.stats import MIN_ROUNDS, Interval
 
 
 @dataclass(frozen=True)
@@ -116,17 +116,51 @@ def _hop_targets(hops: tuple[edge_bench.HopResult, ...]) -> list[str]:
         where = "own core" if hop.pinned else "shares the cores"
         for key, target in HOP_TARGETS_MS.items():
             added = hop.added_ms[key]
-            if added.rounds < MIN_ROUNDS:
-                verdict = f"not judged (fewer than {MIN_ROUNDS} rounds)"
-            elif added.high < target:
-                verdict = "**met**"
-            elif added.low > target:
-                verdict = "**missed**"
-            else:
-                verdict = "undecided (within noise)"
             lines.append(f"| {where} | {names[key]} | < {target:g} ms | {added.estimate:.2f} ms "
-                         f"[{added.low:.2f}, {added.high:.2f}] ({added.rounds} rounds) | {verdict} |")
+                         f"[{added.low:.2f}, {added.high:.2f}] ({added.rounds} rounds) | {_judged(added, target)} |")
     return [*lines, ""]
+
+
+def _judged(found: Interval, target: float) -> str:
+    """Whether a figure that should stay below `target` does: only when its whole interval says so."""
+    if found.rounds < MIN_ROUNDS:
+        return f"not judged (fewer than {MIN_ROUNDS} rounds)"
+    if found.high < target:
+        return "**met**"
+    if found.low > target:
+        return "**missed**"
+    return "undecided (within noise)"
+
+
+CPU_PER_REQUEST_TARGET = 1.5
+"""The most CPU per request that edge, Redis and worker together may spend against the bare server: issue 36."""
+
+
+def _hop_cpu(hops: tuple[edge_bench.HopResult, ...]) -> list[str]:
+    """CPU per request served in the same rounds, by process, and tokenbus's total against the bare server's."""
+    measured = [(hop, ratio) for hop in hops if (ratio := hop.cpu_ratio()) is not None]
+    if not measured:
+        return []
+    lines = ["*CPU per request* in the same rounds: each process's own CPU time over the round (from /proc, as in the "
+             "comparison with `vllm serve`) divided by the requests it served, first wave, steady state and every "
+             "token streamed alike; tokenbus's edge, worker (the simulator's timers included) and redis-server "
+             "against the bare server's one process. The ratio is paired by round, with its 95% bootstrap interval; "
+             f"the target of at most {CPU_PER_REQUEST_TARGET:g}x is **met** or **missed** only when the interval "
+             "lies wholly below or above it.", "",
+             "| load generator | tokenbus, us per request | bare, us per request | tokenbus / bare | verdict |",
+             "|---|---|---|---|---|"]
+    for hop, ratio in measured:
+        where = "own core" if hop.pinned else "shares the cores"
+        parts = " + ".join(f"{part} {_mean(figures):.0f}" for part, figures in hop.cpu_us["tokenbus"].items())
+        lines.append(f"| {where} | {parts} = {_mean(hop.cpu_total('tokenbus')):.0f} "
+                     f"| {_mean(hop.cpu_total('bare')):.0f} "
+                     f"| {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] "
+                     f"| {_judged(ratio, CPU_PER_REQUEST_TARGET)} |")
+    return [*lines, ""]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def _edge_section(report: Report) -> list[str]:
@@ -161,6 +195,7 @@ def _edge_section(report: Report) -> list[str]:
                              f"| {mine.p50 - floor.p50:.2f} ms | {mine.p99 - floor.p99:.2f} ms |")
         lines += [""]
         lines += _hop_targets(report.hops)
+        lines += _hop_cpu(report.hops)
     if report.floor is not None:
         f = report.floor
         where = "the three on one core (the systems' core above)" if f.one_core else "on every core"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
 
 from services.supervisor import free_port, private_redis
 from shared.runtime import processes
@@ -171,6 +172,12 @@ def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
         yield Running(base_url, {"server": process.pid})
     finally:
         processes.stop(process)
+
+
+def redis_pid(redis_url: str) -> int:
+    """The process id of the Redis server at `redis_url` (whose CPU the benchmarks count as the bus's)."""
+    with redis.Redis.from_url(redis_url) as client:
+        return int(client.info("server")["process_id"])
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
