@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import platform
+import statistics
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -151,16 +152,12 @@ def _hop_cpu(hops: tuple[edge_bench.HopResult, ...]) -> list[str]:
              "|---|---|---|---|---|"]
     for hop, ratio in measured:
         where = "own core" if hop.pinned else "shares the cores"
-        parts = " + ".join(f"{part} {_mean(figures):.0f}" for part, figures in hop.cpu_us["tokenbus"].items())
-        lines.append(f"| {where} | {parts} = {_mean(hop.cpu_total('tokenbus')):.0f} "
-                     f"| {_mean(hop.cpu_total('bare')):.0f} "
+        parts = " + ".join(f"{part} {statistics.mean(figures):.0f}" for part, figures in hop.cpu_us["tokenbus"].items())
+        lines.append(f"| {where} | {parts} = {statistics.mean(hop.cpu_total('tokenbus')):.0f} "
+                     f"| {statistics.mean(hop.cpu_total('bare')):.0f} "
                      f"| {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] "
                      f"| {_judged(ratio, CPU_PER_REQUEST_TARGET)} |")
     return [*lines, ""]
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def _edge_section(report: Report) -> list[str]:
