@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -232,6 +233,63 @@ def test_the_engines_share_a_gpu_and_run_in_its_own_dtype_and_cuda_graphs_there(
     monkeypatch.setattr(systems, "gpu_name", lambda: None)
     on_cpu = systems.Engine.on_this_machine("m", Path("."))
     assert (on_cpu.dtype, on_cpu.enforce_eager) == ("float32", True)
+
+
+def test_the_scale_out_shape_runs_four_edges_against_two_vllm_serves_and_splits_the_gpu_three_ways() -> None:
+    assert compare.Plan.full().systems == (compare.TOKENBUS, compare.TWO_EDGES, compare.VLLM_SERVE)
+    assert (compare.Plan.full().edges, compare.Plan.full().engines) == (2, 2)
+    plan = compare.Plan.full(scale_out=True)
+    scaled = plan.shapes[-1]
+    assert (scaled.name, scaled.concurrency, scaled.output_len) == ("scale-out", 256, Distribution("fixed", 16))
+    assert scaled.systems == compare.SYSTEMS and (plan.edges, plan.engines) == (4, 3)
+    assert all(shape.concurrency < 256 for shape in plan.shapes[:-1])
+    three = dataclasses.replace(GPU_ENGINE, engines=plan.engines)
+    assert three.gpu_memory_utilization == 0.27 and GPU_ENGINE.gpu_memory_utilization == 0.4
+
+
+def test_every_tokenbus_variant_is_judged_against_each_vllm_serve_it_ran_beside(tmp_path: Path) -> None:
+    shape = compare.scale_out_shape(256, 768)
+    rounds = range(6)
+    # two API servers serve 10% more than one; four edges 20% more than one API server
+    by_system = {compare.TOKENBUS: [_cell(100.0 + r, 50.0, 0.1) for r in rounds],
+                 compare.TWO_EDGES: [_cell(110.0 + 1.1 * r, 50.0, 0.1) for r in rounds],
+                 compare.FOUR_EDGES: [_cell(120.0 + 1.2 * r, 50.0, 0.1) for r in rounds],
+                 compare.VLLM_SERVE: [_cell(100.0 + r, 50.0, 0.1, vllm=True) for r in rounds],
+                 compare.VLLM_SERVE_2: [_cell(110.0 + 1.1 * r, 50.0, 0.1, vllm=True) for r in rounds]}
+    out = tmp_path / "benchmarks.md"
+    report.write_comparison({shape: by_system}, out, "tokenbus bench compare --scale-out",
+                            dataclasses.replace(GPU_ENGINE, engines=3))
+    text = out.read_text()
+    throughput = {line.split(" | ")[2]: line.split(" | ")[3] for line in text.splitlines() if "x [" in line}
+    assert set(throughput) == {f"{ours} / {theirs}" for ours in (compare.TOKENBUS, compare.TWO_EDGES,
+                                                                compare.FOUR_EDGES) for theirs in compare.BASELINES}
+    assert throughput["tokenbus, 4 edges / vllm serve, 2 API servers"].startswith("1.091x [")
+    assert throughput["tokenbus, 4 edges / vllm serve"].startswith("1.200x [1.200, 1.200] **lead**")
+    assert throughput["tokenbus / vllm serve"].startswith("1.000x [1.000, 1.000] level")
+    assert "one vLLM worker and four edges" in text and "once with `--api-server-count 2`" in text
+    assert "27% of the GPU's memory each" in text and "that the 3 engines share" in text
+
+
+def test_the_front_end_of_vllm_serve_is_its_server_and_the_api_servers_it_launched() -> None:
+    """Real processes named as vLLM names them: `--api-server-count 2` starts two VLLM::APIServer_N children
+    beside its engine core; all of the API servers are front end, the rest is the engine."""
+    child = ("import sys, time\nopen('/proc/self/comm', 'w').write(sys.argv[1])\nprint(flush=True)\n"
+             "time.sleep(60)")
+    launcher = ("import subprocess, sys\n"
+                f"names = ['VLLM::EngineCore', 'VLLM::APIServer_0', 'VLLM::APIServer_1']\n"
+                f"kids = [subprocess.Popen([sys.executable, '-c', {child!r}, n], stdout=subprocess.PIPE) "
+                "for n in names]\n[k.stdout.readline() for k in kids]\nprint(*[k.pid for k in kids], flush=True)\n"
+                "sys.stdin.readline()\n[k.kill() for k in kids]")
+    with subprocess.Popen([sys.executable, "-c", launcher], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as server:
+        assert server.stdout is not None and server.stdin is not None
+        engine_core, first, second = map(int, server.stdout.readline().split())
+        deployment = compare.vllm_serve_deployment(systems.Running("http://x", {"server": server.pid}))
+        server.stdin.write("\n")
+        server.stdin.flush()
+    assert deployment.front == ((compare.API_SERVER, server.pid), (f"{compare.API_SERVER} 1", first),
+                                (f"{compare.API_SERVER} 2", second))
+    assert deployment.engine_pids == (engine_core,)
 
 
 def test_the_load_is_dealt_over_every_edge() -> None:

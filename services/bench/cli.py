@@ -64,6 +64,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         if name in ("compare", "all"):
             sub.add_argument("--rounds", type=int, default=None,
                              help="interleaved rounds of the comparison with vllm serve (default: 6, 2 with --quick)")
+        if name in ("compare", "all"):
+            sub.add_argument("--scale-out", action=argparse.BooleanOptionalAction, default=None,
+                             help="add the c=256 short shape, tokenbus with 1, 2 and 4 edges against vllm serve "
+                                  "with 1 and 2 API servers (default: on a GPU only)")
         if name == "compare":
             sub.add_argument("--stream-interval", type=int, default=1,
                              help="tokens a stream gathers per event, on both systems (vLLM's --stream-interval)")
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     idle: compare.Idle = {}
     vllm_bench = None
     if args.bench_command == "all":
-        comparison, idle = _comparison(args, engine, log_dir)
+        comparison, idle, engine = _comparison(args, engine, log_dir)
         vllm_bench = compare.vllm_bench_serve(engine, log_dir, prompts=8 if args.quick else 16)
         print(vllm_bench[1])
     parts = _edge_parts(engine, log_dir, args.quick)
@@ -145,25 +149,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _comparison(args: argparse.Namespace, engine: systems.Engine,
-                log_dir: Path) -> tuple[compare.Comparison, compare.Idle]:
-    plan = compare.Plan.quick() if args.quick else compare.Plan.full()
+                log_dir: Path) -> tuple[compare.Comparison, compare.Idle, systems.Engine]:
+    """The comparison the arguments ask for, and the engine settings it ran with (its engines share the GPU)."""
+    scale_out = engine.gpu is not None if args.scale_out is None else args.scale_out
+    plan = compare.Plan.quick(scale_out=scale_out) if args.quick else compare.Plan.full(scale_out=scale_out)
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
+    engine = dataclasses.replace(engine, engines=plan.engines)
     comparison, idle = compare.compare(engine, plan, log_dir)
     for system, rounds in idle.items():
         print(f"idle {system}: {statistics.mean(compare.idle_totals(rounds)):.2f} ms of front-end CPU per s")
-    for shape, system, row in compare_report.ratios(comparison):
-        print(f"{shape.name} c={shape.concurrency} {system}: " + ", ".join(
+    for row in compare_report.ratios(comparison):
+        print(f"{row.shape.name} c={row.shape.concurrency} {row.system} / {row.baseline}: " + ", ".join(
             f"{r.metric.label} {r.interval.estimate:.3f}x [{r.interval.low:.3f}, {r.interval.high:.3f}] {r.verdict}"
-            for r in row))
-    return comparison, idle
+            for r in row.ratios))
+    return comparison, idle, engine
 
 
 def _compare(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"compare: logs in {log_dir}", file=sys.stderr)
     engine = dataclasses.replace(_engine(args.model_dir), stream_interval=args.stream_interval)
-    comparison, idle = _comparison(args, engine, log_dir)
+    comparison, idle, engine = _comparison(args, engine, log_dir)
     report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), engine, idle)
     print(f"wrote the comparison section of {args.out}")
     failed = sum(cell.result.failed for by_system in comparison.values() for cells in by_system.values()

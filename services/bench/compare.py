@@ -16,9 +16,13 @@ from pathlib import Path
 from services.bench import load, systems
 from services.bench.workload import Distribution, requests
 
-TOKENBUS, TWO_EDGES, VLLM_SERVE = "tokenbus", "tokenbus, 2 edges", "vllm serve"
-"""The systems compared: tokenbus with the load on its first edge, the same deployment with the load dealt
-over both of its edges, and vLLM's own OpenAI server."""
+TOKENBUS, TWO_EDGES, FOUR_EDGES = "tokenbus", "tokenbus, 2 edges", "tokenbus, 4 edges"
+VLLM_SERVE, VLLM_SERVE_2 = "vllm serve", "vllm serve, 2 API servers"
+"""The systems compared: tokenbus with the load on its first edge, the same deployment with the load dealt over
+two or four of its edges; vLLM's own OpenAI server, with its one API server and with `--api-server-count 2`."""
+SYSTEMS = (TOKENBUS, TWO_EDGES, FOUR_EDGES, VLLM_SERVE, VLLM_SERVE_2)
+BASELINES = (VLLM_SERVE, VLLM_SERVE_2)
+"""The systems tokenbus is measured against."""
 EDGE, WORKER, REDIS, API_SERVER = "edge", "worker", "redis-server", "API server"
 """The parts of the front ends, as the CPU breakdown names them."""
 
@@ -47,6 +51,13 @@ def short_shape(concurrency: int, requests: int) -> Shape:
                  (TOKENBUS, TWO_EDGES, VLLM_SERVE))
 
 
+def scale_out_shape(concurrency: int, requests: int) -> Shape:
+    """The short requests at a concurrency where, behind a fast engine, one API-server process is the limit: tokenbus
+    with one, two and four edges against `vllm serve` with one and with two API servers."""
+    return Shape("scale-out", concurrency, requests, Distribution("fixed", 32), Distribution("fixed", 16),
+                 (TOKENBUS, TWO_EDGES, FOUR_EDGES, VLLM_SERVE, VLLM_SERVE_2))
+
+
 @dataclass(frozen=True)
 class Plan:
     shapes: tuple[Shape, ...]
@@ -58,14 +69,32 @@ class Plan:
     """How long every system sits idle at the start of each round, its front end's CPU measured."""
 
     @classmethod
-    def full(cls, rounds: int = 6) -> Plan:
+    def full(cls, rounds: int = 6, scale_out: bool = False) -> Plan:
+        """`scale_out` adds the c=256 shape: on a GPU, where an API server can be the limit (on this CPU the engine
+        makes ~40 tokens a second at c=64, and a c=256 cell would take minutes without telling anything)."""
         longs = tuple(long_shape(c, max(2, c)) for c in (1, 8, 32))
-        return cls((*longs, short_shape(64, 192)), rounds)
+        return cls((*longs, short_shape(64, 192), *([scale_out_shape(256, 768)] if scale_out else [])), rounds)
 
     @classmethod
-    def quick(cls, rounds: int = 2) -> Plan:
+    def quick(cls, rounds: int = 2, scale_out: bool = False) -> Plan:
         longs = tuple(long_shape(c, max(2, c)) for c in (1, 4))
-        return cls((*longs, short_shape(8, 16)), rounds, pause_s=1.0, idle_s=2.0)
+        return cls((*longs, short_shape(8, 16), *([scale_out_shape(8, 16)] if scale_out else [])), rounds,
+                   pause_s=1.0, idle_s=2.0)
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        """Every system some shape runs on."""
+        return tuple(system for system in SYSTEMS if any(system in shape.systems for shape in self.shapes))
+
+    @property
+    def edges(self) -> int:
+        """The edges tokenbus runs with: as many as its widest system uses."""
+        return 4 if FOUR_EDGES in self.systems else 2
+
+    @property
+    def engines(self) -> int:
+        """The vLLM engines up at once: tokenbus's worker's and one per `vllm serve`."""
+        return 1 + sum(system in BASELINES for system in self.systems)
 
 
 @dataclass(frozen=True)
@@ -137,20 +166,33 @@ class Deployment:
 
 
 def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
+    """One system per number of edges the deployment has (1, 2, 4), each counting only the edges it uses: the
+    others' idle loops are not its cost."""
     worker = running.pids["worker"]
     edges = tuple(pid for name, pid in running.pids.items() if name.startswith("edge"))
     redis_pid = systems.redis_pid(running.redis_url)
     engine = tuple(systems.descendants(worker))
-    # the one-edge system is counted as deployed alone: the second edge's idle loops are not its cost
     shared = ((WORKER, worker), (REDIS, redis_pid))
-    return {TOKENBUS: Deployment(running.base_urls[:1], ((EDGE, edges[0]), *shared), engine),
-            TWO_EDGES: Deployment(running.base_urls, (*((f"{EDGE} {i + 1}", pid) for i, pid in enumerate(edges)),
-                                                      *shared), engine)}
+    found = {TOKENBUS: Deployment(running.base_urls[:1], ((EDGE, edges[0]), *shared), engine)}
+    for name, count in ((TWO_EDGES, 2), (FOUR_EDGES, 4)):
+        if len(edges) >= count:
+            used = tuple((f"{EDGE} {i + 1}", pid) for i, pid in enumerate(edges[:count]))
+            found[name] = Deployment(running.base_urls[:count], (*used, *shared), engine)
+    return found
+
+
+API_SERVER_PROCESS = "VLLM::APIServer"
+"""What vLLM names (in /proc/<pid>/comm) each API server it starts beside its launcher with --api-server-count."""
 
 
 def vllm_serve_deployment(running: systems.Running) -> Deployment:
+    """The server process is the API server; with several, it is their launcher and they are its children (named
+    API_SERVER_PROCESS...), all front end; every other process below it is the engine's."""
     server = running.pids["server"]
-    return Deployment((running.base_url,), ((API_SERVER, server),), tuple(systems.descendants(server)))
+    below = systems.descendants(server)
+    servers = [pid for pid in below if systems.command_name(pid).startswith(API_SERVER_PROCESS)]
+    front = ((API_SERVER, server), *((f"{API_SERVER} {i + 1}", pid) for i, pid in enumerate(servers)))
+    return Deployment((running.base_url,), front, tuple(pid for pid in below if pid not in servers))
 
 
 def _load(deployment: Deployment, model: str, api: str, concurrency: int) -> load.Load:
@@ -178,12 +220,18 @@ def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: 
 
 
 def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:
-    """Starts tokenbus (two edges, one worker) and `vllm serve`, warms both, then measures `plan.rounds`
-    interleaved rounds; each round's requests are the same for every system (one seed per round and shape)."""
+    """Starts tokenbus (one worker, two edges or four) and `vllm serve` (with two API servers as well, where a
+    shape runs on that), warms them all, then measures `plan.rounds` interleaved rounds; each round's requests
+    are the same for every system (one seed per round and shape)."""
     with ExitStack() as stack:
-        bus = stack.enter_context(systems.tokenbus(engine, log_dir / "tokenbus.log", edges=2))
-        serve = stack.enter_context(systems.vllm_serve(engine, log_dir / "vllm-serve.log"))
-        deployments = {**tokenbus_deployments(bus), VLLM_SERVE: vllm_serve_deployment(serve)}
+        bus = stack.enter_context(systems.tokenbus(engine, log_dir / "tokenbus.log", edges=plan.edges))
+        deployments = tokenbus_deployments(bus)
+        for name, api_servers in ((VLLM_SERVE, 1), (VLLM_SERVE_2, 2)):
+            if name in plan.systems:
+                serve = stack.enter_context(systems.vllm_serve(engine, log_dir / f"vllm-serve-{api_servers}.log",
+                                                               api_servers=api_servers))
+                deployments[name] = vllm_serve_deployment(serve)
+        deployments = {name: deployments[name] for name in plan.systems}
         for name, deployment in deployments.items():
             print(f"{name}: {deployment.describe()}", file=sys.stderr)
             warm_up(deployment, engine.model, plan.api)
@@ -228,7 +276,7 @@ def vllm_bench_serve(engine: systems.Engine, log_dir: Path, prompts: int = 16) -
                 "--model", engine.model, "--tokenizer", str(engine.model_dir), "--dataset-name", "random",
                 "--random-input-len", "64", "--random-output-len", "32", "--num-prompts", str(prompts),
                 "--max-concurrency", "4", "--ignore-eos"]
-        done = subprocess.run([sys.executable, "-m", "services.bench.vllm_bench", *args],  # nosec B603: our own argv, no shell
+        done = subprocess.run([sys.executable, "-m", "services.bench.vllm_cli", "bench-serve", *args],  # nosec B603: our own argv, no shell
                               capture_output=True, text=True, timeout=600)
     return done.returncode, result_block(done.stdout + done.stderr)
 

@@ -9,7 +9,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.bench.compare import VLLM_SERVE, Cell, Comparison, Idle, Shape, idle_totals
+from services.bench.compare import (
+    BASELINES,
+    FOUR_EDGES,
+    VLLM_SERVE,
+    VLLM_SERVE_2,
+    Cell,
+    Comparison,
+    Idle,
+    Shape,
+    idle_totals,
+)
 from services.bench.stats import LEAD, LOSS, MIN_ROUNDS, Interval, paired_bootstrap_ratio, verdict
 from services.bench.systems import Engine
 from services.bench.workload import Distribution
@@ -54,19 +64,27 @@ class Ratio:
         return verdict(self.interval, self.metric.higher_is_better)
 
 
-RatioRow = tuple[Shape, str, list[Ratio]]
+@dataclass(frozen=True)
+class RatioRow:
+    """A tokenbus `system` over a `baseline` (a `vllm serve`) in one shape, each metric's ratio."""
+
+    shape: Shape
+    system: str
+    baseline: str
+    ratios: list[Ratio]
 
 
 def ratios(comparison: Comparison) -> list[RatioRow]:
-    """Every tokenbus variant against `vllm serve`, shape by shape, each metric's ratio."""
+    """Every tokenbus variant against every `vllm serve` the shape ran on, shape by shape, each metric's ratio."""
     rows = []
     for shape, by_system in comparison.items():
-        theirs = by_system[VLLM_SERVE]
-        for system, ours in by_system.items():
-            if system != VLLM_SERVE:
-                rows.append((shape, system, [Ratio(metric, paired_bootstrap_ratio(
-                    [metric.of(c) for c in ours], [metric.of(c) for c in theirs], resamples=RESAMPLES))
-                    for metric in RATIO_METRICS]))
+        for baseline in (b for b in BASELINES if b in by_system):
+            theirs = by_system[baseline]
+            for system, ours in by_system.items():
+                if system not in BASELINES:
+                    rows.append(RatioRow(shape, system, baseline, [Ratio(metric, paired_bootstrap_ratio(
+                        [metric.of(c) for c in ours], [metric.of(c) for c in theirs], resamples=RESAMPLES))
+                        for metric in RATIO_METRICS]))
     return rows
 
 
@@ -113,9 +131,9 @@ def _interval_text(i: Interval, said: str) -> str:
 def ratio_table(comparison: Comparison) -> list[str]:
     lines = ["| shape | streams | system | " + " | ".join(m.label for m in RATIO_METRICS) + " |",
              "|---|---|---|" + "---|" * len(RATIO_METRICS)]
-    for shape, system, row in ratios(comparison):
-        lines.append(f"| {shape.name} | {shape.concurrency} | {system} / {VLLM_SERVE} | "
-                     + " | ".join(_ratio_text(ratio) for ratio in row) + " |")
+    for row in ratios(comparison):
+        lines.append(f"| {row.shape.name} | {row.shape.concurrency} | {row.system} / {row.baseline} | "
+                     + " | ".join(_ratio_text(ratio) for ratio in row.ratios) + " |")
     return lines
 
 
@@ -125,7 +143,7 @@ def idle_table(idle: Idle) -> list[str]:
     lines = ["| system | front-end CPU while idle | / vllm serve |", "|---|---|---|"]
     for system, rounds in idle.items():
         ours, ratio = idle_totals(rounds), ""
-        if theirs is not None and system != VLLM_SERVE:
+        if theirs is not None and system not in BASELINES:
             interval = paired_bootstrap_ratio(ours, idle_totals(theirs), resamples=RESAMPLES)
             ratio = _interval_text(interval, verdict(interval, higher_is_better=False))
         lines.append(f"| {system} | {statistics.mean(ours):.2f} ms/s | {ratio} |")
@@ -204,17 +222,22 @@ def section(comparison: Comparison, images: list[str], engine: Engine, made_by: 
     gathering = f", stream interval {engine.stream_interval}: a stream gathers that many tokens per event" \
         if engine.stream_interval > 1 else ""
     where = f"on this machine: {machine}" if machine else "on the machine above"
+    ran = {system for by_system in comparison.values() for system in by_system}
+    scaled_out, two_servers = FOUR_EDGES in ran, VLLM_SERVE_2 in ran
     return [
         heading(engine), "",
         *([f"Made by `{made_by}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {where}.", ""] if made_by else []),
         f"Both systems run SmolLM2-135M-Instruct with the same engine settings ({engine.describe()}{gathering}"
-        + (f", on one {engine.gpu} that both engines share" if engine.gpu else "") +
+        + (f", on one {engine.gpu} that {'both' if engine.engines == 2 else f'the {engine.engines}'} engines share"
+           if engine.gpu else "") +
         ") and are up at the same time: tokenbus as one Redis (reached over a Unix socket, as `tokenbus run` "
-        "reaches its private one), one vLLM "
-        "worker and two edges, `vllm serve` as vLLM's OpenAI server. Each is warmed up first; then come "
+        f"reaches its private one), one vLLM worker and {'four' if scaled_out else 'two'} edges, `vllm serve` as "
+        "vLLM's OpenAI server" + (" (once with its one API server, once with `--api-server-count 2`)"
+                                  if two_servers else "") + ". Each is warmed up first; then come "
         f"{rounds} rounds, in which every cell (a load shape on a system) runs once, the order reversed every other "
         "round, a second or two apart, with the same requests for every system (one seed per round and shape). "
-        "*tokenbus* sends the load to its first edge; *tokenbus, 2 edges* deals it round-robin over both. The load "
+        "*tokenbus* sends the load to its first edge; *tokenbus, 2 edges* deals it round-robin over two"
+        + (" and *tokenbus, 4 edges* over four" if scaled_out else "") + ". The load "
         "is streamed chat requests with `ignore_eos`, greedy:", "",
         *_shapes_text(comparison), "",
         "Figures are means over the rounds. TTFT is the time to the first content token; ITL the time between "
@@ -223,14 +246,18 @@ def section(comparison: Comparison, images: list[str], engine: Engine, made_by: 
         "(each process's own, children not included: the scheduler's per-thread nanoseconds from "
         "/proc/<pid>/task/*/schedstat, or the process's 10 ms clock ticks from /proc/<pid>/stat where a thread ended "
         "during the cell) of everything the system "
-        "runs beside vLLM's engine core, per output token streamed in the cell: for tokenbus its edge (both, for "
-        "two edges), the worker process (which also holds vLLM's AsyncLLM: tokenizing, detokenizing, output "
-        "processing) and redis-server; "
-        "for `vllm serve` its API-server process (the same AsyncLLM work, and the HTTP). *Engine CPU* is every "
+        "runs beside vLLM's engine core, per output token streamed in the cell: for tokenbus its edge "
+        "(each it uses, for two or four), the worker process (which also holds vLLM's AsyncLLM: tokenizing, "
+        "detokenizing, output processing) and redis-server; "
+        "for `vllm serve` its API-server process (the same AsyncLLM work, and the HTTP)"
+        + ("; with two API servers, both of them and the process that launched them" if two_servers else "")
+        + ". *Engine CPU* is every "
         "process below the worker or the API server, found from /proc's parent ids: vLLM's engine core, its model "
         "executor and a multiprocessing resource tracker. The load generator runs on the same cores.", "",
         *means_table(comparison), "",
-        f"Ratios are tokenbus / `vllm serve`: the ratio of the means over the {rounds} rounds, and in brackets a 95% "
+        "Ratios are tokenbus / `vllm serve`" + (" (and, where it ran, / `vllm serve` with two API servers)"
+                                                if two_servers else "")
+        + f": the ratio of the means over the {rounds} rounds, and in brackets a 95% "
         f"percentile-bootstrap interval ({RESAMPLES} resamples of the round indices, the same indices for both "
         "systems, since a round's cells ran side by side). The verdict is **lead** or **loss** only where the "
         "interval leaves out 1.0 (more throughput is better; less latency and CPU are better), otherwise level "

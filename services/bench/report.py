@@ -90,7 +90,7 @@ def markdown(report: Report, images: list[str], gpu_measured: bool = False) -> s
         verdict = ("" if failed == 0 else " **Its summary was not found.**" if failed is None
                    else f" **{failed} of its requests failed.**")
         lines += ["## `vllm bench serve` pointed at tokenbus", "",
-                  "vLLM's own benchmark (`python -m services.bench.vllm_bench`, the `vllm bench serve` code) "
+                  "vLLM's own benchmark (`python -m services.bench.vllm_cli bench-serve`, the `vllm bench serve` code) "
                   f"against a tokenbus edge (random dataset, 64 input and 32 output tokens): exit status {status}."
                   + verdict, "", "```", text.strip(), "```", ""]
     return "\n".join(lines)

