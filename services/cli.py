@@ -16,7 +16,7 @@ REDIS_SETTINGS = ["redis_url", "redis_cluster", "redis_username", "redis_passwor
 EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", "response_ttl_s", "storage_bytes",
                  "storage_items", "redis_pool_size",
                  "max_body_bytes", "keepalive_interval_s", "log_level", "log_format", "resume_window_s",
-                 "replay_ttl_s",
+                 "replay_ttl_s", "background_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
                  "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",

@@ -365,3 +365,35 @@ async def test_without_redis_for_limits_the_policy_decides(tmp_path: Path) -> No
         # open admits everything; local enforces this edge's half of 4 per minute
         assert outcomes == (["admitted"] * 4 if policy == "open" else ["admitted"] * 2 + ["refused"] * 2)
     await dead.aclose()
+
+
+async def test_a_background_response_holds_its_concurrency_until_it_ends_and_is_its_tenants_alone(
+        stack: Stack) -> None:
+    """Nobody waits on it (these edges keep nothing for a resume), yet it runs to its end holding its key's one
+    concurrency slot; another tenant can neither read nor cancel it."""
+    key = create_key(stack, "--tenant", "background", "--max-concurrency", "1")
+    stranger = create_key(stack, "--tenant", "stranger")
+    url = stack.edges[0].url + "/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key=key["key"], max_retries=0) as client, \
+            openai.AsyncOpenAI(base_url=url, api_key=stranger["key"], max_retries=0) as other:
+        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=400,
+                                                background=True)
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
+        assert refused.value.body["type"] == "concurrency"
+        for call in (other.responses.retrieve, other.responses.cancel):
+            with pytest.raises(openai.NotFoundError):
+                await call(created.id)
+        deadline = time.monotonic() + 20
+        while (found := await client.responses.retrieve(created.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == 400
+        while True:  # its follower gives the slot back once it has stored the answer
+            try:
+                after = await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+    assert after.status == "incomplete"

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from services.edge import keyless, routes
+from services.edge import background, keyless, routes
 from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
 from services.edge.directory import ModelDirectory
@@ -140,6 +140,7 @@ def create_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[DRAINING] = asyncio.Event()
+    background.add_to(app)
     app.cleanup_ctx.append(_bus)
     app.cleanup_ctx.append(_checker)
     app.on_response_prepare.append(_answer_headers)

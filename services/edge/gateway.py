@@ -50,9 +50,9 @@ class Gateway:
                      on_refused: Callable[[bus.Job], Awaitable[None]] | None = None) -> AsyncIterator[JobEvents]:
         """Enqueues the job (with its resume record, if any) or raises its refusal; the block reads its events.
         Leaving early cancels the job, unless it has a resume record and its client (or this edge, draining) went
-        away after it started: then it is kept for a resume. A job that cannot be queued (Redis failed, or
-        admission refused it) is handed to `on_refused` (its rate limits' admission is given back) before the
-        error leaves."""
+        away after it started: then it is kept for a resume; a background job runs on whatever happens here. A job
+        that cannot be queued (Redis failed, or admission refused it) is handed to `on_refused` (its rate limits'
+        admission is given back) before the error leaves."""
         events = self.relay.register(job.id, deadline)
         try:
             try:
@@ -66,6 +66,9 @@ class Gateway:
             if admitted.member:
                 self.waiting[job.id] = (job.model, admitted.member)
             with self._of_key(job, events):
+                if job.background:  # nobody's leaving stops it: only a cancel or its deadline
+                    yield events
+                    return
                 async with self._leaving(events, resumable=record is not None):
                     yield events
         finally:
@@ -90,9 +93,9 @@ class Gateway:
             events.fail(Unauthenticated("The API key of this request was revoked or has expired."))
 
     @contextlib.asynccontextmanager
-    async def follow(self, job_id: str, deadline: float) -> AsyncIterator[JobEvents]:
+    async def follow(self, job_id: str, deadline: float, background: bool = False) -> AsyncIterator[JobEvents]:
         """Reads a job another edge began (a resumed stream): its owner sends the events here from now on,
-        and everything before comes from the job's log."""
+        and everything before comes from the job's log. A `background` job runs on when its reader leaves."""
         self.check_redis()
         events = self.relay.register(job_id, deadline)
         events.gap_at = 0
@@ -104,6 +107,9 @@ class Gateway:
                 pipe.set(keys.job_reply_to(job_id), self.relay.channel, px=ttl_ms)
                 pipe.execute_command("PUBLISH", keys.ROUTE_CHANNEL, bus.encode_route(route))  # see cancel
                 await pipe.execute()
+            if background:
+                yield events
+                return
             async with self._leaving(events):
                 yield events
         finally:

@@ -10,13 +10,13 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from services.edge import pump, sse
+from services.edge import background, pump, sse
 from services.edge.auth import caller_of
 from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
-from services.edge.plans import PLANNERS, Plan, StreamRecord
+from services.edge.plans import PLANNERS, Plan, decode_record
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
@@ -39,7 +39,9 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     fairshare.check_fits(plan.job, info)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
-    resumable = plan.stream and sse.wants_ids(request)
+    resumable = plan.job.background or (plan.stream and sse.wants_ids(request))
+    if plan.job.background:  # its log is its record, from sequence 0, for the retention window after it ends
+        plan.job.log_ttl_ms = int(settings.background_ttl_s * 1000)
     if resumable:  # kept to be resumed: its request and event log count against its tenant's storage
         plan.job.replayable = True
         await request.app[STORE].charge_stream(caller.tenant, caller.key, plan.job, len(body))
@@ -52,9 +54,11 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     request[RATE_HEADERS] = admission.headers
     record = None
     if resumable:  # kept so that any edge can resume the stream
-        ttl_ms = int((settings.request_timeout_s + settings.replay_ttl_s) * 1000)
+        ttl_ms = int(settings.request_timeout_s * 1000) + plan.job.log_kept_ms(int(settings.replay_ttl_s * 1000))
         stream = plan.record(body, caller.tenant, caller.key_id, admission.lease)
         record = (keys.job_record(arrival.job_id), _records.encode(stream), ttl_ms)
+    if plan.job.background and not plan.stream and record is not None:
+        return await background.start(request, plan, deadline, record, admission.lease)
     in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
     in_flight.inc()
     events: JobEvents | None = None
@@ -97,7 +101,6 @@ async def _planned(request: web.Request, planner: str, body: bytes | None = None
 
 
 _records = msgspec.msgpack.Encoder()
-_record_decoder = msgspec.msgpack.Decoder(StreamRecord)
 
 
 def parse_event_id(value: str) -> tuple[str, int]:
@@ -124,7 +127,7 @@ async def resume_stream(request: web.Request) -> web.StreamResponse:
     return await resume(request, job_id, after)
 
 
-async def resume(request: web.Request, job_id: str, after: int) -> web.StreamResponse:
+async def resume(request: web.Request, job_id: str, after: int, background_only: bool = False) -> web.StreamResponse:
     """Renders a stream again from its job's log on this edge, sends what follows frame `after`, then the
     rest live: the job's owner sends its events here from now on. The job's concurrency lease is this edge's to
     renew while it serves the stream."""
@@ -137,28 +140,31 @@ async def resume(request: web.Request, job_id: str, after: int) -> web.StreamRes
     if raw is None:
         raise NotFound(f"No stream with id '{job_id}' can be resumed (unknown, or it ended too long ago).",
                        param="stream_id", code="stream_not_found")
-    record = _record_decoder.decode(raw)
+    record = decode_record(raw)
     if not caller_of(request).owns(record.tenant):  # another tenant's stream does not exist for this caller
         raise NotFound(f"No stream with id '{job_id}' can be resumed (unknown, or it ended too long ago).",
                        param="stream_id", code="stream_not_found")
     arrival = Arrival(job_id=job_id, started=time.monotonic(), deadline_ms=record.deadline_ms,
                       reply_to=gateway.relay.channel, created=record.created, seed=record.seed)
     plan = await PLANNERS[record.plan](request, record.body, arrival)
+    if background_only and not plan.job.background:
+        raise NotFound(f"No background response with id '{job_id}' can be streamed.", param="response_id")
     deadline = arrival.started + (record.deadline_ms - bus.now_ms()) / 1000
     metrics.RESUMES.labels(plan.route).inc()
     in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
     in_flight.inc()
-    admitter.hold(record.key, record.lease)
+    lease = "" if plan.job.background else record.lease  # a background job's lease is its follower's
+    admitter.hold(record.key, lease)
     events: JobEvents | None = None
     try:
-        async with gateway.follow(job_id, deadline) as events:
+        async with gateway.follow(job_id, deadline, background=plan.job.background) as events:
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
                                       after=after, keep=_keeper(request))
     finally:
         in_flight.dec()
-        await admitter.release(record.key, record.lease, keep_for_s=_kept_for(settings, events))
+        await admitter.release(record.key, lease, keep_for_s=_kept_for(settings, events))
 
 
 # OpenAI
@@ -192,9 +198,16 @@ async def _stored(request: web.Request, response_id: str) -> StoredResponse:
     return stored
 
 
-async def get_response(request: web.Request) -> web.Response:
-    stored = await _stored(request, request.match_info["response_id"])
-    return web.Response(body=bytes(stored.response), content_type="application/json")
+async def get_response(request: web.Request) -> web.StreamResponse:
+    """A stored response; a background one as it stands (or streamed from a sequence number, `stream=true`)."""
+    response_id = request.match_info["response_id"]
+    if request.query.get("stream", "").lower() == "true":
+        request[RATE_HEADERS] = await request.app[ADMITTER].take_request(caller_of(request))
+        return await resume(request, response_id, background.starting_after(request), background_only=True)
+    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
+    if stored is not None and caller_of(request).owns(stored.tenant):
+        return web.Response(body=bytes(stored.response), content_type="application/json")
+    return await background.retrieve(request, response_id)
 
 
 async def delete_response(request: web.Request) -> web.Response:

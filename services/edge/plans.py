@@ -64,6 +64,14 @@ class Plan:
                             lease=lease)
 
 
+_record_decoder = msgspec.msgpack.Decoder(StreamRecord)
+
+
+def decode_record(raw: bytes) -> StreamRecord:
+    """A StreamRecord as Redis keeps it (keys.job_record)."""
+    return _record_decoder.decode(raw)
+
+
 Planner = Callable[[web.Request, bytes, Arrival | None], Awaitable[Plan]]
 
 

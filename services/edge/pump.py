@@ -139,6 +139,22 @@ async def respond(
         metrics.STREAMED_TOKENS.labels(model).inc(delivery.tokens)
 
 
+async def collect(events: JobEvents, renderer: Renderer, model: str, keep: Keep) -> None:
+    """Follows a job no client is connected to (a background response) to its end, and stores what its renderer
+    reports then, a failure's answer included."""
+    delivery = _Delivery(renderer, events.job_id, model, ids=False, keep=keep)
+    try:
+        while not events.finished:
+            if (event := await events.next()) is not None:
+                await delivery.render(event, stream=False)
+    except TokenbusError as exc:
+        renderer.error(exc)
+        if turn := renderer.to_store():
+            await keep(turn)
+    finally:
+        metrics.STREAMED_TOKENS.labels(model).inc(delivery.tokens)
+
+
 async def _next(
     request: web.Request, events: JobEvents, sse: SSEWriter | None = None, keepalive_s: float = 0.0
 ) -> bus.Output | None:

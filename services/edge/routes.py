@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.edge import handlers, openapi, ops
+from services.edge import background, handlers, openapi, ops
 from services.edge.formats import chat, completions, embeddings, response_render, responses, tgi
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -74,6 +74,8 @@ ROUTES: list[Route] = [
              response=response_render.Response),
     *_openai("delete", "/v1/responses/{response_id}", handlers.delete_response, "Delete a stored response",
              response=response_render.Deleted),
+    *_openai("post", "/v1/responses/{response_id}/cancel", background.cancel, "Cancel a background response",
+             response=response_render.Response),
     *_openai("post", "/v1/embeddings", handlers.create_embeddings, "OpenAI Embeddings", embeddings.EmbeddingRequest,
              embeddings.EmbeddingList, runs_model=True),
     *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),

@@ -20,7 +20,7 @@ from services.worker.parsing.output import for_job
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
 from shared.protocol import bus, keys
-from shared.protocol.errors import QueueTimeout, WorkerLost
+from shared.protocol.errors import QueueTimeout, StreamAbandoned, WorkerLost
 from shared.redisio import rawpipe
 from shared.runtime import metrics
 from shared.tenancy import fairshare
@@ -209,6 +209,8 @@ class Intake:
             cancelled = (found := _answer(marks, index)) is not None and found.cancelled
         if cancelled:
             metrics.JOBS.labels(self.model, "cancelled").inc()  # its client left while it was queued
+            if job.background:  # its log ends, for whoever renders it
+                self.runner.end_with(run, StreamAbandoned("The response was cancelled before it started."))
             return
         tenant = self.runner.tenants.label(run.job.tenant)
         metrics.QUEUE_WAIT.labels(self.model, tenant).observe(max(0, waited_ms) / 1000)
@@ -226,7 +228,7 @@ class Intake:
     async def _take_over(self, run: Run, reclaimed: bool) -> None:
         """Runs a job another worker began: after what its log holds, under a new epoch."""
         job = run.job
-        keep_s = (job.deadline_ms - bus.now_ms()) / 1000 + self.settings.replay_ttl_s
+        keep_s = (job.deadline_ms - bus.now_ms() + job.log_kept_ms(int(self.settings.replay_ttl_s * 1000))) / 1000
         taken = await self.ownership.take_over(job, reclaimed, keep_s)
         run.epoch, run.next_seq, job.reply_to = taken.epoch, taken.next_seq, taken.reply_to
         if taken.cancelled or taken.ended:

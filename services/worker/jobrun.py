@@ -140,15 +140,19 @@ class JobRunner:
             run.usage = (event.prompt_tokens, event.completion_tokens)
         self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
 
+    def log_kept_ms(self, job: bus.Job) -> int:
+        """How long the job's log is kept after its end (a background response's retention, else --replay-ttl-s)."""
+        return job.log_kept_ms(int(self.settings.replay_ttl_s * 1000))
+
     def end_with(self, run: Run, error: TokenbusError) -> None:
-        self.emit(run, error_event(run.job.id, error), int(self.settings.replay_ttl_s * 1000))
+        self.emit(run, error_event(run.job.id, error), self.log_kept_ms(run.job))
 
     async def _generate(self, run: Run, resumed: bool) -> str:
         job = run.job
         remaining_s = (job.deadline_ms - bus.now_ms()) / 1000
         if remaining_s <= 0:
             raise RequestTimeout("The request expired while it waited in the queue.")
-        replay_ms = int(self.settings.replay_ttl_s * 1000)
+        replay_ms = self.log_kept_ms(job)
         self.emit(run, bus.Started(job=job.id, worker=self.worker_id, resumed=resumed),
                   int(remaining_s * 1000) + replay_ms)
         carried = job.continuation.carried() if job.continuation else 0
@@ -191,7 +195,7 @@ class JobRunner:
         to its tenant's storage, for as long as the log is kept after its end."""
         size = self.publisher.logged_bytes(job.id)
         if size:
-            self.in_background(self.log_charges.charge(job, size, int(self.settings.replay_ttl_s * 1000)))
+            self.in_background(self.log_charges.charge(job, size, self.log_kept_ms(job)))
 
     def _cost_settled(self, job: bus.Job, prompt: int, completion: int, reply: Any, alone: bool = False) -> None:
         """Takes the settle's reply: counts the usage it recorded, or settles on its own (which loads the script)

@@ -81,8 +81,9 @@ class Run:
         return self.phase in (Phase.CANCELLED, Phase.ABANDONED)
 
     def detach(self, keep_until_ms: int) -> None:
-        """Its client or edge left: it waits for a resume until `keep_until_ms` (a first deadline holds)."""
-        if self.phase is Phase.ATTACHED:
+        """Its client or edge left: it waits for a resume until `keep_until_ms` (a first deadline holds); a
+        background response waits for nobody."""
+        if self.phase is Phase.ATTACHED and not self.job.background:
             self.phase, self.keep_until_ms = Phase.DETACHED, keep_until_ms
 
     def attach(self, reply_to: str) -> None:

@@ -153,11 +153,20 @@ class Job(Base):
     replayable: bool = False
     """Its client may resume the stream (it asked for event ids): the worker charges the job's event log to its
     tenant's storage when the job ends (shared.tenancy.storage)."""
+    background: bool = False
+    """A background response: it runs on whether or not anyone reads its events (never abandoned; only a cancel
+    or its deadline stops it), and its log is kept `log_ttl_ms` after its end for any edge to render it from."""
+    log_ttl_ms: int = 0
+    """How long its event log is kept after its end; 0: the worker's --replay-ttl-s."""
     handovers: int = 0
     """How many times a draining worker handed this job on (0: as the edge enqueued it). A job with
     handovers, or one reclaimed from a dead worker, continues from its event log."""
     continuation: Continuation | None = None
     """Set by the worker that takes the job over: what the client already has, for the engine to continue."""
+
+    def log_kept_ms(self, default_ms: int) -> int:
+        """How long its event log is kept after its end, where the worker keeps logs `default_ms`."""
+        return self.log_ttl_ms or default_ms
 
     def sequences(self) -> int:
         """The engine sequences the job runs at once, each taking one of a worker's slots: one per input of an

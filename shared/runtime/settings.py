@@ -136,6 +136,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     it on any edge with Last-Event-ID; 0 aborts it within a second of the disconnect."""
     replay_ttl_s: float = 300.0
     """How long a finished job's events stay replayable (its event log in Redis)."""
+    background_ttl_s: float = 24 * 3600.0
+    """How long a background response's events stay in Redis after its end (charged to its tenant's storage):
+    a client streams it from the start within this, and any edge finishes storing it from them."""
     replay_max_events: int = 20000
     """Most events one job's log keeps (Redis memory bound); a job that outgrows it cannot resume or migrate."""
     max_reclaims: int = 3

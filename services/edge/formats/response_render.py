@@ -14,7 +14,7 @@ from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.formats.responses import ResponsesRequest, TextFormat
 from services.edge.store import Conversation, Turn
 from shared.protocol import bus
-from shared.protocol.errors import TokenbusError
+from shared.protocol.errors import StreamAbandoned, TokenbusError
 
 
 class IncompleteDetails(Out):
@@ -124,6 +124,7 @@ class Response(Out, kw_only=True):
     """Absent until the response is done (the schema does not allow null here)."""
     user: str | UnsetType = UNSET
     metadata: dict[str, str]
+    background: bool = False
 
 
 class Deleted(Out):
@@ -160,7 +161,9 @@ class ResponsesRenderer:
         self.final: bus.Final | None = None
         self.cut = False
         """The answer ended at its token budget."""
-        self.status = "in_progress"
+        self.status = "queued" if req.background else "in_progress"
+        """queued (a background response nobody has started), in_progress, then completed, incomplete, failed or
+        cancelled (a background response cancelled)."""
         self.completed_at: int | None = None
         self.error_detail: ResponseError | None = None
         self.started = False
@@ -191,6 +194,7 @@ class ResponsesRenderer:
             text=TextOut(format=echo_format(req.text.format if req.text else None)), top_logprobs=req.top_logprobs,
             top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
             usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
+            background=bool(req.background),
         )
 
     # stream events
@@ -205,6 +209,7 @@ class ResponsesRenderer:
 
     def _opening(self) -> list[Payload]:
         self.started = True
+        self.status = "in_progress"
         return [
             self._event("response.created", response=self.response()),
             self._event("response.in_progress", response=self.response()),
@@ -237,13 +242,20 @@ class ResponsesRenderer:
 
     def error(self, error: TokenbusError) -> list[Payload]:
         """An `error` event (its type, code, message and param, as OpenAI's stream sends them), then the
-        response, failed."""
+        response, failed (or cancelled: a background response its client cancelled)."""
+        out = [] if self.started else self._opening()
+        if self.req.background and isinstance(error, StreamAbandoned):
+            self.status = "cancelled"  # OpenAI's stream has no event of its own for it: the closing one says so
+            return [*out, self._event("response.failed", response=self.response()), *self.done()]
         self.status = "failed"
         code = _ERROR_CODES.get(type(error).__name__, "server_error")
         self.error_detail = ResponseError(code=code, message=error.message)
-        out = [] if self.started else self._opening()
         return [*out, self._event("error", code=error.code or code, message=error.message, param=error.param),
                 self._event("response.failed", response=self.response()), *self.done()]
+
+    @property
+    def ended(self) -> bool:
+        return self.status not in ("queued", "in_progress")
 
     def body(self) -> Response:
         return self.response()

@@ -113,8 +113,8 @@ def _refuse_decoding_extras(req: ResponsesRequest) -> None:
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
     """The 400s for what we do not serve, each naming its parameter."""
-    if req.background:
-        raise refuse("background", "responses run in the foreground; stream them instead")
+    if req.background and not req.store:
+        raise InvalidRequest("A background response is stored: `background` needs `store` true.", param="store")
     if req.conversation is not None:
         raise refuse("conversation", "use previous_response_id to continue a conversation")
     if req.service_tier not in (None, "auto", "default"):
@@ -260,7 +260,7 @@ def to_job(
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=instructions + history, params=params, truncate=req.truncation == "auto",
-        created_ms=bus.now_ms(), tool_use=tool_use,
+        created_ms=bus.now_ms(), tool_use=tool_use, background=bool(req.background),
         # as OVMS does: any reasoning effort turns the template's thinking on
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs, enable_thinking=True if effort else None,
                                              reasoning_effort=effort),

@@ -1,0 +1,174 @@
+"""Background responses (`background: true` on POST /v1/responses, as OpenAI defines them): answered at once,
+queued; followed to their end by the edge that took them, which stores the answer; rendered again from their
+job's log by any edge while they run (a retrieve, a stream from any sequence number) and cancelled by any.
+
+The job's log is the record: it holds every event from sequence 0 for --background-ttl-s after the job's end
+(charged to the tenant's storage), so no edge has to live as long as the job: whichever edge reads an ended
+one first and finds no stored answer stores it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from aiohttp import web
+
+from services.edge import framing, pump
+from services.edge.auth import caller_of
+from services.edge.formats.planners import Arrival
+from services.edge.formats.response_render import ResponsesRenderer
+from services.edge.plans import PLANNERS, Plan, StreamRecord, decode_record
+from services.edge.redis_boundary import redis_boundary
+from services.edge.state import ADMITTER, GATEWAY, REDIS, SETTINGS, STORE
+from services.edge.store import ResponseStore, Turn
+from shared.protocol import bus, joblog, keys, sequence
+from shared.protocol.errors import InvalidRequest, NotFound, StreamAbandoned, from_kind
+
+log = logging.getLogger(__name__)
+
+TASKS = web.AppKey("background_followers", set[asyncio.Task[None]])
+"""The tasks following this edge's background responses to their end."""
+
+
+async def keep_first(store: ResponseStore, tenant: str, turn: Turn) -> None:
+    """Stores a background response's answer unless one is stored already (a cancel's, or another edge's)."""
+    if await store.load(tenant, turn.response_id) is None:
+        await store.keep(tenant, turn)
+
+
+async def start(request: web.Request, plan: Plan, deadline: float, record: tuple[str, bytes, int],
+                lease: str) -> web.Response:
+    """Queues the job (or raises its refusal) and answers with the response, queued; a task of this edge follows
+    the job to its end, stores its answer and gives its concurrency lease back then."""
+    queued: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(_follow(request, plan, deadline, record, lease, queued))
+    followers = request.app[TASKS]
+    followers.add(task)
+    task.add_done_callback(followers.discard)
+    await queued
+    return web.Response(body=framing.body(plan.renderer.body()), content_type="application/json")
+
+
+async def _follow(request: web.Request, plan: Plan, deadline: float, record: tuple[str, bytes, int], lease: str,
+                  queued: asyncio.Future[None]) -> None:
+    gateway, admitter, store = request.app[GATEWAY], request.app[ADMITTER], request.app[STORE]
+    key_id, tenant = caller_of(request).key_id, caller_of(request).tenant
+    try:
+        async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
+            queued.set_result(None)
+            await pump.collect(events, plan.renderer, plan.job.model,
+                               lambda turn: keep_first(store, tenant, turn))
+    except Exception as exc:
+        if not queued.done():
+            queued.set_exception(exc)
+        else:
+            log.warning("following background response %s failed: %s", plan.job.id, type(exc).__name__)
+    finally:
+        if not queued.done():
+            queued.cancel()
+        with contextlib.suppress(Exception):
+            await admitter.release(key_id, lease)
+
+
+async def _record(request: web.Request, response_id: str) -> tuple[StreamRecord, bool] | None:
+    """The caller's background response's record (None: no such background response), and whether it was
+    cancelled."""
+    pipe = request.app[REDIS].pipeline(transaction=False)
+    pipe.get(keys.job_record(response_id))
+    pipe.exists(keys.cancelled(response_id))
+    with redis_boundary():
+        raw, cancelled = await pipe.execute()
+    if raw is None:
+        return None
+    found = decode_record(raw)
+    if not caller_of(request).owns(found.tenant) or not found.plan.startswith("responses"):
+        return None
+    return found, bool(cancelled)
+
+
+async def _replan(request: web.Request, response_id: str, found: StreamRecord) -> Plan:
+    arrival = Arrival(job_id=response_id, started=time.monotonic(), deadline_ms=found.deadline_ms,
+                      reply_to=request.app[GATEWAY].relay.channel, created=found.created, seed=found.seed)
+    return await PLANNERS[found.plan](request, found.body, arrival)
+
+
+async def snapshot(request: web.Request, response_id: str, cancel: bool = False) -> bytes | None:
+    """The background response as its job's log has it now (None: the caller has no such response); an ended
+    one is stored on the way. `cancel`: cancels it first, and an unended one answers cancelled."""
+    if (found := await _record(request, response_id)) is None:
+        return None
+    record, cancelled = found
+    plan = await _replan(request, response_id, record)
+    renderer = plan.renderer
+    if not plan.job.background or not isinstance(renderer, ResponsesRenderer):
+        return None
+    if cancel:
+        await request.app[GATEWAY].cancel(response_id, time.monotonic() + request.app[SETTINGS].request_timeout_s)
+        cancelled = True
+    with redis_boundary():
+        events, _conflict = sequence.in_order(await joblog.read(request.app[REDIS], response_id))
+    _replay(renderer, events)
+    if not renderer.ended and cancelled:
+        renderer.error(StreamAbandoned("The response was cancelled."))
+    if renderer.ended and (turn := renderer.to_store()):
+        await keep_first(request.app[STORE], caller_of(request).tenant, turn)
+    return framing.body(renderer.body())
+
+
+async def retrieve(request: web.Request, response_id: str) -> web.Response:
+    body = await snapshot(request, response_id)
+    if body is None:
+        raise NotFound(f"No response with id '{response_id}' is stored.", param="response_id")
+    return web.Response(body=body, content_type="application/json")
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """POST /v1/responses/{id}/cancel: only a background response can be cancelled; one that ended stays as it
+    ended."""
+    response_id = request.match_info["response_id"]
+    body = await snapshot(request, response_id, cancel=True)
+    if body is None:
+        if await request.app[STORE].load(caller_of(request).tenant, response_id) is not None:
+            raise InvalidRequest("Only a background response can be cancelled.", param="response_id")
+        raise NotFound(f"No response with id '{response_id}' is stored.", param="response_id")
+    return web.Response(body=body, content_type="application/json")
+
+
+def _replay(renderer: ResponsesRenderer, events: list[bus.Event]) -> None:
+    """Brings the renderer to where the job's events (in order) leave it."""
+    for event in events:
+        if renderer.ended:
+            return
+        if isinstance(event, bus.Started) and renderer.status == "queued":
+            renderer.status = "in_progress"
+        elif isinstance(event, bus.Error):
+            renderer.error(from_kind(event.kind, event.message, event.param, event.code))
+        elif isinstance(event, bus.Output):
+            renderer.render(event)
+
+
+def starting_after(request: web.Request) -> int:
+    """GET /v1/responses/{id}?stream=true&starting_after=N: the sequence number the client has (-1: none)."""
+    given = request.query.get("starting_after", "")
+    if not given:
+        return -1
+    if not (given.isascii() and given.isdigit() and len(given) <= 18):
+        raise InvalidRequest("`starting_after` must be a sequence number.", param="starting_after")
+    return int(given)
+
+
+def add_to(app: web.Application) -> None:
+    app[TASKS] = set()
+    app.on_shutdown.append(_stop_following)
+
+
+async def _stop_following(app: web.Application) -> None:
+    """An edge going away stops following its background responses (they run on; the first edge asked for one
+    stores it): their leases are given back now, not when their TTL runs out."""
+    running: set[asyncio.Task[None]] = app[TASKS]
+    followers = list(running)
+    for task in followers:
+        task.cancel()
+    await asyncio.gather(*followers, return_exceptions=True)

@@ -1,0 +1,106 @@
+"""Background responses (`background: true`), driven by the official openai SDK against real processes over the
+simulated engine: answered queued at once, polled, streamed again from any sequence number on another edge,
+cancelled, and run to their end when the edge that took them is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from shared.protocol import keys
+from tests.stack import Stack
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _counted(tokens: int) -> str:
+    return "".join(f" t{n}" for n in range(1, tokens + 1))
+
+
+async def _until(client: openai.AsyncOpenAI, response_id: str, *statuses: str, timeout_s: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await client.responses.retrieve(response_id)
+        if found.status in statuses:
+            return found
+        assert time.monotonic() < deadline, f"still {found.status}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_background_response_outlives_its_edge_and_streams_again_from_a_sequence_number(
+        stack: Stack) -> None:
+    first, second = stack.edge(), stack.edge()
+    stack.worker()
+    async with _client(first.url) as taker, _client(second.url) as other:
+        created = await taker.responses.create(model=stack.model, input="count", max_output_tokens=150,
+                                               background=True)
+        assert created.status == "queued" and created.background is True and created.output == []
+        running = await _until(other, created.id, "in_progress")
+        assert running.usage is None
+        stack.kill(first.process)  # the edge that took it dies: the job runs on, nobody waits for it
+        done = await _until(other, created.id, "completed", "incomplete")
+        assert done.output_text == _counted(150) and done.usage is not None and done.usage.output_tokens == 150
+        # streamed again on the other edge, after sequence number 5: the events that follow, each once
+        stream = await other.responses.retrieve(created.id, stream=True, starting_after=5)
+        events = [event async for event in stream]
+        assert [event.sequence_number for event in events] == list(range(6, 6 + len(events)))
+        assert events[-1].type == "response.incomplete" and events[-1].response.output_text == _counted(150)
+        text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+        assert _counted(150).endswith(text) and len(text) > 0
+        # it was stored: it continues a conversation as any stored response does
+        follow_up = await other.responses.create(model=stack.model, input="again", max_output_tokens=3,
+                                                 previous_response_id=created.id)
+    assert follow_up.status == "incomplete" and follow_up.usage is not None
+    assert follow_up.usage.input_tokens > 150
+    await stack.settled()
+
+
+async def test_a_cancelled_background_response_stops_its_job_and_says_cancelled(stack: Stack) -> None:
+    edge, other_edge = stack.edge(), stack.edge()
+    worker = stack.worker()
+    async with _client(edge.url) as client, _client(other_edge.url) as other:
+        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=2000,
+                                                background=True)
+        await _until(client, created.id, "in_progress")
+        cancelled = await other.responses.cancel(created.id)  # any edge cancels it
+        assert cancelled.status == "cancelled"
+        assert (await client.responses.retrieve(created.id)).status == "cancelled"
+        await stack.settled(timeout_s=10)  # the job stopped: its slot is free long before 2000 tokens (40 s)
+        assert (await other.responses.cancel(created.id)).status == "cancelled"  # a second cancel changes nothing
+        finished = await client.responses.create(model=stack.model, input="count", max_output_tokens=3,
+                                                 background=True)
+        done = await _until(client, finished.id, "incomplete")
+        assert (await client.responses.cancel(finished.id)).status == "incomplete"  # it ended before the cancel
+        foreground = await client.responses.create(model=stack.model, input="count", max_output_tokens=3)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.cancel(foreground.id)
+        assert refused.value.body["param"] == "response_id"
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.cancel("resp_unknown")
+        with pytest.raises(openai.BadRequestError) as unstored:
+            await client.responses.create(model=stack.model, input="count", background=True, store=False)
+        assert unstored.value.body["param"] == "store"
+    assert done.output_text == _counted(3)
+    assert worker.process.poll() is None
+    assert not list(stack.client.scan_iter(keys.job_log("*"))) or all(
+        stack.client.ttl(key) > 0 for key in stack.client.scan_iter(keys.job_log("*")))
+
+
+async def test_a_background_response_whose_worker_is_killed_continues_on_another(stack: Stack) -> None:
+    edge = stack.edge()
+    stack.worker()
+    stack.worker()
+    async with _client(edge.url) as client:
+        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=300,
+                                                background=True)
+        await _until(client, created.id, "in_progress")
+        await asyncio.sleep(0.5)  # some of its tokens are out
+        stack.kill(stack.busiest().process)
+        done = await _until(client, created.id, "incomplete", timeout_s=30)
+    assert done.output_text == _counted(300)  # nothing lost, nothing repeated
+    assert done.usage is not None and done.usage.output_tokens == 300
