@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
 from shared.protocol import keys
+from tests.processes import metric_value
 from tests.stack import Stack
 
 
@@ -87,6 +89,12 @@ async def test_a_cancelled_background_response_stops_its_job_and_says_cancelled(
         assert unstored.value.body["param"] == "store"
     assert done.output_text == _counted(3)
     assert worker.process.poll() is None
+    async with httpx.AsyncClient(timeout=10) as http:
+        taken, asked = (await http.get(edge.metrics_url)).text, (await http.get(other_edge.metrics_url)).text
+    name = "tokenbus_edge_background_responses_total"
+    assert metric_value(taken, name, {"event": "created"}) == 2  # the refused one was never created
+    assert metric_value(taken, name, {"event": "incomplete"}) == 1
+    assert metric_value(asked, name, {"event": "cancelled"}) == 1  # counted where it was stored: by the cancel
     assert not list(stack.client.scan_iter(keys.job_log("*"))) or all(
         stack.client.ttl(key) > 0 for key in stack.client.scan_iter(keys.job_log("*")))
 

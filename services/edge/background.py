@@ -22,9 +22,10 @@ from services.edge.formats.response_render import ResponsesRenderer
 from services.edge.plans import PLANNERS, Plan, StreamRecord, decode_record
 from services.edge.redis_boundary import redis_boundary
 from services.edge.state import ADMITTER, GATEWAY, REDIS, SETTINGS, STORE
-from services.edge.store import ResponseStore, Turn
+from services.edge.store import ResponseStore
 from shared.protocol import bus, joblog, keys, sequence
 from shared.protocol.errors import InvalidRequest, NotFound, StreamAbandoned, from_kind
+from shared.runtime import metrics
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,14 @@ TASKS = web.AppKey("background_followers", set[asyncio.Task[None]])
 """The tasks following this edge's background responses to their end."""
 
 
-async def keep_first(store: ResponseStore, tenant: str, turn: Turn) -> None:
-    """Stores a background response's answer unless one is stored already (a cancel's, or another edge's)."""
-    if await store.load(tenant, turn.response_id) is None:
-        await store.keep(tenant, turn)
+async def keep_first(store: ResponseStore, tenant: str, renderer: ResponsesRenderer, model: str) -> None:
+    """Stores an ended background response's answer unless one is stored already (a cancel's, or another
+    edge's), and counts how it ended, once."""
+    turn = renderer.to_store()
+    if turn is None or await store.load(tenant, turn.response_id) is not None:
+        return
+    await store.keep(tenant, turn)
+    metrics.BACKGROUND.labels(model, renderer.status).inc()
 
 
 async def start(request: web.Request, plan: Plan, deadline: float, record: tuple[str, bytes, int],
@@ -48,6 +53,7 @@ async def start(request: web.Request, plan: Plan, deadline: float, record: tuple
     followers.add(task)
     task.add_done_callback(followers.discard)
     await queued
+    metrics.BACKGROUND.labels(plan.job.model, "created").inc()
     return web.Response(body=framing.body(plan.renderer.body()), content_type="application/json")
 
 
@@ -58,8 +64,10 @@ async def _follow(request: web.Request, plan: Plan, deadline: float, record: tup
     try:
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             queued.set_result(None)
-            await pump.collect(events, plan.renderer, plan.job.model,
-                               lambda turn: keep_first(store, tenant, turn))
+            renderer = plan.renderer
+            assert isinstance(renderer, ResponsesRenderer)  # nosec B101: an invariant (tokenbus never runs with -O)
+            await pump.collect(events, renderer, plan.job.model,
+                               lambda _turn: keep_first(store, tenant, renderer, plan.job.model))
     except Exception as exc:
         if not queued.done():
             queued.set_exception(exc)
@@ -112,8 +120,8 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
     _replay(renderer, events)
     if not renderer.ended and cancelled:
         renderer.error(StreamAbandoned("The response was cancelled."))
-    if renderer.ended and (turn := renderer.to_store()):
-        await keep_first(request.app[STORE], caller_of(request).tenant, turn)
+    if renderer.ended:
+        await keep_first(request.app[STORE], caller_of(request).tenant, renderer, plan.job.model)
     return framing.body(renderer.body())
 
 

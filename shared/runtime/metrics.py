@@ -240,6 +240,9 @@ RECLAIMS = Counter("tokenbus_worker_reclaimed_entries", "Queue entries claimed f
 DEAD_LETTERS = Counter("tokenbus_worker_dead_letters", "Jobs moved to the dead-letter stream", ["model"])
 HANDOVERS = Counter("tokenbus_worker_handovers", "Jobs a draining worker handed to others", ["model"])
 RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Event-ID", ["route"], registry=EDGE)
+BACKGROUND = Counter("tokenbus_edge_background_responses", "Background responses created, and ended (counted once, "
+                     "by the edge that stores the answer) by how: completed, incomplete, failed, cancelled",
+                     ["model", "event"], registry=EDGE)
 WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died",
                        registry=EDGE)
 REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage", registry=EDGE)
