@@ -112,3 +112,33 @@ async def test_a_background_response_whose_worker_is_killed_continues_on_another
         done = await _until(client, created.id, "incomplete", timeout_s=30)
     assert done.output_text == _counted(300)  # nothing lost, nothing repeated
     assert done.usage is not None and done.usage.output_tokens == 300
+
+
+async def test_a_streamed_background_response_runs_on_when_its_client_leaves_and_resumes_where_it_left(
+        stack: Stack) -> None:
+    """OpenAI's way to a stream that survives its connection: background and stream together, then a retrieve
+    stream from the last sequence number the client saw."""
+    first, second = stack.edge(resume_window_s=0), stack.edge()
+    stack.worker()
+    async with _client(first.url) as client, _client(second.url) as other:
+        stream = await client.responses.create(model=stack.model, input="count", max_output_tokens=200,
+                                               background=True, stream=True)
+        seen, text, response_id = -1, "", ""
+        async for event in stream:
+            seen = event.sequence_number
+            if event.type == "response.created":
+                response_id = event.response.id
+                assert event.response.background is True
+            elif event.type == "response.output_text.delta":
+                text += event.delta
+                if len(text) > 20:
+                    break
+        await stream.close()  # the client leaves: with no resume window, a foreground stream would stop here
+        await asyncio.sleep(0.5)
+        rest = await other.responses.retrieve(response_id, stream=True, starting_after=seen)
+        events = [event async for event in rest]
+    assert events[0].sequence_number == seen + 1
+    text += "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == _counted(200) and events[-1].type == "response.incomplete"
+    async with _client(second.url) as other:
+        assert (await other.responses.retrieve(response_id)).output_text == _counted(200)  # stored by the reader
