@@ -397,3 +397,22 @@ async def test_a_background_response_holds_its_concurrency_until_it_ends_and_is_
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.1)
     assert after.status == "incomplete"
+
+
+async def test_a_conversation_is_its_tenants_alone_and_counts_against_its_storage(stack: Stack) -> None:
+    key = create_key(stack, "--tenant", "talker", "--storage-items", "1")
+    stranger = create_key(stack, "--tenant", "eavesdropper")
+    url = stack.edges[0].url + "/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key=key["key"], max_retries=0) as client, \
+            openai.AsyncOpenAI(base_url=url, api_key=stranger["key"], max_retries=0) as other:
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "secret"}])
+        for call in (other.conversations.retrieve(conversation.id), other.conversations.items.list(conversation.id),
+                     other.conversations.delete(conversation.id),
+                     other.responses.create(model=stack.model, input="x", conversation=conversation.id)):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        with pytest.raises(openai.RateLimitError) as full:  # its one stored item is the conversation
+            await client.conversations.create()
+        assert "storage is full" in full.value.message
+        await client.conversations.delete(conversation.id)
+        assert (await client.conversations.create()).id.startswith("conv_")

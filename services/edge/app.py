@@ -13,6 +13,7 @@ from aiohttp import web
 from services.edge import background, keyless, routes
 from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
+from services.edge.conversation_store import ConversationStore
 from services.edge.directory import ModelDirectory
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
@@ -26,6 +27,7 @@ from services.edge.sse import ClientGone
 from services.edge.state import (
     ADMITTER,
     CHECKER,
+    CONVERSATIONS,
     DRAINING,
     GATEWAY,
     KEYS,
@@ -173,6 +175,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings)
+    app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),

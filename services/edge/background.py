@@ -17,12 +17,12 @@ from aiohttp import web
 
 from services.edge import framing, pump
 from services.edge.auth import caller_of
+from services.edge.conversation_store import keep_turn
 from services.edge.formats.planners import Arrival
 from services.edge.formats.response_render import ResponsesRenderer
 from services.edge.plans import PLANNERS, Plan, StreamRecord, decode_record
 from services.edge.redis_boundary import redis_boundary
-from services.edge.state import ADMITTER, GATEWAY, REDIS, SETTINGS, STORE
-from services.edge.store import ResponseStore
+from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, REDIS, SETTINGS, STORE
 from shared.protocol import bus, joblog, keys, sequence
 from shared.protocol.errors import InvalidRequest, NotFound, StreamAbandoned, from_kind
 from shared.runtime import metrics
@@ -33,13 +33,13 @@ TASKS = web.AppKey("background_followers", set[asyncio.Task[None]])
 """The tasks following this edge's background responses to their end."""
 
 
-async def keep_first(store: ResponseStore, tenant: str, renderer: ResponsesRenderer, model: str) -> None:
-    """Stores an ended background response's answer unless one is stored already (a cancel's, or another
-    edge's), and counts how it ended, once."""
+async def keep_first(app: web.Application, tenant: str, renderer: ResponsesRenderer, model: str) -> None:
+    """Stores an ended background response's answer (and its conversation's turn) unless one is stored already
+    (a cancel's, or another edge's), and counts how it ended, once."""
     turn = renderer.to_store()
-    if turn is None or await store.load(tenant, turn.response_id) is not None:
+    if turn is None or await app[STORE].load(tenant, turn.response_id) is not None:
         return
-    await store.keep(tenant, turn)
+    await keep_turn(app[STORE], app[CONVERSATIONS], tenant, turn)
     metrics.BACKGROUND.labels(model, renderer.status).inc()
 
 
@@ -59,7 +59,7 @@ async def start(request: web.Request, plan: Plan, deadline: float, record: tuple
 
 async def _follow(request: web.Request, plan: Plan, deadline: float, record: tuple[str, bytes, int], lease: str,
                   queued: asyncio.Future[None]) -> None:
-    gateway, admitter, store = request.app[GATEWAY], request.app[ADMITTER], request.app[STORE]
+    gateway, admitter, app = request.app[GATEWAY], request.app[ADMITTER], request.app
     key_id, tenant = caller_of(request).key_id, caller_of(request).tenant
     try:
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
@@ -67,7 +67,7 @@ async def _follow(request: web.Request, plan: Plan, deadline: float, record: tup
             renderer = plan.renderer
             assert isinstance(renderer, ResponsesRenderer)  # nosec B101: an invariant (tokenbus never runs with -O)
             await pump.collect(events, renderer, plan.job.model,
-                               lambda _turn: keep_first(store, tenant, renderer, plan.job.model))
+                               lambda _turn: keep_first(app, tenant, renderer, plan.job.model))
     except Exception as exc:
         if not queued.done():
             queued.set_exception(exc)
@@ -121,7 +121,7 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
     if not renderer.ended and cancelled:
         renderer.error(StreamAbandoned("The response was cancelled."))
     if renderer.ended:
-        await keep_first(request.app[STORE], caller_of(request).tenant, renderer, plan.job.model)
+        await keep_first(request.app, caller_of(request).tenant, renderer, plan.job.model)
     return framing.body(renderer.body())
 
 

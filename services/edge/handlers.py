@@ -12,13 +12,14 @@ from aiohttp import web
 
 from services.edge import background, pump, sse
 from services.edge.auth import caller_of
+from services.edge.conversation_store import keep_turn
 from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
 from services.edge.plans import PLANNERS, Plan, decode_record
 from services.edge.server import read_body
-from services.edge.state import ADMITTER, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
+from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, NotFound, RateLimited
@@ -74,8 +75,8 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
 
 
 def _keeper(request: web.Request) -> pump.Keep:
-    """Stores a finished turn as the caller's tenant's."""
-    return functools.partial(request.app[STORE].keep, caller_of(request).tenant)
+    """Stores a finished turn as the caller's tenant's (its response, and its conversation's items)."""
+    return functools.partial(keep_turn, request.app[STORE], request.app[CONVERSATIONS], caller_of(request).tenant)
 
 
 def _kept_for(settings: Settings, events: JobEvents | None) -> float:

@@ -23,7 +23,7 @@ from services.edge.auth import caller_of
 from services.edge.formats import planners
 from services.edge.formats.base import Renderer
 from services.edge.formats.planners import Arrival, Planning
-from services.edge.state import CHECKER, GATEWAY, SETTINGS, STORE
+from services.edge.state import CHECKER, CONVERSATIONS, GATEWAY, SETTINGS, STORE
 from shared.protocol import bus
 from shared.protocol.errors import NotFound
 from shared.runtime import metrics
@@ -92,6 +92,9 @@ async def _answer(request: web.Request, need: planners.Need, given: Arrival | No
             return await request.app[GATEWAY].require_model(name, task=task)
         case planners.ServedModel():
             return request.app[SETTINGS].model
+        case planners.ConversationItems(conversation_id):
+            tenant = caller_of(request).tenant
+            return (await request.app[CONVERSATIONS].load(tenant, conversation_id, param="conversation"))[0].items
         case planners.PreviousTurns(response_id):
             found = await request.app[STORE].conversation(caller_of(request).tenant, response_id)
             if found is None:

@@ -15,8 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
-from services.edge import background, handlers, openapi, ops
-from services.edge.formats import chat, completions, embeddings, response_render, responses, tgi
+from services.edge import background, conversations, handlers, openapi, ops
+from services.edge.formats import (
+    chat,
+    completions,
+    conversation_items,
+    embeddings,
+    response_render,
+    responses,
+    tgi,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -76,6 +84,22 @@ ROUTES: list[Route] = [
              response=response_render.Deleted),
     *_openai("post", "/v1/responses/{response_id}/cancel", background.cancel, "Cancel a background response",
              response=response_render.Response),
+    *_openai("post", "/v1/conversations", conversations.create, "Create a conversation",
+             conversation_items.CreateConversationBody, conversation_items.ConversationResource),
+    *_openai("get", "/v1/conversations/{conversation_id}", conversations.retrieve, "A conversation",
+             response=conversation_items.ConversationResource),
+    *_openai("post", "/v1/conversations/{conversation_id}", conversations.update, "Update a conversation's metadata",
+             conversation_items.UpdateConversationBody, conversation_items.ConversationResource),
+    *_openai("delete", "/v1/conversations/{conversation_id}", conversations.delete, "Delete a conversation",
+             response=conversation_items.DeletedConversation),
+    *_openai("get", "/v1/conversations/{conversation_id}/items", conversations.list_items,
+             "A conversation's items (`limit`, `order`, `after`)", response=conversation_items.ItemList),
+    *_openai("post", "/v1/conversations/{conversation_id}/items", conversations.add_items,
+             "Add items to a conversation", conversation_items.AddItemsBody, conversation_items.ItemList),
+    *_openai("get", "/v1/conversations/{conversation_id}/items/{item_id}", conversations.retrieve_item,
+             "A conversation's item"),
+    *_openai("delete", "/v1/conversations/{conversation_id}/items/{item_id}", conversations.delete_item,
+             "Delete a conversation's item", response=conversation_items.ConversationResource),
     *_openai("post", "/v1/embeddings", handlers.create_embeddings, "OpenAI Embeddings", embeddings.EmbeddingRequest,
              embeddings.EmbeddingList, runs_model=True),
     *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),

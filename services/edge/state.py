@@ -9,6 +9,7 @@ from aiohttp import web
 
 from services.edge.admission import Admitter
 from services.edge.auth import KeyCache
+from services.edge.conversation_store import ConversationStore
 from services.edge.gateway import Gateway
 from services.edge.schema_checks import Checker
 from services.edge.store import ResponseStore
@@ -18,6 +19,7 @@ SETTINGS = web.AppKey("settings", Settings)
 GATEWAY = web.AppKey("gateway", Gateway)
 REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", ResponseStore)
+CONVERSATIONS = web.AppKey("conversations", ConversationStore)
 DRAINING = web.AppKey("draining", asyncio.Event)
 """Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""
 KEYS = web.AppKey("keys", KeyCache)

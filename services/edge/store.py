@@ -132,6 +132,12 @@ class Turn:
     conversation: Conversation
     added: list[bus.Message]
     dropped: int = 0
+    stored: bool = True
+    """The response is to be stored (`store`); else only its Conversations-API conversation takes its turn."""
+    conversation_id: str = ""
+    """The Conversations-API conversation it ran in (`conversation`), which takes `items` ("": none)."""
+    items: tuple[bytes, ...] = ()
+    """This turn's input items and the response's output items, as the conversation keeps them."""
 
 
 @dataclass(frozen=True)

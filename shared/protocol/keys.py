@@ -48,9 +48,24 @@ def stored_response(tenant: str, response_id: str) -> str:
     return f"{PREFIX}:response:{{{tenant_tag(tenant)}}}:{response_id}"
 
 
+def conversation(tenant: str, conversation_id: str) -> str:
+    """A Conversations-API conversation: its id, creation time and metadata (JSON)."""
+    return f"{PREFIX}:conversation:{{{tenant_tag(tenant)}}}:{conversation_id}"
+
+
+def conversation_items(tenant: str, conversation_id: str) -> str:
+    """A conversation's items, oldest first (a list of JSON items)."""
+    return f"{PREFIX}:conversation:{{{tenant_tag(tenant)}}}:{conversation_id}:items"
+
+
+def conversation_turns(tenant: str, conversation_id: str) -> str:
+    """The responses whose turns a conversation holds (a set): each is added once."""
+    return f"{PREFIX}:conversation:{{{tenant_tag(tenant)}}}:{conversation_id}:turns"
+
+
 def storage_tally(tenant: str) -> str:
     """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
-    (r:<response id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""
+    (r:<response id>, c:<conversation id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""
     return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:tally"
 
 

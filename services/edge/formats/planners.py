@@ -16,7 +16,15 @@ from typing import Any, TypeVar, cast
 
 import msgspec
 
-from services.edge.formats import chat, completions, embeddings, response_render, responses, tgi
+from services.edge.formats import (
+    chat,
+    completions,
+    conversation_items,
+    embeddings,
+    response_render,
+    responses,
+    tgi,
+)
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.store import Conversation
 from shared.protocol import bus
@@ -70,6 +78,14 @@ class PreviousTurns:
 
 
 @dataclass(frozen=True)
+class ConversationItems:
+    """The items of the caller's Conversations-API conversation `conversation_id`; answered with a list of them
+    (dicts, oldest first)."""
+
+    conversation_id: str
+
+
+@dataclass(frozen=True)
 class Room:
     """Room in the caller's storage for a response of `size` bytes (a resumed stream was checked when it began);
     answered with None."""
@@ -85,7 +101,7 @@ class Arrive:
     seed: int | None = None
 
 
-Need = Ignored | Model | ServedModel | PreviousTurns | Room | Arrive
+Need = Ignored | Model | ServedModel | PreviousTurns | ConversationItems | Room | Arrive
 
 
 @dataclass(frozen=True)
@@ -156,18 +172,23 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
     responses.refuse_unsupported(req)
     info = yield from _model(req.model)
     responses.check_context(req, info.max_model_len)
-    conversation = Conversation()
-    if req.previous_response_id:
+    conversation, new_items = Conversation(), []
+    if conversation_id := responses.conversation_id(req):
+        items = cast(list[dict[str, Any]], (yield ConversationItems(conversation_id)))
+        conversation = Conversation(history=conversation_items.history(items))
+        new_items = conversation_items.added(responses.input_items(req), items, field="input")
+    elif req.previous_response_id:
         conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
     added = responses.input_messages(req, conversation.history)
     responses.check_length(req, conversation, added)
-    if req.store:
+    if req.store or conversation_id:
         yield Room(len(body))
     arrival = yield from _arrive("resp_")
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = response_render.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
-                                                  conversation=conversation, added=added, ovms=ovms)
+                                                  conversation=conversation, added=added, ovms=ovms,
+                                                  conversation_id=conversation_id or "", new_items=new_items)
     return Planned(job, renderer, req.stream, arrival)
 
 

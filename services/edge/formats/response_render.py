@@ -96,6 +96,10 @@ def echo_tool_choice(choice: calling.ToolChoice | None) -> str | NamedChoiceOut:
     return NamedChoiceOut(type=choice.type, name=choice.function.name if choice.function else choice.name or "")
 
 
+class ConversationRef(Out):
+    id: str
+
+
 class Response(Out, kw_only=True):
     id: str
     object: str = "response"
@@ -125,6 +129,7 @@ class Response(Out, kw_only=True):
     user: str | UnsetType = UNSET
     metadata: dict[str, str]
     background: bool = False
+    conversation: ConversationRef | None = None
 
 
 class Deleted(Out):
@@ -144,6 +149,7 @@ class ResponsesRenderer:
     def __init__(
         self, req: ResponsesRequest, *, response_id: str, created_at: int,
         conversation: Conversation | None = None, added: list[bus.Message] | None = None, ovms: bool = False,
+        conversation_id: str = "", new_items: list[bytes] | None = None,
     ) -> None:
         self.req = req
         self.id = response_id
@@ -152,6 +158,10 @@ class ResponsesRenderer:
         """What this turn continues."""
         self.added = added or []
         """This turn's input, as messages."""
+        self.conversation_id = conversation_id
+        """The Conversations-API conversation the turn runs in ("": none)."""
+        self.new_items = new_items or []
+        """This turn's input items as that conversation keeps them (its output's follow at the end)."""
         self.ovms = ovms
         """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
         `max_tokens`, as its page documents."""
@@ -195,6 +205,7 @@ class ResponsesRenderer:
             top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
             usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
             background=bool(req.background),
+            conversation=ConversationRef(id=self.conversation_id) if self.conversation_id else None,
         )
 
     # stream events
@@ -231,11 +242,15 @@ class ResponsesRenderer:
     def to_store(self) -> Turn | None:
         """The finished response, when the request asks to store it: its caller stores it before the client hears
         of it, so any edge can serve it at once; its history as it was run (what truncation left of it)."""
-        if not self.req.store:
+        if not self.req.store and not self.conversation_id:
             return None
         dropped = self.final.dropped_messages if self.final is not None else 0
+        # a conversation takes the turns that answered, not those that failed or were cancelled
+        answered = self.status in ("completed", "incomplete")
+        outputs = [encode(item) for item in self.items.output()] if answered else []
         return Turn(self.id, encode(self.response()), self.conversation, [*self.added, self.items.answer()],
-                    dropped)
+                    dropped, stored=self.req.store, conversation_id=self.conversation_id if answered else "",
+                    items=(*self.new_items, *outputs))
 
     def done(self) -> list[Payload]:
         return [END] if self.ovms else []

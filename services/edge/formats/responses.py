@@ -115,8 +115,8 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     """The 400s for what we do not serve, each naming its parameter."""
     if req.background and not req.store:
         raise InvalidRequest("A background response is stored: `background` needs `store` true.", param="store")
-    if req.conversation is not None:
-        raise refuse("conversation", "use previous_response_id to continue a conversation")
+    if req.conversation is not None and req.previous_response_id:
+        raise InvalidRequest("Give `conversation` or `previous_response_id`, not both.", param="conversation")
     if req.service_tier not in (None, "auto", "default"):
         raise refuse("service_tier", "there is one service tier")
     if req.prompt is not None:
@@ -131,6 +131,22 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     calling.responses_functions(req.tools)  # built-in tools are refused by name
     if req.text and req.text.format and req.text.format.type == "json_schema" and not req.text.format.name:
         raise InvalidRequest("`text.format.name` is required with type json_schema.", param="text.format.name")
+
+
+def conversation_id(req: ResponsesRequest) -> str | None:
+    """The Conversations-API conversation the turn runs in: its id, given as a string or as {"id": ...}."""
+    given = req.conversation
+    if given is None:
+        return None
+    found = given.get("id") if isinstance(given, dict) else given
+    if not isinstance(found, str) or not found:
+        raise InvalidRequest("`conversation` is a conversation id, or an object with its `id`.", param="conversation")
+    return found
+
+
+def input_items(req: ResponsesRequest) -> list[InputItem]:
+    """The turn's input as items (a string is one user message)."""
+    return [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
 
 
 def check_context(req: ResponsesRequest, max_model_len: int) -> None:
@@ -197,12 +213,17 @@ def input_messages(req: ResponsesRequest, history: list[bus.Message] | None = No
     goes with the assistant turn after it (its raw content, else its summary)."""
     if isinstance(req.input, str):
         return [bus.Message(role="user", content=req.input)]
+    return messages_of(req.input, history)
+
+
+def messages_of(items: list[InputItem], history: list[bus.Message] | None = None) -> list[bus.Message]:
+    """Input items as messages (see input_messages), after the `history` they continue."""
     earlier = list(history or [])
     messages: list[bus.Message] = []
     params: list[str] = []
     thought = ""
     """The reasoning item just read: it goes with the assistant turn that follows it."""
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(items):
         if item.type == "reasoning":
             thought += "".join(part.text or "" for part in _parts(item.content) or item.summary or [])
             continue

@@ -1,0 +1,167 @@
+"""Conversations-API conversations in Redis, per tenant: a conversation's id, creation time and metadata in one
+key and its items (JSON, oldest first) in a list beside it, both charged to the tenant's storage as one item and
+expiring --response-ttl-s after their last change. Every change is one script on the tenant's Redis Cluster slot:
+the quota check, the write and the tally together, so two turns of one conversation at once both land."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from services.edge.redis_boundary import redis_boundary
+from services.edge.store import Quota, ResponseStore, Turn
+from shared.protocol import bus, keys
+from shared.protocol.errors import NotFound, Overloaded, StorageFull
+from shared.tenancy.storage import TRIM_EXPIRED
+
+_CHANGE = TRIM_EXPIRED + """
+-- KEYS[3] the conversation, KEYS[4] its items, KEYS[5] the responses whose turns it holds. ARGV: now, max bytes
+-- (0: none), max items (0: none), member, op, expires at (ms), then the op's values: create (the conversation,
+-- then items), append (a response id or '', then items), meta (the conversation), remove (an item's exact value),
+-- delete (none).
+-- Returns {1} done, {0, held, items} refused (storage full), {-1} no such conversation, {-2} no such item.
+local member, op, at = ARGV[4], ARGV[5], ARGV[6]
+local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
+local old = tonumber(redis.call('HGET', tally, member) or '0')
+local exists = redis.call('EXISTS', KEYS[3]) == 1
+if op == 'create' then
+  if exists then return {-3} end
+elseif not exists then
+  return {-1}
+end
+if op == 'delete' then
+  redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+  if redis.call('HDEL', tally, member) == 1 then
+    redis.call('HSET', tally, 'bytes', held - old, 'items', items - 1)
+  end
+  redis.call('ZREM', expiry, member)
+  return {1}
+end
+local delta, one = 0, 0
+if op == 'create' then
+  one = 1
+  for i = 7, #ARGV do delta = delta + #ARGV[i] end
+elseif op == 'append' then
+  -- a response's turn is added once, however many edges render its end (a resumed stream)
+  if ARGV[7] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[7]) == 1 then return {1} end
+  for i = 8, #ARGV do delta = delta + #ARGV[i] end
+elseif op == 'meta' then
+  delta = #ARGV[7] - redis.call('STRLEN', KEYS[3])
+elseif op == 'remove' then
+  if redis.call('LREM', KEYS[4], 1, ARGV[7]) == 0 then return {-2} end
+  delta = -#ARGV[7]
+end
+if delta > 0 and ((max_bytes > 0 and held + delta > max_bytes) or (max_items > 0 and items + one > max_items)) then
+  return {0, held, items}
+end
+if op == 'create' or op == 'meta' then
+  redis.call('SET', KEYS[3], ARGV[7], 'PXAT', at)
+else
+  redis.call('PEXPIREAT', KEYS[3], at)
+end
+if op == 'append' and ARGV[7] ~= '' then
+  redis.call('SADD', KEYS[5], ARGV[7])
+end
+if (op == 'create' or op == 'append') and #ARGV >= 8 then
+  redis.call('RPUSH', KEYS[4], unpack(ARGV, 8))
+end
+redis.call('PEXPIREAT', KEYS[4], at)
+redis.call('PEXPIREAT', KEYS[5], at)
+redis.call('HSET', tally, member, old + delta, 'bytes', held + delta, 'items', items + one)
+redis.call('ZADD', expiry, at, member)
+return {1}
+"""
+
+
+class Header(msgspec.Struct, omit_defaults=True):
+    """What a conversation is besides its items."""
+
+    id: str
+    created_at: int
+    metadata: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Stored:
+    header: Header
+    items: list[dict[str, Any]]
+    """Its items, oldest first, as the API shows them."""
+
+
+_decode_header = msgspec.json.Decoder(Header).decode
+_decode_item = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+def not_found(conversation_id: str, param: str = "conversation_id") -> NotFound:
+    return NotFound(f"Conversation with id '{conversation_id}' not found.", param=param)
+
+
+async def keep_turn(store: ResponseStore, conversations: ConversationStore, tenant: str, turn: Turn) -> None:
+    """Stores a finished Responses turn: the response (when it is to be stored) and its items in its conversation
+    (one deleted meanwhile takes nothing)."""
+    if turn.stored:
+        await store.keep(tenant, turn)
+    if turn.conversation_id:
+        with contextlib.suppress(NotFound):
+            await conversations.append(tenant, Quota(0, 0), turn.conversation_id, list(turn.items), turn.response_id)
+
+
+class ConversationStore:
+    def __init__(self, redis: aioredis.Redis, ttl_s: float) -> None:
+        self.redis = redis
+        self.ttl_ms = int(ttl_s * 1000)
+        self._change = redis.register_script(_CHANGE)
+
+    async def _run(self, tenant: str, quota: Quota, conversation_id: str, op: str, *values: bytes) -> None:
+        with redis_boundary(Overloaded):
+            found: list[Any] = await self._change(
+                keys=[keys.storage_tally(tenant), keys.storage_expiry(tenant),
+                      keys.conversation(tenant, conversation_id), keys.conversation_items(tenant, conversation_id),
+                      keys.conversation_turns(tenant, conversation_id)],
+                args=[bus.now_ms(), quota.bytes, quota.items, f"c:{conversation_id}", op,
+                      bus.now_ms() + self.ttl_ms, *values])
+        status = int(found[0])
+        if status == -1:
+            raise not_found(conversation_id)
+        if status == -2:
+            raise NotFound("No such item in the conversation.", param="item_id")
+        if status == 0:
+            raise StorageFull(
+                f"Your storage is full ({int(found[1])} bytes in {int(found[2])} items; the limits are "
+                f"{quota.bytes or 'unlimited'} bytes and {quota.items or 'unlimited'} items): the conversation "
+                "could not be stored. Delete stored responses or conversations, or wait for them to expire.")
+
+    async def create(self, tenant: str, quota: Quota, header: Header, items: list[bytes]) -> None:
+        await self._run(tenant, quota, header.id, "create", msgspec.json.encode(header), *items)
+
+    async def append(self, tenant: str, quota: Quota, conversation_id: str, items: list[bytes],
+                     response_id: str = "") -> None:
+        """Adds items (a response's turn, once: `response_id`)."""
+        if items:
+            await self._run(tenant, quota, conversation_id, "append", response_id.encode(), *items)
+
+    async def set_header(self, tenant: str, quota: Quota, header: Header) -> None:
+        await self._run(tenant, quota, header.id, "meta", msgspec.json.encode(header))
+
+    async def remove(self, tenant: str, conversation_id: str, item: bytes) -> None:
+        await self._run(tenant, Quota(0, 0), conversation_id, "remove", item)
+
+    async def delete(self, tenant: str, conversation_id: str) -> None:
+        await self._run(tenant, Quota(0, 0), conversation_id, "delete")
+
+    async def load(self, tenant: str, conversation_id: str,
+                   param: str = "conversation_id") -> tuple[Stored, list[bytes]]:
+        """The conversation and its items as stored (the exact values, to remove one); NotFound (naming `param`)
+        if there is none."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(keys.conversation(tenant, conversation_id))
+        pipe.lrange(keys.conversation_items(tenant, conversation_id), 0, -1)
+        with redis_boundary(Overloaded):
+            header, raw_items = await pipe.execute()
+        if header is None:
+            raise not_found(conversation_id, param)
+        return Stored(_decode_header(header), [_decode_item(item) for item in raw_items]), list(raw_items)

@@ -1,0 +1,117 @@
+"""The Conversations API's routes: a tenant's conversations and their items (services.edge.conversation_store
+keeps them); a Responses call with `conversation` runs after its items and adds its turn to them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from services.edge.auth import caller_of
+from services.edge.conversation_store import Header, Stored
+from services.edge.formats import conversation_items as shapes
+from services.edge.formats.base import decode, encode
+from services.edge.server import read_body
+from services.edge.state import CONVERSATIONS, STORE
+from shared.protocol.errors import InvalidRequest, NotFound
+
+MAX_LISTED = 100
+
+
+def _json(value: object) -> web.Response:
+    return web.Response(body=encode(value), content_type="application/json")
+
+
+def _resource(header: Header) -> shapes.ConversationResource:
+    return shapes.ConversationResource(id=header.id, created_at=header.created_at, metadata=header.metadata)
+
+
+async def _load(request: web.Request) -> tuple[Stored, list[bytes]]:
+    return await request.app[CONVERSATIONS].load(caller_of(request).tenant, request.match_info["conversation_id"])
+
+
+async def create(request: web.Request) -> web.Response:
+    body = await read_body(request)
+    req = decode(body, shapes.CreateConversationBody) if body.strip() else shapes.CreateConversationBody()
+    caller = caller_of(request)
+    header = Header(id=f"conv_{uuid.uuid4().hex}", created_at=int(time.time()), metadata=req.metadata or {})
+    items = shapes.added(req.items or [], [])
+    await request.app[CONVERSATIONS].create(caller.tenant, request.app[STORE].quota(caller.key), header, items)
+    return _json(_resource(header))
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    stored, _ = await _load(request)
+    return _json(_resource(stored.header))
+
+
+async def update(request: web.Request) -> web.Response:
+    req = decode(await read_body(request), shapes.UpdateConversationBody)
+    stored, _ = await _load(request)
+    caller = caller_of(request)
+    header = Header(id=stored.header.id, created_at=stored.header.created_at, metadata=req.metadata)
+    await request.app[CONVERSATIONS].set_header(caller.tenant, request.app[STORE].quota(caller.key), header)
+    return _json(_resource(header))
+
+
+async def delete(request: web.Request) -> web.Response:
+    conversation_id = request.match_info["conversation_id"]
+    await request.app[CONVERSATIONS].delete(caller_of(request).tenant, conversation_id)
+    return _json(shapes.DeletedConversation(id=conversation_id))
+
+
+def _limit(request: web.Request) -> int:
+    given = request.query.get("limit", "20")
+    if not (given.isascii() and given.isdigit() and 1 <= int(given[:4]) <= MAX_LISTED):
+        raise InvalidRequest(f"`limit` must be a whole number from 1 to {MAX_LISTED}.", param="limit")
+    return int(given)
+
+
+async def list_items(request: web.Request) -> web.Response:
+    """Its items, newest first (`order=desc`, the default) or oldest first, `limit` at a time after `after`."""
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("`order` is asc or desc.", param="order")
+    limit = _limit(request)
+    stored, _ = await _load(request)
+    items = stored.items if order == "asc" else stored.items[::-1]
+    if after := request.query.get("after"):
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise NotFound(f"No item with id '{after}' in the conversation.", param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return _json(shapes.ItemList(data=page, first_id=page[0]["id"] if page else None,
+                                 last_id=page[-1]["id"] if page else None, has_more=len(items) > limit))
+
+
+async def add_items(request: web.Request) -> web.Response:
+    req = decode(await read_body(request), shapes.AddItemsBody)
+    stored, _ = await _load(request)
+    caller = caller_of(request)
+    items = shapes.added(req.items, stored.items)
+    await request.app[CONVERSATIONS].append(caller.tenant, request.app[STORE].quota(caller.key), stored.header.id,
+                                            items)
+    data = [shapes.decode_item(item) for item in items]
+    return _json(shapes.ItemList(data=data, first_id=data[0]["id"], last_id=data[-1]["id"], has_more=False))
+
+
+def _item(stored: Stored, raw: list[bytes], item_id: str) -> tuple[dict[str, object], bytes]:
+    for item, value in zip(stored.items, raw, strict=True):
+        if item.get("id") == item_id:
+            return item, value
+    raise NotFound(f"No item with id '{item_id}' in the conversation.", param="item_id")
+
+
+async def retrieve_item(request: web.Request) -> web.Response:
+    stored, raw = await _load(request)
+    return _json(_item(stored, raw, request.match_info["item_id"])[0])
+
+
+async def delete_item(request: web.Request) -> web.Response:
+    stored, raw = await _load(request)
+    _item_found, value = _item(stored, raw, request.match_info["item_id"])
+    await request.app[CONVERSATIONS].remove(caller_of(request).tenant, stored.header.id, value)
+    return _json(_resource(stored.header))
+

@@ -1,0 +1,72 @@
+"""The Conversations API, driven by the official openai SDK against real processes over the simulated engine:
+a conversation's items on any edge, and Responses turns that run after them and add themselves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from shared.protocol import keys
+from tests.stack import Stack
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _texts(items: list[Any]) -> list[tuple[str, str]]:
+    """(role, text) of each message item."""
+    return [(str(getattr(item, "role", item.type)), "".join(part.text for part in getattr(item, "content", None) or []))
+            for item in items]
+
+
+async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_after_them(stack: Stack) -> None:
+    edge, other_edge = stack.edge(), stack.edge()
+    stack.worker()
+    async with _client(edge.url) as client, _client(other_edge.url) as other:
+        conversation = await client.conversations.create(
+            metadata={"topic": "counting"}, items=[{"type": "message", "role": "user", "content": "hello there"}])
+        assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "counting"}
+        first = await client.responses.create(model=stack.model, input="count", max_output_tokens=3,
+                                              conversation=conversation.id)
+        assert first.conversation is not None and first.conversation.id == conversation.id
+        listed = await other.conversations.items.list(conversation.id, order="asc")
+        assert _texts(listed.data) == [("user", "hello there"), ("user", "count"), ("assistant", " t1 t2 t3")]
+        assert listed.data[-1].id == first.output[0].id  # the answer's item is the response's output item
+        second = await other.responses.create(model=stack.model, input="more", max_output_tokens=2,
+                                              conversation={"id": conversation.id}, store=False)
+        assert first.usage is not None and second.usage is not None
+        # the second turn ran after everything before it: the first turn's words and its answer's tokens
+        assert second.usage.input_tokens == first.usage.input_tokens + 3 + 1
+        newest = await client.conversations.items.list(conversation.id, limit=2)  # newest first by default
+        assert _texts(newest.data) == [("assistant", " t1 t2"), ("user", "more")] and newest.has_more
+        # items added, read, deleted; metadata changed
+        added = await client.conversations.items.create(
+            conversation.id, items=[{"type": "message", "role": "user", "content": "a note"}])
+        note = added.data[0]
+        assert (await other.conversations.items.retrieve(note.id, conversation_id=conversation.id)).id == note.id
+        await other.conversations.items.delete(note.id, conversation_id=conversation.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.conversations.items.retrieve(note.id, conversation_id=conversation.id)
+        updated = await other.conversations.update(conversation.id, metadata={"topic": "done"})
+        assert (await client.conversations.retrieve(conversation.id)).metadata == {"topic": "done"} == \
+            updated.metadata
+        # refusals name their parameter
+        with pytest.raises(openai.BadRequestError) as both:
+            await client.responses.create(model=stack.model, input="x", conversation=conversation.id,
+                                          previous_response_id=first.id)
+        assert both.value.body["param"] == "conversation"
+        with pytest.raises(openai.BadRequestError) as orphan:
+            await client.conversations.items.create(
+                conversation.id, items=[{"type": "function_call_output", "call_id": "call_9", "output": "42"}])
+        assert orphan.value.body["param"].startswith("items[0]")
+        deleted = await client.conversations.delete(conversation.id)
+        assert deleted.deleted and deleted.id == conversation.id
+        for call in (other.conversations.retrieve(conversation.id),
+                     client.responses.create(model=stack.model, input="x", conversation=conversation.id)):
+            with pytest.raises(openai.NotFoundError) as gone:
+                await call
+        assert gone.value.body["param"] == "conversation"
+    assert stack.client.hget(keys.storage_tally(""), f"c:{conversation.id}") is None  # its bytes were given back
