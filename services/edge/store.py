@@ -211,7 +211,7 @@ class ResponseStore:
         worker when the job ends (shared.tenancy.storage), as written: charging what it may grow to (max_tokens events)
         for as long as it may live would refuse a tenant's ordinary streaming. So a tenant overshoots its quota
         by at most the logs of the streams it has running, each bounded by --replay-max-events."""
-        expires_ms = job.deadline_ms + int(self.settings.replay_ttl_s * 1000)
+        expires_ms = job.deadline_ms + job.log_kept_ms(int(self.settings.replay_ttl_s * 1000))
         await self._charge_or_refuse(tenant, self.quota(key), f"s:{job.id}", body_bytes, expires_ms,
                                      "a streamed request is kept to be resumed", None)
 
