@@ -47,23 +47,24 @@ async def start(request: web.Request, plan: Plan, deadline: float, record: tuple
                 lease: str) -> web.Response:
     """Queues the job (or raises its refusal) and answers with the response, queued; a task of this edge follows
     the job to its end, stores its answer and gives its concurrency lease back then."""
-    queued: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    queued: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(_follow(request, plan, deadline, record, lease, queued))
     followers = request.app[TASKS]
     followers.add(task)
     task.add_done_callback(followers.discard)
-    await queued
+    body = await queued
     metrics.BACKGROUND.labels(plan.job.model, "created").inc()
-    return web.Response(body=framing.body(plan.renderer.body()), content_type="application/json")
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _follow(request: web.Request, plan: Plan, deadline: float, record: tuple[str, bytes, int], lease: str,
-                  queued: asyncio.Future[None]) -> None:
+                  queued: asyncio.Future[bytes]) -> None:
+    """Follows the job to its end; `queued` gets the response as it was queued (or the refusal)."""
     gateway, admitter, app = request.app[GATEWAY], request.app[ADMITTER], request.app
     key_id, tenant = caller_of(request).key_id, caller_of(request).tenant
     try:
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
-            queued.set_result(None)
+            queued.set_result(framing.body(plan.renderer.body()))  # before any event of it is rendered
             renderer = plan.renderer
             assert isinstance(renderer, ResponsesRenderer)  # nosec B101: an invariant (tokenbus never runs with -O)
             await pump.collect(events, renderer, plan.job.model,
