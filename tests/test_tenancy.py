@@ -416,3 +416,18 @@ async def test_a_conversation_is_its_tenants_alone_and_counts_against_its_storag
         assert "storage is full" in full.value.message
         await client.conversations.delete(conversation.id)
         assert (await client.conversations.create()).id.startswith("conv_")
+
+
+async def test_a_file_is_its_tenants_alone(stack: Stack) -> None:
+    key, stranger = create_key(stack, "--tenant", "filer"), create_key(stack, "--tenant", "snooper")
+    url = stack.edges[0].url + "/v1"
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}})
+    async with openai.AsyncOpenAI(base_url=url, api_key=key["key"], max_retries=0) as client, \
+            openai.AsyncOpenAI(base_url=url, api_key=stranger["key"], max_retries=0) as other:
+        uploaded = await client.files.create(file=("in.jsonl", line.encode()), purpose="batch")
+        for call in (other.files.retrieve(uploaded.id), other.files.content(uploaded.id),
+                     other.files.delete(uploaded.id)):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        assert [f.id async for f in other.files.list()] == []
+        assert (await client.files.content(uploaded.id)).content == line.encode()

@@ -15,6 +15,7 @@ from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
 from services.edge.conversation_store import ConversationStore
 from services.edge.directory import ModelDirectory
+from services.edge.file_store import FileStore
 from services.edge.formats import tgi
 from services.edge.formats.base import openai_error
 from services.edge.gateway import Gateway
@@ -29,6 +30,7 @@ from services.edge.state import (
     CHECKER,
     CONVERSATIONS,
     DRAINING,
+    FILES,
     GATEWAY,
     KEYS,
     RATE_HEADERS,
@@ -176,6 +178,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings)
     app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s)
+    app[FILES] = FileStore(commands, settings.response_ttl_s)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),

@@ -15,7 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from services.edge import background, conversations, handlers, openapi, ops
+from services.edge import background, conversations, files, handlers, openapi, ops
+from services.edge.file_store import FileInfo
 from services.edge.formats import (
     chat,
     completions,
@@ -25,6 +26,7 @@ from services.edge.formats import (
     responses,
     tgi,
 )
+from services.edge.formats import files as files_shapes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -100,6 +102,13 @@ ROUTES: list[Route] = [
              "A conversation's item"),
     *_openai("delete", "/v1/conversations/{conversation_id}/items/{item_id}", conversations.delete_item,
              "Delete a conversation's item", response=conversation_items.ConversationResource),
+    *_openai("post", "/v1/files", files.create, "Upload a file (multipart: `file`, `purpose` batch or user_data)",
+             response=FileInfo),
+    *_openai("get", "/v1/files", files.list_files, "The caller's files (`purpose`, `limit`, `order`, `after`)",
+             response=files_shapes.FileList),
+    *_openai("get", "/v1/files/{file_id}", files.retrieve, "A file's description", response=FileInfo),
+    *_openai("delete", "/v1/files/{file_id}", files.delete, "Delete a file", response=files_shapes.DeletedFile),
+    *_openai("get", "/v1/files/{file_id}/content", files.content, "A file's bytes"),
     *_openai("post", "/v1/embeddings", handlers.create_embeddings, "OpenAI Embeddings", embeddings.EmbeddingRequest,
              embeddings.EmbeddingList, runs_model=True),
     *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),

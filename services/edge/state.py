@@ -10,6 +10,7 @@ from aiohttp import web
 from services.edge.admission import Admitter
 from services.edge.auth import KeyCache
 from services.edge.conversation_store import ConversationStore
+from services.edge.file_store import FileStore
 from services.edge.gateway import Gateway
 from services.edge.schema_checks import Checker
 from services.edge.store import ResponseStore
@@ -20,6 +21,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", ResponseStore)
 CONVERSATIONS = web.AppKey("conversations", ConversationStore)
+FILES = web.AppKey("files", FileStore)
 DRAINING = web.AppKey("draining", asyncio.Event)
 """Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""
 KEYS = web.AppKey("keys", KeyCache)

@@ -29,7 +29,7 @@ from shared.protocol.errors import NotFound, Overloaded, StorageFull
 from shared.runtime import metrics
 from shared.runtime.background import looping
 from shared.tenancy.apikeys import KeyRecord
-from shared.tenancy.storage import TRIM_EXPIRED
+from shared.tenancy.storage import GIVE_BACK, TRIM_EXPIRED
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,7 @@ _DELETE = TRIM_EXPIRED + """
 if redis.call('DEL', KEYS[3]) == 0 then
   return 0
 end
-local size = redis.call('HGET', tally, ARGV[2])
-if size then
-  redis.call('HSET', tally, 'bytes', held - tonumber(size), 'items', items - 1)
-  redis.call('HDEL', tally, ARGV[2])
-end
-redis.call('ZREM', expiry, ARGV[2])
-return 1
-"""
+""" + GIVE_BACK
 
 
 class StoredResponse(msgspec.Struct, forbid_unknown_fields=False):

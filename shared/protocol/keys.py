@@ -63,9 +63,24 @@ def conversation_turns(tenant: str, conversation_id: str) -> str:
     return f"{PREFIX}:conversation:{{{tenant_tag(tenant)}}}:{conversation_id}:turns"
 
 
+def file(tenant: str, file_id: str) -> str:
+    """An uploaded file's description (JSON: name, purpose, size, creation time)."""
+    return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}"
+
+
+def file_chunks(tenant: str, file_id: str) -> str:
+    """An uploaded file's bytes, in chunks (a list), so that no one Redis command moves all of a large file."""
+    return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}:chunks"
+
+
+def files(tenant: str) -> str:
+    """A tenant's files (a sorted set of ids by creation time, ms): what GET /v1/files lists."""
+    return f"{PREFIX}:files:{{{tenant_tag(tenant)}}}"
+
+
 def storage_tally(tenant: str) -> str:
     """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
-    (r:<response id>, c:<conversation id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""
+    (r:<response id>, c:<conversation id>, f:<file id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""
     return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:tally"
 
 

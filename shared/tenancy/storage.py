@@ -27,11 +27,11 @@ LOG_ENTRY_BYTES = 48
 TRIM_EXPIRED = """
 local tally, expiry = KEYS[1], KEYS[2]
 local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1], 'LIMIT', 0, TRIM_BATCH)
--- an item is a stored response or a conversation; a stream's request and its log count bytes only (a busy tenant
--- streams thousands)
+-- an item is a stored response, a conversation or a file; a stream's request and its log count bytes only (a busy
+-- tenant streams thousands)
 local function counted(member)
   local kind = string.sub(member, 1, 2)
-  return (kind == 'r:' or kind == 'c:') and 1 or 0
+  return (kind == 'r:' or kind == 'c:' or kind == 'f:') and 1 or 0
 end
 for _, member in ipairs(gone) do
   local size = redis.call('HGET', tally, member)
@@ -45,6 +45,17 @@ end
 local held = tonumber(redis.call('HGET', tally, 'bytes') or '0')
 local items = tonumber(redis.call('HGET', tally, 'items') or '0')
 """.replace("TRIM_BATCH", str(TRIM_BATCH))
+
+GIVE_BACK = """
+-- after TRIM_EXPIRED, once a deleted item's keys are gone: its bytes (member ARGV[2]) leave the tally
+local size = redis.call('HGET', tally, ARGV[2])
+if size then
+  redis.call('HSET', tally, 'bytes', held - tonumber(size), 'items', items - 1)
+  redis.call('HDEL', tally, ARGV[2])
+end
+redis.call('ZREM', expiry, ARGV[2])
+return 1
+"""
 
 _ADD_LOG = TRIM_EXPIRED + """
 -- ARGV: now, member, bytes, expires at (ms). Added to what the member holds: a job a worker took over has its

@@ -1,0 +1,127 @@
+"""Uploaded files (the Files API: what a batch reads, and what it writes) in Redis, per tenant: a description
+key, the bytes in chunks of CHUNK_BYTES in a list beside it, and the tenant's index of its files; charged to the
+tenant's storage as one item with all its bytes, expiring --response-ttl-s after upload. Storing and deleting are
+one script each: the quota check, the writes and the tally together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from services.edge.redis_boundary import redis_boundary
+from services.edge.store import Quota
+from shared.protocol import bus, keys
+from shared.protocol.errors import NotFound, Overloaded, StorageFull
+from shared.tenancy.storage import GIVE_BACK, TRIM_EXPIRED
+
+CHUNK_BYTES = 1 << 20
+
+_PUT = TRIM_EXPIRED + """
+-- KEYS[3] the description, KEYS[4] the chunks, KEYS[5] the tenant's index. ARGV: now, max bytes, max items, member,
+-- expires at (ms), created (ms), file id, description, then the chunks. Returns {1} or {0, held, items}.
+local size = #ARGV[8]
+for i = 9, #ARGV do size = size + #ARGV[i] end
+local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
+if (max_bytes > 0 and held + size > max_bytes) or (max_items > 0 and items + 1 > max_items) then
+  return {0, held, items}
+end
+redis.call('SET', KEYS[3], ARGV[8], 'PXAT', ARGV[5])
+if #ARGV >= 9 then
+  redis.call('RPUSH', KEYS[4], unpack(ARGV, 9))
+  redis.call('PEXPIREAT', KEYS[4], ARGV[5])
+end
+redis.call('ZADD', KEYS[5], ARGV[6], ARGV[7])
+redis.call('HSET', tally, ARGV[4], size, 'bytes', held + size, 'items', items + 1)
+redis.call('ZADD', expiry, ARGV[5], ARGV[4])
+return {1}
+"""
+
+_DELETE = TRIM_EXPIRED + """
+-- KEYS[3] the description, KEYS[4] the chunks, KEYS[5] the tenant's index. ARGV: now, member, file id.
+redis.call('ZREM', KEYS[5], ARGV[3])
+if redis.call('DEL', KEYS[3]) == 0 then
+  return 0
+end
+redis.call('DEL', KEYS[4])
+""" + GIVE_BACK
+
+
+class FileInfo(msgspec.Struct):
+    """A file as the Files API describes it."""
+
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    object: str = "file"
+    status: str = "processed"
+    expires_at: int | None = None
+
+
+_decode_info = msgspec.json.Decoder(FileInfo).decode
+
+
+def not_found(file_id: str, param: str = "file_id") -> NotFound:
+    return NotFound(f"No file with id '{file_id}' found.", param=param)
+
+
+class FileStore:
+    def __init__(self, redis: aioredis.Redis, ttl_s: float) -> None:
+        self.redis = redis
+        self.ttl_ms = int(ttl_s * 1000)
+        self._put = redis.register_script(_PUT)
+        self._delete = redis.register_script(_DELETE)
+
+    def _keys(self, tenant: str, file_id: str) -> list[str]:
+        return [keys.storage_tally(tenant), keys.storage_expiry(tenant), keys.file(tenant, file_id),
+                keys.file_chunks(tenant, file_id), keys.files(tenant)]
+
+    async def put(self, tenant: str, quota: Quota, info: FileInfo, data: bytes) -> FileInfo:
+        """Stores a file (or refuses it: StorageFull) and returns its description, its expiry set."""
+        now = bus.now_ms()
+        info.expires_at = (now + self.ttl_ms) // 1000
+        chunks = [data[at:at + CHUNK_BYTES] for at in range(0, len(data), CHUNK_BYTES)]
+        with redis_boundary(Overloaded):
+            found: list[Any] = await self._put(
+                keys=self._keys(tenant, info.id),
+                args=[now, quota.bytes, quota.items, f"f:{info.id}", now + self.ttl_ms, now, info.id,
+                      msgspec.json.encode(info), *chunks])
+        if not int(found[0]):
+            raise StorageFull(
+                f"Your storage is full ({int(found[1])} bytes in {int(found[2])} items; the limits are "
+                f"{quota.bytes or 'unlimited'} bytes and {quota.items or 'unlimited'} items): the file could not be "
+                "stored. Delete files, stored responses or conversations, or wait for them to expire.", param="file")
+        return info
+
+    async def info(self, tenant: str, file_id: str, param: str = "file_id") -> FileInfo:
+        with redis_boundary(Overloaded):
+            raw = await self.redis.get(keys.file(tenant, file_id))
+        if raw is None:
+            raise not_found(file_id, param)
+        return _decode_info(raw)
+
+    async def content(self, tenant: str, file_id: str, param: str = "file_id") -> bytes:
+        await self.info(tenant, file_id, param)
+        with redis_boundary(Overloaded):
+            chunks: list[bytes] = await self.redis.lrange(keys.file_chunks(tenant, file_id), 0, -1)  # type: ignore[assignment]
+        return b"".join(chunks)
+
+    async def listed(self, tenant: str) -> list[FileInfo]:
+        """The tenant's files, oldest first (an expired one's index entry is dropped on the way)."""
+        with redis_boundary(Overloaded):
+            members: list[bytes] = await self.redis.zrange(keys.files(tenant), 0, -1)  # type: ignore[assignment]
+            ids = [member.decode() for member in members]
+            raws = await self.redis.mget([keys.file(tenant, i) for i in ids]) if ids else []
+            gone = [file_id for file_id, raw in zip(ids, raws, strict=True) if raw is None]
+            if gone:
+                await self.redis.zrem(keys.files(tenant), *gone)
+        return [_decode_info(raw) for raw in raws if raw is not None]
+
+    async def delete(self, tenant: str, file_id: str) -> None:
+        with redis_boundary(Overloaded):
+            deleted = await self._delete(keys=self._keys(tenant, file_id), args=[bus.now_ms(), f"f:{file_id}", file_id])
+        if not int(deleted):
+            raise not_found(file_id)

@@ -1,0 +1,71 @@
+"""The OpenAI Files API's shapes, and the check of a batch input file (JSONL: one request per line) on upload."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from services.edge.file_store import FileInfo
+from services.edge.formats.base import Out
+from shared.protocol.errors import InvalidRequest
+
+PURPOSES = ("batch", "user_data")
+"""What a file may be uploaded for: batch input, or a user's own data (kept, never read by tokenbus)."""
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+MAX_BATCH_LINES = 50_000
+"""OpenAI's bound on the requests of one batch input file."""
+
+
+class BatchLine(msgspec.Struct, forbid_unknown_fields=False):
+    custom_id: str
+    method: Literal["POST"]
+    url: str
+    body: dict[str, Any]
+
+
+class FileList(Out):
+    data: list[FileInfo]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
+
+
+class DeletedFile(Out):
+    id: str
+    object: str = "file"
+    deleted: bool = True
+
+
+_decode_line = msgspec.json.Decoder(BatchLine).decode
+
+
+def batch_lines(data: bytes) -> list[BatchLine]:
+    """The requests of a batch input file, or a 400 naming the first line that is not one (1-based, as an
+    editor shows it): each a JSON object with a unique `custom_id`, `method` POST, one of BATCH_URLS and a
+    `body` object."""
+    lines: list[BatchLine] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = _decode_line(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidRequest(f"Line {number} of the file is not a batch request: {exc}.", param="file",
+                                 code="invalid_batch_file") from None
+        if line.url not in BATCH_URLS:
+            raise InvalidRequest(f"Line {number}: `url` must be one of {', '.join(BATCH_URLS)}.", param="file",
+                                 code="invalid_batch_file")
+        if line.custom_id in seen:
+            raise InvalidRequest(f"Line {number}: `custom_id` {line.custom_id!r} is used twice; each line needs its "
+                                 "own.", param="file", code="invalid_batch_file")
+        seen.add(line.custom_id)
+        lines.append(line)
+        if len(lines) > MAX_BATCH_LINES:
+            raise InvalidRequest(f"A batch file holds at most {MAX_BATCH_LINES} requests.", param="file",
+                                 code="invalid_batch_file")
+    if not lines:
+        raise InvalidRequest("The batch file holds no requests.", param="file", code="invalid_batch_file")
+    return lines

@@ -1,0 +1,59 @@
+"""The Files API, driven by the official openai SDK against a real edge and Redis: batch input files checked on
+upload, kept per tenant within its storage, read back byte for byte, listed and deleted."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from shared.protocol import keys
+from tests.stack import Stack
+
+
+def _batch(lines: int) -> bytes:
+    return "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}}) + "\n"
+                   for i in range(lines)).encode()
+
+
+async def test_a_batch_file_is_checked_kept_listed_read_back_and_deleted(stack: Stack) -> None:
+    edge, other_edge = stack.edge(), stack.edge()
+    data = _batch(1000)
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client, \
+            openai.AsyncOpenAI(base_url=other_edge.url + "/v1", api_key="unused", max_retries=0) as other:
+        uploaded = await client.files.create(file=("requests.jsonl", data), purpose="batch")
+        assert (uploaded.bytes, uploaded.filename, uploaded.purpose, uploaded.status) == (
+            len(data), "requests.jsonl", "batch", "processed")
+        assert uploaded.id.startswith("file-") and uploaded.expires_at and uploaded.expires_at > uploaded.created_at
+        assert (await other.files.retrieve(uploaded.id)).bytes == len(data)
+        assert (await other.files.content(uploaded.id)).content == data  # any edge, byte for byte
+        notes = await client.files.create(file=("notes.txt", b"anything at all"), purpose="user_data")
+        listed = [f.id async for f in other.files.list()]
+        assert listed == [notes.id, uploaded.id]  # newest first
+        assert [f.id async for f in other.files.list(purpose="batch")] == [uploaded.id]
+        for bad, why in ((b"not json\n", "Line 1"), (_batch(2) + _batch(1), "used twice"),
+                         (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/images", "body": {}}).encode(),
+                          "`url`"), (b"\n\n", "no requests")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.files.create(file=("bad.jsonl", bad), purpose="batch")
+            assert refused.value.body["param"] == "file" and why in refused.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as wrong:
+            await client.files.create(file=("x.jsonl", data), purpose="fine-tune")
+        assert wrong.value.body["param"] == "purpose"
+        deleted = await other.files.delete(uploaded.id)
+        assert deleted.deleted and deleted.id == uploaded.id
+        for call in (client.files.retrieve(uploaded.id), client.files.content(uploaded.id),
+                     client.files.delete(uploaded.id)):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        # without keys, a form a web page could post is refused: an upload needs the Authorization header the
+        # SDKs send (which a page cannot add without a CORS preflight)
+        async with httpx.AsyncClient() as http:
+            forged = await http.post(edge.url + "/v1/files", data={"purpose": "batch"},
+                                     files={"file": ("x.jsonl", data)})
+        assert forged.status_code == 415
+    assert stack.client.hget(keys.storage_tally(""), f"f:{uploaded.id}") is None  # its bytes were given back
+    assert not stack.client.exists(keys.file_chunks("", uploaded.id))
