@@ -127,7 +127,7 @@ async def test_store_false_keeps_nothing(client: openai.AsyncOpenAI) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"background": True, "store": False}, "store"), ({"conversation": "conv_1"}, "conversation"),
+    [({"background": True, "store": False}, "store"), ({"conversation": {"name": "x"}}, "conversation"),
      ({"service_tier": "flex"}, "service_tier"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
      ({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"temperature": 3}, "temperature"),
      ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"), ({"extra_body": {"n": 2}}, "n"),
