@@ -70,3 +70,19 @@ async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_aft
                 await call
         assert gone.value.body["param"] == "conversation"
     assert stack.client.hget(keys.storage_tally(""), f"c:{conversation.id}") is None  # its bytes were given back
+
+
+async def test_a_conversation_holds_no_more_than_one_request_may_carry(stack: Stack) -> None:
+    """Each turn sends all of a conversation to the engine, so it is bounded as a request is (here 4,000 bytes):
+    reading one costs an edge no more than reading a request."""
+    edge = stack.edge(max_body_bytes=4000)
+    async with _client(edge.url) as client:
+        conversation = await client.conversations.create()
+        item: Any = {"type": "message", "role": "user", "content": "x" * 900}
+        for _ in range(3):
+            await client.conversations.items.create(conversation.id, items=[item])
+        with pytest.raises(openai.BadRequestError) as full:
+            await client.conversations.items.create(conversation.id, items=[item, item])
+        assert full.value.body["param"] == "items"
+        listed = await client.conversations.items.list(conversation.id)
+    assert len(listed.data) == 3  # the refused items were not half added

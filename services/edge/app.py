@@ -177,7 +177,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings)
-    app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s)
+    app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s, settings.max_body_bytes)
     app[FILES] = FileStore(commands, settings.response_ttl_s)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)

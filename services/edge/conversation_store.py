@@ -5,25 +5,29 @@ the quota check, the write and the tally together, so two turns of one conversat
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
+from services.edge.formats.base import MAX_MESSAGES
 from services.edge.redis_boundary import redis_boundary
 from services.edge.store import Quota, ResponseStore, Turn
 from shared.protocol import bus, keys
-from shared.protocol.errors import NotFound, Overloaded, StorageFull
+from shared.protocol.errors import InvalidRequest, NotFound, Overloaded, StorageFull
 from shared.tenancy.storage import TRIM_EXPIRED
+
+log = logging.getLogger(__name__)
 
 _CHANGE = TRIM_EXPIRED + """
 -- KEYS[3] the conversation, KEYS[4] its items, KEYS[5] the responses whose turns it holds. ARGV: now, max bytes
--- (0: none), max items (0: none), member, op, expires at (ms), then the op's values: create (the conversation,
--- then items), append (a response id or '', then items), meta (the conversation), remove (an item's exact value),
--- delete (none).
--- Returns {1} done, {0, held, items} refused (storage full), {-1} no such conversation, {-2} no such item.
+-- (0: none), max items (0: none), member, op, expires at (ms), the most bytes and items one conversation holds,
+-- then the op's values: create (the conversation, then items), append (a response id or '', then items), meta
+-- (the conversation), remove (an item's exact value), delete (none).
+-- Returns {1} done, {0, held, items} refused (storage full), {-1} no such conversation, {-2} no such item, {-4}
+-- the conversation would outgrow its bounds.
 local member, op, at = ARGV[4], ARGV[5], ARGV[6]
 local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
 local old = tonumber(redis.call('HGET', tally, member) or '0')
@@ -44,30 +48,34 @@ end
 local delta, one = 0, 0
 if op == 'create' then
   one = 1
-  for i = 7, #ARGV do delta = delta + #ARGV[i] end
+  for i = 9, #ARGV do delta = delta + #ARGV[i] end
 elseif op == 'append' then
   -- a response's turn is added once, however many edges render its end (a resumed stream)
-  if ARGV[7] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[7]) == 1 then return {1} end
-  for i = 8, #ARGV do delta = delta + #ARGV[i] end
+  if ARGV[9] ~= '' and redis.call('SISMEMBER', KEYS[5], ARGV[9]) == 1 then return {1} end
+  for i = 10, #ARGV do delta = delta + #ARGV[i] end
 elseif op == 'meta' then
-  delta = #ARGV[7] - redis.call('STRLEN', KEYS[3])
+  delta = #ARGV[9] - redis.call('STRLEN', KEYS[3])
 elseif op == 'remove' then
-  if redis.call('LREM', KEYS[4], 1, ARGV[7]) == 0 then return {-2} end
-  delta = -#ARGV[7]
+  if redis.call('LREM', KEYS[4], 1, ARGV[9]) == 0 then return {-2} end
+  delta = -#ARGV[9]
+end
+if (op == 'create' or op == 'append') and (old + delta > tonumber(ARGV[7])
+    or redis.call('LLEN', KEYS[4]) + #ARGV - 9 > tonumber(ARGV[8])) then
+  return {-4}
 end
 if delta > 0 and ((max_bytes > 0 and held + delta > max_bytes) or (max_items > 0 and items + one > max_items)) then
   return {0, held, items}
 end
 if op == 'create' or op == 'meta' then
-  redis.call('SET', KEYS[3], ARGV[7], 'PXAT', at)
+  redis.call('SET', KEYS[3], ARGV[9], 'PXAT', at)
 else
   redis.call('PEXPIREAT', KEYS[3], at)
 end
-if op == 'append' and ARGV[7] ~= '' then
-  redis.call('SADD', KEYS[5], ARGV[7])
+if op == 'append' and ARGV[9] ~= '' then
+  redis.call('SADD', KEYS[5], ARGV[9])
 end
-if (op == 'create' or op == 'append') and #ARGV >= 8 then
-  redis.call('RPUSH', KEYS[4], unpack(ARGV, 8))
+if (op == 'create' or op == 'append') and #ARGV >= 10 then
+  redis.call('RPUSH', KEYS[4], unpack(ARGV, 10))
 end
 redis.call('PEXPIREAT', KEYS[4], at)
 redis.call('PEXPIREAT', KEYS[5], at)
@@ -106,14 +114,20 @@ async def keep_turn(store: ResponseStore, conversations: ConversationStore, tena
     if turn.stored:
         await store.keep(tenant, turn)
     if turn.conversation_id:
-        with contextlib.suppress(NotFound):
+        try:
             await conversations.append(tenant, Quota(0, 0), turn.conversation_id, list(turn.items), turn.response_id)
+        except (NotFound, InvalidRequest) as exc:  # deleted meanwhile, or full: the answer was given all the same
+            log.warning("response %s's turn was not added to its conversation: %s", turn.response_id, exc.message)
 
 
 class ConversationStore:
-    def __init__(self, redis: aioredis.Redis, ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, ttl_s: float, max_bytes: int, max_items: int = MAX_MESSAGES) -> None:
         self.redis = redis
         self.ttl_ms = int(ttl_s * 1000)
+        self.max_bytes = max_bytes
+        self.max_items = max_items
+        """What one conversation may hold: what one request may carry (its body, its messages), since each turn
+        sends all of it to the engine; so reading one costs an edge no more than reading a request."""
         self._change = redis.register_script(_CHANGE)
 
     async def _run(self, tenant: str, quota: Quota, conversation_id: str, op: str, *values: bytes) -> None:
@@ -123,12 +137,16 @@ class ConversationStore:
                       keys.conversation(tenant, conversation_id), keys.conversation_items(tenant, conversation_id),
                       keys.conversation_turns(tenant, conversation_id)],
                 args=[bus.now_ms(), quota.bytes, quota.items, f"c:{conversation_id}", op,
-                      bus.now_ms() + self.ttl_ms, *values])
+                      bus.now_ms() + self.ttl_ms, self.max_bytes, self.max_items, *values])
         status = int(found[0])
         if status == -1:
             raise not_found(conversation_id)
         if status == -2:
             raise NotFound("No such item in the conversation.", param="item_id")
+        if status == -4:
+            raise InvalidRequest(f"A conversation holds at most {self.max_items} items and {self.max_bytes} bytes "
+                                 "(what one request may carry); start a new one, with a summary of this one.",
+                                 param="items")
         if status == 0:
             raise StorageFull(
                 f"Your storage is full ({int(found[1])} bytes in {int(found[2])} items; the limits are "
