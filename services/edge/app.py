@@ -17,7 +17,7 @@ from services.edge.conversation_store import ConversationStore
 from services.edge.directory import ModelDirectory
 from services.edge.file_store import FileStore
 from services.edge.formats import tgi
-from services.edge.formats.base import openai_error
+from services.edge.formats.base import MAX_MESSAGES, openai_error
 from services.edge.gateway import Gateway
 from services.edge.ops import expected_models
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
@@ -177,7 +177,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings)
-    app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s, settings.max_body_bytes)
+    app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s, settings.max_body_bytes, MAX_MESSAGES)
     app[FILES] = FileStore(commands, settings.response_ttl_s)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)

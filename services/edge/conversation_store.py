@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from services.edge.formats.base import MAX_MESSAGES
 from services.edge.redis_boundary import redis_boundary
 from services.edge.store import Quota, ResponseStore, Turn
 from shared.protocol import bus, keys
@@ -121,7 +120,7 @@ async def keep_turn(store: ResponseStore, conversations: ConversationStore, tena
 
 
 class ConversationStore:
-    def __init__(self, redis: aioredis.Redis, ttl_s: float, max_bytes: int, max_items: int = MAX_MESSAGES) -> None:
+    def __init__(self, redis: aioredis.Redis, ttl_s: float, max_bytes: int, max_items: int) -> None:
         self.redis = redis
         self.ttl_ms = int(ttl_s * 1000)
         self.max_bytes = max_bytes
