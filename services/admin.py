@@ -27,6 +27,9 @@ from shared.tenancy.apikeys import KeyChanges, KeyRecord
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_USAGE_FIELDS = ("requests", "prompt", "completion", "batch_requests", "batch_prompt", "batch_completion")
+"""Per tenant and model: interactive requests and tokens, and those of batch lines (counted apart)."""
+_TOKEN_FIELDS = ("prompt", "completion", "batch_prompt", "batch_completion")
 _USAGE_KEY = re.compile(r"^tokenbus:usage:\{(?P<key>[^}]*)\}:(?P<day>\d{4}-\d{2}-\d{2})$")
 
 
@@ -154,7 +157,7 @@ async def _keys(redis: aioredis.Redis, args: argparse.Namespace) -> int:
 
 async def usage_rows(redis: aioredis.Redis, tenant: str | None, since: str) -> list[dict[str, Any]]:
     """Requests and tokens per tenant and model, summed over the days from `since` (YYYY-MM-DD) on."""
-    totals: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: {"requests": 0, "prompt": 0, "completion": 0})
+    totals: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(_USAGE_FIELDS, 0))
     async for name in redis.scan_iter(match=f"{keys.PREFIX}:usage:*", count=1000):
         match = _USAGE_KEY.match(name.decode() if isinstance(name, bytes) else name)
         if match is None or match["day"] < since:
@@ -167,7 +170,7 @@ async def usage_rows(redis: aioredis.Redis, tenant: str | None, since: str) -> l
         for field, value in counts.items():
             model, _, what = field.rpartition("|")
             totals[(owner, model)][what] += int(value)
-    return [{"tenant": t, "model": m, **counts, "total_tokens": counts["prompt"] + counts["completion"]}
+    return [{"tenant": t, "model": m, **counts, "total_tokens": sum(counts[f] for f in _TOKEN_FIELDS)}
             for (t, m), counts in sorted(totals.items())]
 
 

@@ -289,8 +289,8 @@ async def test_usage_is_accounted_per_tenant_and_model(stack: Stack) -> None:
         if (rows and rows[0]["requests"] == 2) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.2)
-    assert rows == [{"tenant": "accounted", "model": stack.model, **expected,
-                     "total_tokens": expected["prompt"] + expected["completion"]}]
+    assert rows == [{"tenant": "accounted", "model": stack.model, **expected, "batch_requests": 0, "batch_prompt": 0,
+                     "batch_completion": 0, "total_tokens": expected["prompt"] + expected["completion"]}]
     async with httpx.AsyncClient() as http:
         metrics = (await http.get(stack.workers[0].metrics_url)).text
     assert metric_value(metrics, "tokenbus_worker_tenant_tokens_total",

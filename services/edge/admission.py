@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.edge.auth import Caller
 from services.edge.estimate import estimate
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
@@ -26,6 +28,8 @@ from shared.tenancy.limits import WINDOW_MS, Admission, Limits, Settlements, Ver
 log = logging.getLogger(__name__)
 
 ADMISSION_TIMEOUT_S = 2.0
+BATCH_PRIORITY = -1
+"""The priority band of batch lines: below every key's (0 to 9), so queued interactive work always goes first."""
 NO_MODEL_YET = "-"
 """The model label of a request refused before its body was read."""
 
@@ -121,6 +125,26 @@ class Admitter:
         if lease:
             self.held[(record.id, lease)] = None
         return Admission(found, lease)
+
+    async def admit_batch(self, caller: Caller, job: bus.Job, max_model_len: int) -> None:
+        """Marks a batch line's job with its caller and cost, in the batch lane (below every key's priority band,
+        its usage counted apart), and charges it to the key's token quota, or raises QuotaExceeded. A batch line
+        spends none of the key's rpm, tpm or concurrency: it takes only capacity nobody else waits for."""
+        prompt, output = estimate(job, max_model_len)
+        job.tenant, job.prompt_estimate, job.output_budget = caller.tenant, prompt, output
+        job.priority = BATCH_PRIORITY
+        record = caller.key
+        if record is None:
+            job.charge = bus.Charge(key="-", tokens=prompt + output, lane="batch")
+            return
+        job.weight = record.weight
+        quota_only = msgspec.structs.replace(record, rpm=0, tpm=0, max_concurrency=0)
+        async with asyncio.timeout(ADMISSION_TIMEOUT_S):
+            verdict = await self.limits.check(quota_only, prompt + output, "", requests=0)
+        if verdict.refused:
+            raise _refusal(record, verdict, prompt + output, {})
+        job.charge = bus.Charge(key=record.id, tokens=prompt + output,
+                                quota_window=record.quota_window() if record.quota_tokens else "", lane="batch")
 
     def _without_redis(self, record: KeyRecord, tokens: int, requests: int) -> None:
         if self.policy == "closed":

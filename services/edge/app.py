@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from services.edge import background, keyless, routes
+from services.edge import background, batch_driver, keyless, routes
 from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
+from services.edge.batch_store import BatchStore
 from services.edge.conversation_store import ConversationStore
 from services.edge.directory import ModelDirectory
 from services.edge.file_store import FileStore
@@ -27,6 +28,7 @@ from services.edge.schema_checks import Checker
 from services.edge.sse import ClientGone
 from services.edge.state import (
     ADMITTER,
+    BATCHES,
     CHECKER,
     CONVERSATIONS,
     DRAINING,
@@ -44,6 +46,7 @@ from shared.protocol import keys
 from shared.protocol.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError
 from shared.redisio import clients as redis_clients
 from shared.runtime import logs, metrics
+from shared.runtime.background import looping
 from shared.runtime.settings import Settings
 from shared.tenancy import fairshare
 from shared.tenancy.limits import Limits, Settlements
@@ -145,6 +148,7 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[DRAINING] = asyncio.Event()
     background.add_to(app)
+    batch_driver.add_to(app)
     app.cleanup_ctx.append(_bus)
     app.cleanup_ctx.append(_checker)
     app.on_response_prepare.append(_answer_headers)
@@ -179,6 +183,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[STORE] = ResponseStore(commands, settings)
     app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s, settings.max_body_bytes, MAX_MESSAGES)
     app[FILES] = FileStore(commands, settings.response_ttl_s)
+    app[BATCHES] = BatchStore(commands, settings.response_ttl_s)
+    app[batch_driver.BATCH_DRIVER] = batch_driver.BatchDriver(app)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
@@ -187,7 +193,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     if settings.auth == "none":
         log.warning("serving without API keys (--auth none): anyone who reaches this port may use every model")
     async with running(relay), directory.running(), listening(app[KEYS]), \
-            renewing(app[ADMITTER], settings.lease_ttl_s / 3), watching(app[STORE]):
+            renewing(app[ADMITTER], settings.lease_ttl_s / 3), watching(app[STORE]), \
+            looping(batches=app[batch_driver.BATCH_DRIVER].looking()):
         log.info("edge %s listens for its events on %s", edge_id, relay.channel)
         yield
     await reader.aclose()

@@ -100,7 +100,7 @@ async def _record(request: web.Request, response_id: str) -> tuple[StreamRecord,
 async def _replan(request: web.Request, response_id: str, found: StreamRecord) -> Plan:
     arrival = Arrival(job_id=response_id, started=time.monotonic(), deadline_ms=found.deadline_ms,
                       reply_to=request.app[GATEWAY].relay.channel, created=found.created, seed=found.seed)
-    return await PLANNERS[found.plan](request, found.body, arrival)
+    return await PLANNERS[found.plan](request.app, caller_of(request), found.body, arrival)
 
 
 async def snapshot(request: web.Request, response_id: str, cancel: bool = False) -> bytes | None:

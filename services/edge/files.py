@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -44,7 +45,7 @@ async def _form(request: web.Request) -> tuple[str, str, bytes]:
 async def create(request: web.Request) -> web.Response:
     purpose, filename, data = await _form(request)
     if purpose == "batch":
-        shapes.batch_lines(data)
+        await asyncio.to_thread(shapes.batch_lines, data)  # a large file's lines, off the loop
     caller = caller_of(request)
     info = FileInfo(id=f"file-{uuid.uuid4().hex}", bytes=len(data), created_at=int(time.time()), filename=filename,
                     purpose=purpose)

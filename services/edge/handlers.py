@@ -94,7 +94,7 @@ async def _planned(request: web.Request, planner: str, body: bytes | None = None
         job_id, after = parse_event_id(last)
         return await resume(request, job_id, after)
     body = await read_body(request) if body is None else body
-    return await _generate(request, await PLANNERS[planner](request, body, None), body)
+    return await _generate(request, await PLANNERS[planner](request.app, caller_of(request), body, None), body)
 
 
 
@@ -147,7 +147,7 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
                        param="stream_id", code="stream_not_found")
     arrival = Arrival(job_id=job_id, started=time.monotonic(), deadline_ms=record.deadline_ms,
                       reply_to=gateway.relay.channel, created=record.created, seed=record.seed)
-    plan = await PLANNERS[record.plan](request, record.body, arrival)
+    plan = await PLANNERS[record.plan](request.app, caller_of(request), record.body, arrival)
     if background_only and not plan.job.background:
         raise NotFound(f"No background response with id '{job_id}' can be streamed.", param="response_id")
     deadline = arrival.started + (record.deadline_ms - bus.now_ms()) / 1000

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from services.edge import schema_checks
-from services.edge.auth import caller_of
+from services.edge.auth import Caller
 from services.edge.formats import planners
 from services.edge.formats.base import Renderer
 from services.edge.formats.planners import Arrival, Planning
@@ -72,52 +72,51 @@ def decode_record(raw: bytes) -> StreamRecord:
     return _record_decoder.decode(raw)
 
 
-Planner = Callable[[web.Request, bytes, Arrival | None], Awaitable[Plan]]
+Planner = Callable[[web.Application, Caller, bytes, Arrival | None], Awaitable[Plan]]
+"""Makes a plan for a caller from a body, with the edge's state (`app`); a resumed job passes its arrival."""
 
 
-def arrive(request: web.Request, prefix: str, seed: int | None = None) -> Arrival:
-    timeout_s = request.app[SETTINGS].request_timeout_s
+def arrive(app: web.Application, prefix: str, seed: int | None = None) -> Arrival:
+    timeout_s = app[SETTINGS].request_timeout_s
     return Arrival(job_id=f"{prefix}{uuid.uuid4().hex}", started=time.monotonic(),
                    deadline_ms=bus.now_ms() + int(timeout_s * 1000),
-                   reply_to=request.app[GATEWAY].relay.channel, created=int(time.time()), seed=seed)
+                   reply_to=app[GATEWAY].relay.channel, created=int(time.time()), seed=seed)
 
 
-async def _answer(request: web.Request, need: planners.Need, given: Arrival | None) -> object:
+async def _answer(app: web.Application, caller: Caller, need: planners.Need, given: Arrival | None) -> object:
     """What a planner asked for (see services.edge.formats.planners); `given`: a resumed stream's arrival."""
     match need:
         case planners.Ignored(route, count):
             metrics.UNKNOWN_FIELDS.labels(route).inc(count)
         case planners.Model(name, task):
-            caller_of(request).check_model(name)  # a model the caller's key may not use is a 404, as a missing one
-            return await request.app[GATEWAY].require_model(name, task=task)
+            caller.check_model(name)  # a model the caller's key may not use is a 404, as a missing one
+            return await app[GATEWAY].require_model(name, task=task)
         case planners.ServedModel():
-            return request.app[SETTINGS].model
+            return app[SETTINGS].model
         case planners.ConversationItems(conversation_id):
-            tenant = caller_of(request).tenant
-            return (await request.app[CONVERSATIONS].load(tenant, conversation_id, param="conversation"))[0].items
+            return (await app[CONVERSATIONS].load(caller.tenant, conversation_id, param="conversation"))[0].items
         case planners.PreviousTurns(response_id):
-            found = await request.app[STORE].conversation(caller_of(request).tenant, response_id)
+            found = await app[STORE].conversation(caller.tenant, response_id)
             if found is None:
                 raise NotFound(f"Previous response with id '{response_id}' not found.",
                                param="previous_response_id")
             return found
         case planners.Room(size):
             if given is None:  # a resumed stream was checked when it began
-                caller = caller_of(request)
-                await request.app[STORE].check_room(caller.tenant, caller.key, size)
+                await app[STORE].check_room(caller.tenant, caller.key, size)
         case planners.Arrive(prefix, seed):
-            return given or arrive(request, prefix, seed=seed)
+            return given or arrive(app, prefix, seed=seed)
     return None
 
 
 def planned(name: str, route: str, plan: Callable[[bytes], Planning]) -> Planner:
     """Serves a pure planner: answers what it asks for; the plan it returns is named `name` (what a StreamRecord
     keeps) and counted under `route`."""
-    async def run(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+    async def run(app: web.Application, caller: Caller, body: bytes, given: Arrival | None) -> Plan:
         planning = plan(body)
         step = planners.advance(planning)
         while not isinstance(step, planners.Planned):
-            step = planners.advance(planning, await _answer(request, step, given))
+            step = planners.advance(planning, await _answer(app, caller, step, given))
         return Plan(name, step.arrival, step.job, step.renderer, step.stream, route)
     return run
 
@@ -126,11 +125,11 @@ def checked(planner: Planner) -> Planner:
     """The planner, with the schema and pattern checks its format code deferred (schema_checks.deferring) made
     off the loop once the job is built: a refusal comes before anything is charged or queued. A resumed stream's
     body passed them when the stream began."""
-    async def plan(request: web.Request, body: bytes, given: Arrival | None) -> Plan:
+    async def plan(app: web.Application, caller: Caller, body: bytes, given: Arrival | None) -> Plan:
         with schema_checks.deferring() as pending:
-            made = await planner(request, body, given)
+            made = await planner(app, caller, body, given)
         if given is None:
-            await request.app[CHECKER].run(pending, caller_of(request).tenant)
+            await app[CHECKER].run(pending, caller.tenant)
         return made
     return plan
 

@@ -155,6 +155,23 @@ async def collect(events: JobEvents, renderer: Renderer, model: str, keep: Keep)
         metrics.STREAMED_TOKENS.labels(model).inc(delivery.tokens)
 
 
+async def answer(events: JobEvents, renderer: Renderer, model: str,
+                 keep: Keep | None = None) -> tuple[bytes, tuple[int, int]]:
+    """The answer of a job no client waits on (a line of a batch): its JSON body, and its prompt and completion
+    tokens; its failure is raised."""
+    delivery = _Delivery(renderer, events.job_id, model, ids=False, keep=keep)
+    usage = (0, 0)
+    try:
+        while not events.finished:
+            if (event := await events.next()) is not None:
+                await delivery.render(event, stream=False)
+                if isinstance(event, bus.Final):
+                    usage = (event.prompt_tokens, event.completion_tokens)
+        return framing.body(renderer.body()), usage
+    finally:
+        metrics.STREAMED_TOKENS.labels(model).inc(delivery.tokens)
+
+
 async def _next(
     request: web.Request, events: JobEvents, sse: SSEWriter | None = None, keepalive_s: float = 0.0
 ) -> bus.Output | None:

@@ -15,8 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from services.edge import background, conversations, files, handlers, openapi, ops
+from services.edge import background, batches, conversations, files, handlers, openapi, ops
 from services.edge.file_store import FileInfo
+from services.edge.formats import batches as batch_shapes
 from services.edge.formats import (
     chat,
     completions,
@@ -109,6 +110,12 @@ ROUTES: list[Route] = [
     *_openai("get", "/v1/files/{file_id}", files.retrieve, "A file's description", response=FileInfo),
     *_openai("delete", "/v1/files/{file_id}", files.delete, "Delete a file", response=files_shapes.DeletedFile),
     *_openai("get", "/v1/files/{file_id}/content", files.content, "A file's bytes"),
+    *_openai("post", "/v1/batches", batches.create, "Create a batch over a batch input file",
+             batch_shapes.CreateBatch, batch_shapes.Batch),
+    *_openai("get", "/v1/batches", batches.list_batches, "The caller's batches, newest first (`limit`, `after`)",
+             response=batch_shapes.BatchList),
+    *_openai("get", "/v1/batches/{batch_id}", batches.retrieve, "A batch", response=batch_shapes.Batch),
+    *_openai("post", "/v1/batches/{batch_id}/cancel", batches.cancel, "Cancel a batch", response=batch_shapes.Batch),
     *_openai("post", "/v1/embeddings", handlers.create_embeddings, "OpenAI Embeddings", embeddings.EmbeddingRequest,
              embeddings.EmbeddingList, runs_model=True),
     *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),

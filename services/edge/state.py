@@ -9,6 +9,7 @@ from aiohttp import web
 
 from services.edge.admission import Admitter
 from services.edge.auth import KeyCache
+from services.edge.batch_store import BatchStore
 from services.edge.conversation_store import ConversationStore
 from services.edge.file_store import FileStore
 from services.edge.gateway import Gateway
@@ -22,6 +23,7 @@ REDIS = web.AppKey("redis", aioredis.Redis)
 STORE = web.AppKey("store", ResponseStore)
 CONVERSATIONS = web.AppKey("conversations", ConversationStore)
 FILES = web.AppKey("files", FileStore)
+BATCHES = web.AppKey("batches", BatchStore)
 DRAINING = web.AppKey("draining", asyncio.Event)
 """Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""
 KEYS = web.AppKey("keys", KeyCache)

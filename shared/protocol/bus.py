@@ -193,6 +193,8 @@ class Charge(Base):
     lease: str = ""
     """The concurrency lease the job holds ("" for none): whoever settles the job gives it back, so a job kept
     running for a resume holds it until it really ends."""
+    lane: str = ""
+    """Where its usage is counted apart ("batch": a line of a batch), "" for interactive work."""
 
 
 class Continuation(Base):

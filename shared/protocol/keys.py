@@ -78,6 +78,38 @@ def files(tenant: str) -> str:
     return f"{PREFIX}:files:{{{tenant_tag(tenant)}}}"
 
 
+def batch(tenant: str, batch_id: str) -> str:
+    """A batch (hash): `info` (the Batch as JSON, its status and times), `cancel` (when a cancel was asked, ms), and
+    its tallies: `completed`, `failed`, `input_tokens`, `output_tokens`, `output_bytes`."""
+    return f"{PREFIX}:batch:{{{tenant_tag(tenant)}}}:{batch_id}"
+
+
+def batch_lines(tenant: str, batch_id: str) -> str:
+    """A batch's answered lines (hash: custom_id -> its output line, prefixed `o` for the output file or `e` for the
+    error file): set once per custom_id, whoever answers it (exactly once, across edge deaths)."""
+    return f"{PREFIX}:batch:{{{tenant_tag(tenant)}}}:{batch_id}:lines"
+
+
+def batches(tenant: str) -> str:
+    """A tenant's batches (a sorted set of ids by creation time, ms): what GET /v1/batches lists."""
+    return f"{PREFIX}:batches:{{{tenant_tag(tenant)}}}"
+
+
+def batches_running(tenant: str) -> str:
+    """A tenant's open batches (a set of ids): at most --batch-max-open."""
+    return f"{PREFIX}:batches:{{{tenant_tag(tenant)}}}:open"
+
+
+BATCHES_OPEN = f"{PREFIX}:batches:open"
+"""Sorted set of every tenant's unfinished batches (members `tenant` NUL `batch id`, by creation time, ms): what
+every edge looks through for a batch no edge drives."""
+
+
+def batch_driver(batch_id: str) -> str:
+    """The lease of the edge driving a batch (its events channel, with a short expiry it renews)."""
+    return f"{PREFIX}:batchdriver:{{{batch_id}}}"
+
+
 def storage_tally(tenant: str) -> str:
     """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
     (r:<response id>, c:<conversation id>, f:<file id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""

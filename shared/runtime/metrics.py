@@ -243,6 +243,14 @@ RESUMES = Counter("tokenbus_edge_resumed_streams", "Streams resumed with Last-Ev
 BACKGROUND = Counter("tokenbus_edge_background_responses", "Background responses created, and ended (counted once, "
                      "by the edge that stores the answer) by how: completed, incomplete, failed, cancelled",
                      ["model", "event"], registry=EDGE)
+BATCHES = Counter("tokenbus_edge_batches", "Batches created, and ended (counted once, by the edge that ends it) by "
+                  "how: completed, expired, cancelled, failed", ["event"], registry=EDGE)
+BATCH_LINES = Counter("tokenbus_edge_batch_lines", "Lines of batches answered, by endpoint and outcome: completed "
+                      "(its answer in the output file), failed (in the error file), expired", ["endpoint", "outcome"],
+                      registry=EDGE)
+BATCH_LINES_RUNNING = Gauge("tokenbus_edge_batch_lines_running", "Lines of batches this edge has queued or running",
+                            registry=EDGE)
+BATCHES_DRIVEN = Gauge("tokenbus_edge_batches_driven", "Open batches this edge drives", registry=EDGE)
 WORKERS_LOST = Counter("tokenbus_edge_workers_lost", "Streams ended because their job's worker died",
                        registry=EDGE)
 REDIS_UP = Gauge("tokenbus_edge_redis_up", "1 while the edge reaches Redis, 0 during an outage", registry=EDGE)

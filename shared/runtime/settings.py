@@ -139,6 +139,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     background_ttl_s: float = 24 * 3600.0
     """How long a background response's events stay in Redis after its end (charged to its tenant's storage):
     a client streams it from the start within this, and any edge finishes storing it from them."""
+    batch_window: int = 64
+    """Lines of one batch an edge has queued or running at once (the rest wait their turn in Redis)."""
+    batch_max_open: int = 8
+    """Batches one tenant may have open at once (validating to finalizing); 0: no limit."""
+    batch_lease_ttl_s: float = 10.0
+    """How long the lease of the edge driving a batch lasts unrenewed: after an edge's death, another takes its
+    batches over within about this."""
     replay_max_events: int = 20000
     """Most events one job's log keeps (Redis memory bound); a job that outgrows it cannot resume or migrate."""
     max_reclaims: int = 3

@@ -110,11 +110,11 @@ if ARGV[11] == '1' and delta ~= 0 and redis.call('EXISTS', KEYS[2]) == 1 then
 end
 if ARGV[14] ~= '' then redis.call('ZREM', KEYS[6], ARGV[14]) end
 if refund_request then return 1 end
-local model = ARGV[6]
+local counted = ARGV[6] .. '|' .. ARGV[15]  -- the model, and the lane's prefix (batch_ for batch work)
 redis.call('HSET', KEYS[3], 'tenant', ARGV[5])
-redis.call('HINCRBY', KEYS[3], model .. '|requests', 1)
-redis.call('HINCRBY', KEYS[3], model .. '|prompt', ARGV[7])
-redis.call('HINCRBY', KEYS[3], model .. '|completion', ARGV[8])
+redis.call('HINCRBY', KEYS[3], counted .. 'requests', 1)
+redis.call('HINCRBY', KEYS[3], counted .. 'prompt', ARGV[7])
+redis.call('HINCRBY', KEYS[3], counted .. 'completion', ARGV[8])
 redis.call('EXPIRE', KEYS[3], ARGV[9])
 return 1
 """
@@ -261,4 +261,5 @@ class Settlements:
                  keys.leases(charge.key)],
                 [int(now * 1000), charge.tokens, prompt_tokens + completion_tokens, charge.tpm, job.tenant,
                  job.model, prompt_tokens, completion_tokens, USAGE_TTL_S, SETTLED_TTL_MS,
-                 int(bool(charge.quota_window)), charge.rpm, int(refund_request), charge.lease])
+                 int(bool(charge.quota_window)), charge.rpm, int(refund_request), charge.lease,
+                 f"{charge.lane}_" if charge.lane else ""])
