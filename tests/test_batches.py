@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import openai
+import pytest
 from openai.types import Batch
 from openai.types.chat import ChatCompletion
 
@@ -80,4 +81,103 @@ async def test_a_batch_answers_every_line_once_in_order_with_failures_apart(stac
     assert stack.client.hget(keys.storage_tally(""), f"b:{batch.id}") is None
     assert not stack.client.exists(keys.batch_lines("", batch.id))
     assert stack.client.zcard(keys.BATCHES_OPEN) == 0
+    await stack.settled()
+
+
+async def test_a_batch_outlives_its_edge_and_a_worker_each_line_answered_exactly_once(stack: Stack) -> None:
+    """SIGKILL of the edge driving the batch, then of a worker running its lines: another edge takes the batch
+    over once the lease runs out, the killed worker's jobs continue elsewhere, and the output holds every
+    custom_id once."""
+    settings = {"batch_lease_ttl_s": 1.5, "batch_window": 6}
+    driving, other = stack.edge(**settings), stack.edge(**settings)
+    stack.worker(sim_itl_ms=25, max_num_seqs=4)
+    stack.worker(sim_itl_ms=25, max_num_seqs=4)
+    asked = [line(f"line-{i}", chat(stack.model, f"question {i}", tokens=12)) for i in range(48)]
+    async with openai.AsyncOpenAI(base_url=driving.url + "/v1", api_key="unused", max_retries=0) as client, \
+            openai.AsyncOpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0) as survivor:
+        uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        deadline = time.monotonic() + 30
+        while not (counts := (await survivor.batches.retrieve(batch.id)).request_counts) or counts.completed < 6:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        stack.kill(driving.process)
+        await asyncio.sleep(1.0)
+        stack.kill(stack.busiest().process)
+        done = await ended(survivor, batch.id)
+        assert done.status == "completed", done
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (48, 0)
+        output = await lines_of(survivor, done.output_file_id)
+        assert [one["custom_id"] for one in output] == [f"line-{i}" for i in range(48)]
+        assert all(ChatCompletion.model_validate(one["response"]["body"]).usage.completion_tokens == 12  # type: ignore[union-attr]
+                   for one in output)
+        assert done.error_file_id is None
+    stack.edges.remove(driving)
+    await stack.settled(timeout_s=20)
+
+
+async def test_a_batch_is_cancelled_at_once_and_another_expires_with_its_window(stack: Stack) -> None:
+    edge = stack.edge(batch_window=2)
+    stack.worker(sim_itl_ms=40, max_num_seqs=4)
+    slow = [line(f"s{i}", chat(stack.model, f"question {i}", tokens=10)) for i in range(30)]
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        uploaded = await client.files.create(file=("requests.jsonl", jsonl(slow)), purpose="batch")
+        cancelled = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+        expiring = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                               completion_window="3s")
+        while not (counts := (await client.batches.retrieve(cancelled.id)).request_counts) or not counts.completed:
+            await asyncio.sleep(0.1)
+        cancelling = await client.batches.cancel(cancelled.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        asked_at = time.monotonic()
+        done = await ended(client, cancelled.id)
+        assert done.status == "cancelled" and done.cancelled_at and time.monotonic() - asked_at < 5
+        assert done.request_counts is not None and 0 < done.request_counts.completed < 30
+        assert len(await lines_of(client, done.output_file_id)) == done.request_counts.completed
+        with pytest.raises(openai.BadRequestError):
+            await client.batches.cancel(cancelled.id)  # it ended: it stays as it ended
+
+        expired = await ended(client, expiring.id)
+        assert expired.status == "expired" and expired.expired_at
+        assert expired.request_counts is not None
+        assert expired.request_counts.completed + expired.request_counts.failed == 30
+        assert 0 < expired.request_counts.completed < 30
+        errors = await lines_of(client, expired.error_file_id)
+        assert {one["error"]["code"] for one in errors} == {"batch_expired"} and all(
+            one["response"] is None for one in errors)
+        answered = await lines_of(client, expired.output_file_id)
+        assert sorted(one["custom_id"] for one in answered + errors) == sorted(f"s{i}" for i in range(30))
+    await stack.settled()
+
+
+async def test_interactive_work_goes_before_a_batchs_queued_lines(stack: Stack) -> None:
+    """Four slots, a batch with 64 lines queued or running (16 waves of 0.4 s): a chat request sent meanwhile waits
+    at most for one slot to free, not behind the batch's queue."""
+    edge = stack.edge(batch_window=64)
+    stack.worker(sim_itl_ms=20, max_num_seqs=4, fair_headroom=0)
+    asked = [line(f"b{i}", chat(stack.model, f"question {i}", tokens=20)) for i in range(64)]
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        while not (counts := (await client.batches.retrieve(batch.id)).request_counts) or not counts.completed:
+            await asyncio.sleep(0.05)
+        waits = []
+        for _ in range(3):
+            sent = time.monotonic()
+            stream = await client.chat.completions.create(model=stack.model, max_tokens=2, stream=True,
+                                                          messages=[{"role": "user", "content": "now"}])
+            async for _chunk in stream:
+                waits.append(time.monotonic() - sent)
+                break
+            await stream.close()
+        assert max(waits) < 1.5, waits  # behind the batch's queue it would be seconds
+        progress = await client.batches.retrieve(batch.id)
+        assert progress.status == "in_progress" and progress.request_counts is not None
+        assert progress.request_counts.completed < 48  # the batch was still far from done
+        await client.batches.cancel(batch.id)
+        await ended(client, batch.id)
     await stack.settled()

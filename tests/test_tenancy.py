@@ -431,3 +431,38 @@ async def test_a_file_is_its_tenants_alone(stack: Stack) -> None:
                 await call
         assert [f.id async for f in other.files.list()] == []
         assert (await client.files.content(uploaded.id)).content == line.encode()
+
+
+async def test_a_batch_is_its_tenants_alone_bounded_in_number_and_its_usage_counted_apart(stack: Stack) -> None:
+    key, stranger = create_key(stack, "--tenant", "batcher"), create_key(stack, "--tenant", "prowler")
+    edge = stack.edge(auth="keys", lease_ttl_s=LEASE_TTL_S, batch_max_open=1)
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": chat(stack.model, tokens=40)}) + "\n" for i in range(120))
+    try:
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=key["key"], max_retries=0) as client, \
+                openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=stranger["key"], max_retries=0) as other:
+            uploaded = await client.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
+            batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+            with pytest.raises(openai.RateLimitError):  # one open batch a tenant on this edge's setting
+                await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+            for call in (other.batches.retrieve(batch.id), other.batches.cancel(batch.id),
+                         other.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+                with pytest.raises(openai.NotFoundError):
+                    await call
+            assert [b.id async for b in other.batches.list()] == []
+            deadline = time.monotonic() + 60
+            while (done := await client.batches.retrieve(batch.id)).status != "completed":
+                assert time.monotonic() < deadline and done.status in ("validating", "in_progress", "finalizing")
+                await asyncio.sleep(0.2)
+            assert done.request_counts is not None and done.request_counts.completed == 120
+            assert done.usage is not None
+        rows = json.loads(tokenbus(stack, "usage", "--json", "--tenant", "batcher").stdout or "[]")
+        assert [(row["requests"], row["batch_requests"], row["batch_completion"]) for row in rows] == [
+            (0, 120, done.usage.output_tokens)]
+        assert rows[0]["batch_prompt"] == done.usage.input_tokens > 0
+    finally:
+        stack.edges.remove(edge)
+        stack.kill(edge.process)

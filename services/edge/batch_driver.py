@@ -247,6 +247,9 @@ class BatchRun:
             body, usage = await self._answer(batch, caller, plan)
             ok, recorded = True, shapes.answered(request_id, line.custom_id, body)
         except TokenbusError as exc:
+            if time.time() >= batch.expires_at:  # its deadline was the batch's: it expired with the batch
+                self.stop("expired")
+                return
             ok, recorded = False, shapes.refused(request_id, line.custom_id, exc.status, openai_error(exc))
         held = await self.store.answer(self.tenant, batch, line.custom_id, recorded, ok, usage)
         metrics.BATCH_LINES.labels(batch.endpoint, "completed" if ok else "failed").inc()
