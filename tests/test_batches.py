@@ -40,6 +40,17 @@ async def ended(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 60
     return batch
 
 
+async def answered(client: openai.AsyncOpenAI, batch_id: str, at_least: int = 1, timeout_s: float = 30) -> None:
+    """Waits until the batch has answered `at_least` lines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = (await client.batches.retrieve(batch_id)).request_counts
+        if counts is not None and counts.completed >= at_least:
+            return
+        assert time.monotonic() < deadline, counts
+        await asyncio.sleep(0.05)
+
+
 async def lines_of(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
     assert file_id is not None
     data = (await client.files.content(file_id)).content
@@ -98,10 +109,7 @@ async def test_a_batch_outlives_its_edge_and_a_worker_each_line_answered_exactly
         uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
         batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                             completion_window="24h")
-        deadline = time.monotonic() + 30
-        while not (counts := (await survivor.batches.retrieve(batch.id)).request_counts) or counts.completed < 6:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        await answered(survivor, batch.id, at_least=6)
         stack.kill(driving.process)
         await asyncio.sleep(1.0)
         stack.kill(stack.busiest().process)
@@ -128,8 +136,7 @@ async def test_a_batch_is_cancelled_at_once_and_another_expires_with_its_window(
                                                 completion_window="24h")
         expiring = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                                completion_window="3s")
-        while not (counts := (await client.batches.retrieve(cancelled.id)).request_counts) or not counts.completed:
-            await asyncio.sleep(0.1)
+        await answered(client, cancelled.id)
         cancelling = await client.batches.cancel(cancelled.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at
         asked_at = time.monotonic()
@@ -163,8 +170,7 @@ async def test_interactive_work_goes_before_a_batchs_queued_lines(stack: Stack) 
         uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
         batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                             completion_window="24h")
-        while not (counts := (await client.batches.retrieve(batch.id)).request_counts) or not counts.completed:
-            await asyncio.sleep(0.05)
+        await answered(client, batch.id)
         waits = []
         for _ in range(3):
             sent = time.monotonic()
