@@ -119,7 +119,7 @@ async def test_a_batch_outlives_its_edge_and_a_worker_each_line_answered_exactly
         assert (done.request_counts.completed, done.request_counts.failed) == (48, 0)
         output = await lines_of(survivor, done.output_file_id)
         assert [one["custom_id"] for one in output] == [f"line-{i}" for i in range(48)]
-        assert all(ChatCompletion.model_validate(one["response"]["body"]).usage.completion_tokens == 12  # type: ignore[union-attr]
+        assert all(ChatCompletion.model_validate(one["response"]["body"]).usage.completion_tokens == 12
                    for one in output)
         assert done.error_file_id is None
     stack.edges.remove(driving)
@@ -155,8 +155,8 @@ async def test_a_batch_is_cancelled_at_once_and_another_expires_with_its_window(
         errors = await lines_of(client, expired.error_file_id)
         assert {one["error"]["code"] for one in errors} == {"batch_expired"} and all(
             one["response"] is None for one in errors)
-        answered = await lines_of(client, expired.output_file_id)
-        assert sorted(one["custom_id"] for one in answered + errors) == sorted(f"s{i}" for i in range(30))
+        kept = await lines_of(client, expired.output_file_id)
+        assert sorted(one["custom_id"] for one in kept + errors) == sorted(f"s{i}" for i in range(30))
     await stack.settled()
 
 
