@@ -96,33 +96,35 @@ async def test_a_batch_answers_every_line_once_in_order_with_failures_apart(stac
 
 
 async def test_a_batch_outlives_its_edge_and_a_worker_each_line_answered_exactly_once(stack: Stack) -> None:
-    """SIGKILL of the edge driving the batch, then of a worker running its lines: another edge takes the batch
-    over once the lease runs out, the killed worker's jobs continue elsewhere, and the output holds every
-    custom_id once."""
-    settings = {"batch_lease_ttl_s": 1.5, "batch_window": 6}
+    """1,000 lines; SIGKILL of the edge driving the batch, which is then started again, and of a worker running
+    its lines: another edge takes the batch over once the lease runs out, the killed worker's jobs continue
+    elsewhere, and the output holds every custom_id exactly once."""
+    settings = {"batch_lease_ttl_s": 1.5}
     driving, other = stack.edge(**settings), stack.edge(**settings)
-    stack.worker(sim_itl_ms=25, max_num_seqs=4)
-    stack.worker(sim_itl_ms=25, max_num_seqs=4)
-    asked = [line(f"line-{i}", chat(stack.model, f"question {i}", tokens=12)) for i in range(48)]
+    stack.worker(sim_itl_ms=10, max_num_seqs=32)
+    stack.worker(sim_itl_ms=10, max_num_seqs=32)
+    total = 1000
+    asked = [line(f"line-{i}", chat(stack.model, f"question {i}", tokens=6)) for i in range(total)]
     async with openai.AsyncOpenAI(base_url=driving.url + "/v1", api_key="unused", max_retries=0) as client, \
             openai.AsyncOpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0) as survivor:
         uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
         batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                             completion_window="24h")
-        await answered(survivor, batch.id, at_least=6)
+        await answered(survivor, batch.id, at_least=100)
         stack.kill(driving.process)
-        await asyncio.sleep(1.0)
+        stack.edges.remove(driving)
+        stack.edge(**settings)  # the edge, restarted
+        await answered(survivor, batch.id, at_least=300)
         stack.kill(stack.busiest().process)
-        done = await ended(survivor, batch.id)
+        done = await ended(survivor, batch.id, timeout_s=120)
         assert done.status == "completed", done
         assert done.request_counts is not None
-        assert (done.request_counts.completed, done.request_counts.failed) == (48, 0)
+        assert (done.request_counts.completed, done.request_counts.failed) == (total, 0)
         output = await lines_of(survivor, done.output_file_id)
-        assert [one["custom_id"] for one in output] == [f"line-{i}" for i in range(48)]
-        assert all(ChatCompletion.model_validate(one["response"]["body"]).usage.completion_tokens == 12
+        assert [one["custom_id"] for one in output] == [f"line-{i}" for i in range(total)]
+        assert all(ChatCompletion.model_validate(one["response"]["body"]).usage.completion_tokens == 6
                    for one in output)
         assert done.error_file_id is None
-    stack.edges.remove(driving)
     await stack.settled(timeout_s=20)
 
 
