@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 from services.bench import (
+    batch_lane,
+    batch_lane_report,
     compare,
     compare_report,
     edge_bench,
@@ -53,6 +55,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                                     "section of the report"),
                        ("scale", "1, 2 and 4 edges times 1, 2 and 4 workers on one Redis, simulated engine; writes "
                                  "its section of the report"),
+                       ("batch", "an interactive tenant's time to first token alone and while a 10,000-line batch "
+                                 "runs, simulated engine; writes its section of the report"),
                        ("compare", "tokenbus against vllm serve in interleaved warm rounds; writes its section of "
                                    "the report"),
                        ("all", "compare with vllm serve, measure the edge, run vllm bench serve, measure fairness, "
@@ -123,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         return _fairness(args)
     if args.bench_command == "scale":
         return _scale(args)
+    if args.bench_command == "batch":
+        return _batch(args)
     if args.bench_command == "compare":
         return _compare(args)
     engine = _engine(args.model_dir) if args.bench_command == "all" else systems.Engine(
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     if args.bench_command != "all":
         return 0
-    return max(_fairness(args), _scale(args))
+    return max(_fairness(args), _scale(args), _batch(args))
 
 
 def _comparison(args: argparse.Namespace, engine: systems.Engine,
@@ -201,3 +207,14 @@ def _fairness(args: argparse.Namespace) -> int:
     fairness_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
     print(f"wrote the fairness section of {args.out}")
     return 0 if all(f.failed == 0 for measured in result.scenarios for f in measured.tenants.values()) else 1
+
+
+def _batch(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
+    print(f"batch lane: logs in {log_dir}", file=sys.stderr)
+    result = batch_lane.measure(log_dir / "batch.log", batch_lane.Plan.quick() if args.quick else batch_lane.Plan())
+    print(f"interactive TTFT p50 alone {result.alone_ms.p50:.0f} ms, while the batch runs {result.during_ms.p50:.0f} "
+          f"ms ({result.ratio:.2f}x); batch {result.lines_per_s:.0f} lines/s; {result.failed} failed")
+    batch_lane_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    print(f"wrote the batch lane section of {args.out}")
+    return 0 if result.failed == 0 else 1
