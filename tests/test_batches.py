@@ -189,3 +189,34 @@ async def test_interactive_work_goes_before_a_batchs_queued_lines(stack: Stack) 
         await client.batches.cancel(batch.id)
         await ended(client, batch.id)
     await stack.settled()
+
+
+async def test_a_batch_that_cannot_run_is_refused_or_fails_with_a_reason(stack: Stack) -> None:
+    edge = stack.edge()
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        good = await client.files.create(file=("in.jsonl", jsonl([line("a", chat(stack.model, "hi"))])),
+                                         purpose="batch")
+        notes = await client.files.create(file=("notes.txt", b"just notes"), purpose="user_data")
+        for asked, param in (({"input_file_id": good.id, "endpoint": "/v1/images/generations",
+                               "completion_window": "24h"}, "endpoint"),
+                             ({"input_file_id": good.id, "endpoint": "/v1/chat/completions",
+                               "completion_window": "1y"}, "completion_window"),
+                             ({"input_file_id": notes.id, "endpoint": "/v1/chat/completions",
+                               "completion_window": "24h"}, "input_file_id")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.batches.create(**asked)
+            assert refused.value.body["param"] == param
+        for call in (client.batches.create(input_file_id="file-none", endpoint="/v1/chat/completions",
+                                           completion_window="24h"),
+                     client.batches.retrieve("batch_none"), client.batches.cancel("batch_none")):
+            with pytest.raises(openai.NotFoundError):
+                await call
+        # a line for another endpoint fails the batch before anything runs, naming the line
+        mixed = await client.files.create(file=("in.jsonl", jsonl([
+            line("a", chat(stack.model, "hi")), line("b", {"model": stack.model, "input": "x"}, "/v1/embeddings")])),
+            purpose="batch")
+        failed = await ended(client, (await client.batches.create(
+            input_file_id=mixed.id, endpoint="/v1/chat/completions", completion_window="24h")).id)
+        assert failed.status == "failed" and failed.failed_at and failed.errors and failed.errors.data
+        assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_url", 2)]
+        assert failed.output_file_id is None and failed.error_file_id is None
