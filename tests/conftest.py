@@ -25,6 +25,15 @@ from tests.processes import (
 from tests.stack import Stack
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs the suite in two processes (pytest-xdist, `--dist loadgroup`): every test of the real
+    engines in one, as they share the session's real workers (started once, in that process only), and each other
+    module's tests together (they share its module fixtures), in either. Without xdist the marks do nothing."""
+    for item in items:
+        uses_engines = "real_workers" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("engines" if uses_engines else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     with private_redis() as url:
@@ -52,9 +61,6 @@ REAL_WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     "worker": (MODEL, {"kv_cache_gib": 2, "reasoning_parser": "qwen3"}),
     "embedder": (EMBEDDING_MODEL, {"kv_cache_gib": 1, "task": "embed"}),
     "gathering_worker": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 4, "stream_interval": STREAM_INTERVAL}),
-    # a second worker of that model, for test_workers to share the queue with and kill (so a short heartbeat TTL)
-    "gathering_twin": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 2, "stream_interval": STREAM_INTERVAL,
-                                         "heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}),
 }
 """The real vLLM workers of a session, by fixture name: the model each serves and its settings."""
 
@@ -64,7 +70,7 @@ def real_workers(request: pytest.FixtureRequest, redis_url: str, redis_client: r
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
     """Every real worker the session's tests use, started side by side when the first is needed and stopped at the
     session's end: an engine's start is mostly one core importing vLLM in three processes in turn, so on two cores
-    four starts together take about as long as two one after the other."""
+    three starts together take about as long as two one after the other."""
     needed = [name for name in REAL_WORKERS if any(name in item.fixturenames for item in request.session.items)]
     started: dict[str, WorkerProcess] = {}
     try:
@@ -95,12 +101,6 @@ def embedder(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
 def gathering_worker(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
     """A real vLLM worker on the default model as GATHERING_MODEL, sending STREAM_INTERVAL tokens per event."""
     return real_workers["gathering_worker"]
-
-
-@pytest.fixture(scope="session")
-def gathering_twin(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
-    """A second worker of GATHERING_MODEL, with two slots and a 2 s heartbeat TTL (test_workers kills it)."""
-    return real_workers["gathering_twin"]
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Several workers of one model share its queue by themselves, and a dead worker's heartbeat expires."""
+"""Several workers of one model share its queue by themselves, and a dead worker's heartbeat expires; an edge
+learns of a new model at once and forgets it when its worker dies."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import pytest
 import redis
 
 from shared.protocol import keys
-from tests.processes import GATHERING_MODEL, MODEL, WorkerProcess, metric_value, running_worker
-
-pytestmark = pytest.mark.engine
+from tests.processes import MODEL, metric_value, running_worker
+from tests.stack import Stack
 
 
 def _finished_jobs(metrics_url: str) -> float:
@@ -26,38 +26,39 @@ def _heartbeats(redis_client: redis.Redis, model: str = MODEL) -> set[bytes]:
     return set(redis_client.scan_iter(match=keys.worker_heartbeat(model, "*")))
 
 
-async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(
-    client: openai.AsyncOpenAI, gathering_worker: WorkerProcess, gathering_twin: WorkerProcess,
-    redis_client: redis.Redis,
-) -> None:
-    """The session's two real workers of GATHERING_MODEL share its queue (the twin has two slots: it may take at
-    most two jobs at a time, the rest stay for the first); the twin killed, its heartbeat expires within its TTL
-    (2 s) and the model stays served by the other."""
-    beats = _heartbeats(redis_client, GATHERING_MODEL)
+async def test_a_second_worker_takes_its_share_and_its_heartbeat_dies_with_it(stack: Stack) -> None:
+    """A fault test, on the simulated engine: two workers of one model share its queue (the twin has two slots:
+    it may take at most two jobs at a time, the rest stay for the first); the twin killed, its heartbeat expires
+    within its TTL (2 s) and the model stays served by the other."""
+    edge = stack.edge()
+    first = stack.worker(max_num_seqs=8, sim_itl_ms=20)
+    twin = stack.worker(max_num_seqs=2, sim_itl_ms=20)
+    beats = _heartbeats(stack.client, stack.model)
     assert len(beats) == 2, beats
-    before = (_finished_jobs(gathering_worker.metrics_url), _finished_jobs(gathering_twin.metrics_url))
-    prompt = [{"role": "user", "content": "Tell me about the ocean."}]
-    await asyncio.gather(*(
-        client.chat.completions.create(model=GATHERING_MODEL, messages=prompt, max_tokens=24, timeout=120,
-                                       extra_body={"ignore_eos": True})
-        for _ in range(12)
-    ))
-    after = (_finished_jobs(gathering_worker.metrics_url), _finished_jobs(gathering_twin.metrics_url))
-    shares = [b - a for a, b in zip(before, after, strict=True)]
-    assert sum(shares) == 12
-    assert all(share > 0 for share in shares), shares
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        await asyncio.gather(*(
+            client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "the ocean"}],
+                                           max_tokens=24, timeout=60)
+            for _ in range(12)
+        ))
+        shares = [_finished_jobs(first.metrics_url), _finished_jobs(twin.metrics_url)]
+        assert sum(shares) == 12
+        assert all(share > 0 for share in shares), shares
 
-    os.killpg(gathering_twin.process.pid, signal.SIGKILL)  # as when its container dies: the engine goes too
-    gathering_twin.process.wait(timeout=10)
-    killed = time.monotonic()
-    survivor = {beat for beat in beats if f"-{gathering_twin.process.pid}-".encode() not in beat}
-    assert len(survivor) == 1, beats
-    while _heartbeats(redis_client, GATHERING_MODEL) != survivor:
-        assert time.monotonic() - killed < 5, "the dead worker's heartbeat did not expire"
-        await asyncio.sleep(0.2)
-    assert GATHERING_MODEL in [m.id async for m in client.models.list()]
+        stack.kill(twin.process)  # as when its container dies
+        killed = time.monotonic()
+        survivor = {beat for beat in beats if f"-{twin.process.pid}-".encode() not in beat}
+        assert len(survivor) == 1, beats
+        while _heartbeats(stack.client, stack.model) != survivor:
+            assert time.monotonic() - killed < 5, "the dead worker's heartbeat did not expire"
+            await asyncio.sleep(0.2)
+        assert stack.model in [m.id async for m in client.models.list()]
+        answer = await client.chat.completions.create(model=stack.model, max_tokens=3,
+                                                      messages=[{"role": "user", "content": "still there?"}])
+        assert answer.usage is not None and answer.usage.completion_tokens == 3
 
 
+@pytest.mark.engine
 async def test_an_edge_finds_a_new_model_at_once_and_forgets_it_when_its_worker_dies(
     client: openai.AsyncOpenAI, redis_url: str, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
