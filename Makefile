@@ -26,7 +26,7 @@ typecheck:
 	$(BIN)/mypy
 
 test: locked install lint typecheck
-	$(BIN)/python -m pytest -n 2 --dist loadgroup  # two processes: tests/conftest.py groups them
+	$(BIN)/python -m pytest -n 2  # two processes: tests/conftest.py says which test runs where
 
 bench: install
 	$(BIN)/tokenbus bench all --out docs/benchmarks.md

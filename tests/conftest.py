@@ -24,14 +24,33 @@ from tests.processes import (
 )
 from tests.stack import Stack
 
+ENGINE_MODULES = frozenset(f"tests/test_{name}.py" for name in (
+    "chat_engine", "chat_extras", "completions", "embeddings", "migration_engine", "reasoning_engine", "responses",
+    "routes", "seed_conformance", "service", "sse_clients", "stream_interval", "structured", "tgi", "tools_engine",
+    "workers"))
+"""The modules with tests of the session's real workers: `make test` runs them all in one process."""
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the suite in two processes (pytest-xdist, `--dist loadgroup`): every test of the real
-    engines in one, as they share the session's real workers (started once, in that process only), and each other
-    module's tests together (they share its module fixtures), in either. Without xdist the marks do nothing."""
-    for item in items:
-        uses_engines = "real_workers" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("engines" if uses_engines else item.nodeid.split("::")[0]))
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test of the real workers in a module not named in ENGINE_MODULES would start a second set of them in
+    another process: refused at collection, naming the module."""
+    module = item.nodeid.split("::")[0]
+    if "real_workers" in getattr(item, "fixturenames", ()) and module not in ENGINE_MODULES:
+        raise pytest.UsageError(f"{module} uses the real workers: add it to tests/conftest.py's ENGINE_MODULES")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs the suite in two processes (pytest-xdist, `-n 2`): every module of ENGINE_MODULES in one,
+    as they share the session's real workers (started once, in that process only), and each other module whole
+    (its module fixtures made once) in either."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "engines" if module in ENGINE_MODULES else module
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,16 @@ import json
 import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
 from openai.types import Batch
 from openai.types.chat import ChatCompletion
 
 from shared.protocol import keys
+from shared.tenancy import apikeys
+from tests.processes import metric_value
 from tests.stack import Stack
 
 
@@ -88,6 +92,14 @@ async def test_a_batch_answers_every_line_once_in_order_with_failures_apart(stac
         assert [b.id async for b in client.batches.list()] == [batch.id]
         usage = sum(json.loads(json.dumps(one["response"]["body"]["usage"]))["completion_tokens"] for one in output)
         assert done.usage is not None and done.usage.output_tokens == usage
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(edge.metrics_url)).text
+    lines_done = {outcome: metric_value(metrics, "tokenbus_edge_batch_lines_total", {"outcome": outcome})
+                  for outcome in ("completed", "failed")}
+    assert lines_done == {"completed": 5, "failed": 2}
+    assert metric_value(metrics, "tokenbus_edge_batches_total", {"event": "completed"}) == 1
+    assert metric_value(metrics, "tokenbus_edge_batch_lines_running") == 0
+    assert metric_value(metrics, "tokenbus_edge_batch_lines_waiting") == 0
     # its answers left Redis for its files: nothing of it is charged twice, nothing stays open
     assert stack.client.hget(keys.storage_tally(""), f"b:{batch.id}") is None
     assert not stack.client.exists(keys.batch_lines("", batch.id))
@@ -220,3 +232,30 @@ async def test_a_batch_that_cannot_run_is_refused_or_fails_with_a_reason(stack: 
         assert failed.status == "failed" and failed.failed_at and failed.errors and failed.errors.data
         assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_url", 2)]
         assert failed.output_file_id is None and failed.error_file_id is None
+
+
+async def test_tenants_batches_share_the_batch_lane_fairly(stack: Stack) -> None:
+    """Eight slots; tenant A runs three batches, tenant B one: the lane is shared per tenant, not per batch (or
+    per line), so B's lines go as fast as all of A's together."""
+    edge = stack.edge(auth="keys", batch_window=16)
+    stack.worker(sim_itl_ms=20, max_num_seqs=8, fair_headroom=0)
+    admin = aioredis.Redis.from_url(stack.url, **stack.redis.client_options(), **stack.login)
+    keys_made = [(await apikeys.create(admin, apikeys.KeyChanges(tenant=tenant)))[0] for tenant in ("a", "b")]
+    await admin.aclose()
+    asked = jsonl([line(f"l{i}", chat(stack.model, f"question {i}", tokens=10)) for i in range(200)])
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=keys_made[0], max_retries=0) as a, \
+            openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=keys_made[1], max_retries=0) as b:
+        runs: dict[str, list[str]] = {}
+        for name, client, count in (("a", a, 3), ("b", b, 1)):
+            uploaded = await client.files.create(file=("requests.jsonl", asked), purpose="batch")
+            runs[name] = [(await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                       completion_window="24h")).id for _ in range(count)]
+        await asyncio.sleep(5)
+        done = {}
+        for name, client in (("a", a), ("b", b)):
+            batches = [await client.batches.retrieve(batch_id) for batch_id in runs[name]]
+            done[name] = sum(one.request_counts.completed for one in batches if one.request_counts)
+            for batch_id in runs[name]:
+                await client.batches.cancel(batch_id)
+    assert done["a"] + done["b"] > 100  # the worker was busy: about 8 slots x 5 s / 0.25 s
+    assert done["b"] / done["a"] == pytest.approx(1.0, abs=0.35), done  # FIFO or per-batch shares: 0.33

@@ -399,6 +399,39 @@ async def test_a_background_response_holds_its_concurrency_until_it_ends_and_is_
     assert after.status == "incomplete"
 
 
+async def test_a_streamed_background_response_holds_its_concurrency_after_its_client_left(stack: Stack) -> None:
+    """Its client reads two events and leaves: the response runs on to its end, still holding the key's one
+    concurrency slot (the edge follows it from then on), and is stored once it ended."""
+    key = create_key(stack, "--tenant", "streamer", "--max-concurrency", "1")
+    url = stack.edges[0].url + "/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key=key["key"], max_retries=0) as client:
+        stream = await client.responses.create(model=stack.model, input="count", max_output_tokens=400,
+                                               background=True, stream=True)
+        response_id = ""
+        async for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.sequence_number >= 2:
+                break
+        await stream.close()
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
+        assert refused.value.body["type"] == "concurrency"
+        deadline = time.monotonic() + 20
+        while (found := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == 400
+        while True:
+            try:
+                after = await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+    assert after.status == "incomplete"
+
+
 async def test_a_conversation_is_its_tenants_alone_and_counts_against_its_storage(stack: Stack) -> None:
     key = create_key(stack, "--tenant", "talker", "--storage-items", "1")
     stranger = create_key(stack, "--tenant", "eavesdropper")

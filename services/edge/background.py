@@ -81,6 +81,32 @@ async def _follow(request: web.Request, plan: Plan, deadline: float, record: tup
             await admitter.release(key_id, lease)
 
 
+def adopt(request: web.Request, plan: Plan, body: bytes, deadline: float, lease: str) -> None:
+    """A streamed background response whose client left before its end: a task of this edge follows it from
+    then on (its log from sequence 0), stores its answer, and holds its concurrency lease until its end, as a
+    background response that was never streamed is held."""
+    task = asyncio.create_task(_adopted(request, plan, body, deadline, lease))
+    followers = request.app[TASKS]
+    followers.add(task)
+    task.add_done_callback(followers.discard)
+
+
+async def _adopted(request: web.Request, plan: Plan, body: bytes, deadline: float, lease: str) -> None:
+    app, caller = request.app, caller_of(request)
+    try:
+        fresh = await PLANNERS[plan.name](app, caller, body, plan.arrival)  # renders the log from its start
+        renderer = fresh.renderer
+        assert isinstance(renderer, ResponsesRenderer)  # nosec B101: an invariant (tokenbus never runs with -O)
+        async with app[GATEWAY].follow(plan.job.id, deadline, background=True) as events:
+            await pump.collect(events, renderer, plan.job.model,
+                               lambda _turn: keep_first(app, caller.tenant, renderer, plan.job.model))
+    except Exception as exc:
+        log.warning("following background response %s failed: %s", plan.job.id, type(exc).__name__)
+    finally:
+        with contextlib.suppress(Exception):
+            await app[ADMITTER].release(caller.key_id, lease)
+
+
 async def _record(request: web.Request, response_id: str) -> tuple[StreamRecord, bool] | None:
     """The caller's background response's record (None: no such background response), and whether it was
     cancelled."""

@@ -198,19 +198,25 @@ class BatchRun:
     async def _run(self, batch: Batch, caller: Caller, lines: list[BatchLine]) -> None:
         answered = await self.store.answered(self.tenant, batch.id)
         window = asyncio.Semaphore(max(1, self.app[SETTINGS].batch_window))
-        async with _watching(self, batch):
-            for index, line in enumerate(lines):
-                if line.custom_id in answered:
-                    continue
-                await window.acquire()
-                if self.stopped:
-                    window.release()
-                    break
-                task = asyncio.create_task(self._line(batch, caller, index, line))
-                self.running.add(task)
-                metrics.BATCH_LINES_RUNNING.inc()
-                task.add_done_callback(functools.partial(self._line_ended, window))
-            await asyncio.gather(*self.running, return_exceptions=True)
+        todo = [(index, line) for index, line in enumerate(lines) if line.custom_id not in answered]
+        waiting = len(todo)
+        metrics.BATCH_LINES_WAITING.inc(waiting)
+        try:
+            async with _watching(self, batch):
+                for index, line in todo:
+                    await window.acquire()
+                    if self.stopped:
+                        window.release()
+                        break
+                    waiting -= 1
+                    metrics.BATCH_LINES_WAITING.dec()
+                    task = asyncio.create_task(self._line(batch, caller, index, line))
+                    self.running.add(task)
+                    metrics.BATCH_LINES_RUNNING.inc()
+                    task.add_done_callback(functools.partial(self._line_ended, window))
+                await asyncio.gather(*self.running, return_exceptions=True)
+        finally:
+            metrics.BATCH_LINES_WAITING.dec(waiting)
 
     def _line_ended(self, window: asyncio.Semaphore, task: asyncio.Task[None]) -> None:
         self.running.discard(task)

@@ -63,15 +63,22 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     in_flight = metrics.IN_FLIGHT.labels(plan.job.model)
     in_flight.inc()
     events: JobEvents | None = None
+    adopted = False
     try:
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
                                       tenant=tenant, ids=sse.wants_ids(request), keep=_keeper(request))
+    except sse.ClientGone:
+        if plan.job.background and events is not None and not events.finished:
+            background.adopt(request, plan, body, deadline, admission.lease)  # it holds the lease from now on
+            adopted = True
+        raise
     finally:
         in_flight.dec()
         metrics.REQUEST_DURATION.labels(plan.job.model).observe(time.monotonic() - arrival.started)
-        await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
+        if not adopted:
+            await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
 
 
 def _keeper(request: web.Request) -> pump.Keep:

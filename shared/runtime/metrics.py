@@ -248,6 +248,8 @@ BATCHES = Counter("tokenbus_edge_batches", "Batches created, and ended (counted 
 BATCH_LINES = Counter("tokenbus_edge_batch_lines", "Lines of batches answered, by endpoint and outcome: completed "
                       "(its answer in the output file), failed (in the error file), expired", ["endpoint", "outcome"],
                       registry=EDGE)
+BATCH_LINES_WAITING = Gauge("tokenbus_edge_batch_lines_waiting", "Lines of the batches this edge drives that wait "
+                            "their turn (not yet queued)", registry=EDGE)
 BATCH_LINES_RUNNING = Gauge("tokenbus_edge_batch_lines_running", "Lines of batches this edge has queued or running",
                             registry=EDGE)
 BATCHES_DRIVEN = Gauge("tokenbus_edge_batches_driven", "Open batches this edge drives", registry=EDGE)
