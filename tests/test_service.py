@@ -65,6 +65,25 @@ async def test_the_worker_reports_what_its_engine_holds_and_the_edge_what_stream
     assert "_created" not in edge_text + worker_text
 
 
+async def test_the_worker_counts_its_engines_prefix_cache_hits(client: openai.AsyncOpenAI,
+                                                                worker: WorkerProcess) -> None:
+    """The same long prompt twice: the second's prefill finds its leading blocks in vLLM's prefix cache, and
+    the worker's counters (read from the engine's own figures) say so."""
+    def counts(text: str) -> tuple[float, float]:
+        return (metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": MODEL}),
+                metric_value(text, "tokenbus_worker_prefix_cache_hits_total", {"model": MODEL}))
+
+    prompt = " ".join(f"fact {i} is that the sea is deep." for i in range(40))
+    async with httpx.AsyncClient() as http:
+        before = counts((await http.get(worker.metrics_url)).text)
+        for _ in range(2):
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        await asyncio.sleep(1.5)  # vLLM reports its figures each engine step, and once a second when idle
+        after = counts((await http.get(worker.metrics_url)).text)
+    queried, hit = after[0] - before[0], after[1] - before[1]
+    assert queried >= 2 * 300 and hit >= 256, (queried, hit)  # the second prompt's blocks, all but the last
+
+
 def _edge_connections(redis_client: redis.Redis) -> int:
     return sum(1 for c in redis_client.client_list() if c.get("name", "").startswith("tokenbus-edge-"))
 

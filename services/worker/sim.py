@@ -3,8 +3,9 @@
 It behaves like a continuously batching engine with fixed timings: each request waits `ttft` (its
 prefill), then joins the running batch, which produces one token for every running request per step of
 `itl`. With a prefill cost per prompt token, prompts also pass one by one through a prefill lane, the most
-urgent (the lowest priority value) first. Its text is a counting placeholder, not language: token n of a
-choice is " t{n}", so a client can check that a stream that moved between workers lost and repeated nothing.
+urgent (the lowest priority value) first; with a prefix cache, only the tokens past the leading blocks it holds.
+Its text is a counting placeholder, not language: token n of a choice is " t{n}", so a client can check that a
+stream that moved between workers lost and repeated nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.worker.prefill import PrefillLane
+from services.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
 from shared.protocol import bus
 from shared.runtime import metrics
 from shared.runtime.settings import SlotSettings, engine_seqs
@@ -34,6 +36,8 @@ class SimSettings(SlotSettings, Protocol):
     def sim_prefill_us_per_token(self) -> float: ...
     @property
     def sim_ttft_ms(self) -> float: ...
+    @property
+    def sim_prefix_cache_blocks(self) -> int: ...
 
 
 DEFAULT_MAX_TOKENS = 128
@@ -80,6 +84,9 @@ class SimEngine:
         self.aborted: set[str] = set()
         self.stepper: asyncio.Task[None] | None = None
         self.prefills = PrefillLane(settings.sim_prefill_us_per_token / 1e6)
+        self.cache = PrefixCache(settings.sim_prefix_cache_blocks)
+        self.cache_counters = (metrics.PREFIX_CACHE_QUERIES.labels(settings.model),
+                               metrics.PREFIX_CACHE_HITS.labels(settings.model))
 
     def start(self) -> None:
         """Nothing to load."""
@@ -120,7 +127,13 @@ class SimEngine:
     async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
         prompts = len(job.prompts) or 1
         prompt_tokens, dropped = self._prompt(job)
-        await self.prefills.prefill(prompt_tokens, priority)
+        hashes = block_hashes(self._words(job, dropped)) if self.cache.capacity else []
+        cached = self.cache.held(hashes) * BLOCK_TOKENS
+        queries, hits = self.cache_counters
+        queries.inc(prompt_tokens)
+        hits.inc(cached)
+        await self.prefills.prefill(prompt_tokens - cached, priority)
+        self.cache.keep(hashes)
         deadline = time.monotonic() + self.ttft_s
         sequences = self._sequences(job, prompts * job.params.n)  # made before the prefill's end, not after it
         carried = sum(seq.produced - 1 for seq in sequences)
@@ -160,6 +173,17 @@ class SimEngine:
             total -= droppable[dropped]
             dropped += 1
         return total, dropped
+
+    @staticmethod
+    def _words(job: bus.Job, dropped: int) -> list[str]:
+        """The prompt's words in order (the first prompt's, for several), as the cache names its blocks: each
+        message's role, then its words, without the messages truncation dropped."""
+        if job.prompts:
+            return job.prompts[0].split()
+        kept = [m for m in job.messages if m.role == "system"] + [m for m in job.messages if m.role != "system"][
+            dropped:]
+        kept.sort(key=job.messages.index)
+        return [word for message in kept for word in (f"<{message.role}>", *message.content.split())]
 
     @staticmethod
     def _sequences(job: bus.Job, choices: int) -> list[_Sequence]:

@@ -86,12 +86,13 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
 
 
 def engine_gauges(model: str) -> Any:
-    """A vLLM stat logger that keeps the worker's engine gauges (running and waiting sequences, KV-cache use)
-    from the scheduler's own figures, each time the engine reports them."""
+    """A vLLM stat logger that keeps the worker's engine gauges (running and waiting sequences, KV-cache use) and
+    its prefix cache counters from the scheduler's own figures, each time the engine reports them."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     running, waiting, cache = (metrics.ENGINE_RUNNING.labels(model), metrics.ENGINE_WAITING.labels(model),
                                metrics.KV_CACHE_USAGE.labels(model))
+    queries, hits = metrics.PREFIX_CACHE_QUERIES.labels(model), metrics.PREFIX_CACHE_HITS.labels(model)
 
     class EngineGauges(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -103,6 +104,9 @@ def engine_gauges(model: str) -> Any:
                 running.set(scheduler_stats.num_running_reqs)
                 waiting.set(scheduler_stats.num_waiting_reqs)
                 cache.set(scheduler_stats.kv_cache_usage)
+                if (found := getattr(scheduler_stats, "prefix_cache_stats", None)) is not None:
+                    queries.inc(found.queries)
+                    hits.inc(found.hits)
 
         def log_engine_initialized(self) -> None:
             pass

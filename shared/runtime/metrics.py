@@ -223,6 +223,10 @@ ENGINE_RUNNING = Gauge("tokenbus_worker_engine_running_sequences", "Sequences th
                        ["model"])
 ENGINE_WAITING = Gauge("tokenbus_worker_engine_waiting_sequences", "Sequences waiting in the engine's scheduler",
                        ["model"])
+PREFIX_CACHE_QUERIES = Counter("tokenbus_worker_prefix_cache_queries", "Prompt tokens the engine looked up in its "
+                               "prefix cache", ["model"])
+PREFIX_CACHE_HITS = Counter("tokenbus_worker_prefix_cache_hits", "Of those, the tokens its prefix cache held (their "
+                            "prefill skipped): hits / queries is the model's prefix cache hit rate", ["model"])
 KV_CACHE_USAGE = Gauge("tokenbus_worker_kv_cache_usage_ratio", "Share of the engine's KV cache in use (0-1)",
                        ["model"])
 
