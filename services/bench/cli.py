@@ -16,6 +16,8 @@ from pathlib import Path
 from services.bench import (
     batch_lane,
     batch_lane_report,
+    cache,
+    cache_report,
     compare,
     compare_report,
     edge_bench,
@@ -57,6 +59,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                                  "its section of the report"),
                        ("batch", "an interactive tenant's time to first token alone and while a 10,000-line batch "
                                  "runs, simulated engine; writes its section of the report"),
+                       ("cache", "dispatch and the prefix cache at 2, 4 and 8 simulated workers (shared prefixes, "
+                                 "multi-turn, none shared); writes its section of the report"),
                        ("compare", "tokenbus against vllm serve in interleaved warm rounds; writes its section of "
                                    "the report"),
                        ("all", "compare with vllm serve, measure the edge, run vllm bench serve, measure fairness, "
@@ -129,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return _scale(args)
     if args.bench_command == "batch":
         return _batch(args)
+    if args.bench_command == "cache":
+        return _cache(args)
     if args.bench_command == "compare":
         return _compare(args)
     engine = _engine(args.model_dir) if args.bench_command == "all" else systems.Engine(
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     if args.bench_command != "all":
         return 0
-    return max(_fairness(args), _scale(args), _batch(args))
+    return max(_fairness(args), _scale(args), _batch(args), _cache(args))
 
 
 def _comparison(args: argparse.Namespace, engine: systems.Engine,
@@ -218,3 +224,15 @@ def _batch(args: argparse.Namespace) -> int:
     batch_lane_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
     print(f"wrote the batch lane section of {args.out}")
     return 0 if result.failed == 0 else 1
+
+
+def _cache(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
+    print(f"prefix cache: logs in {log_dir}", file=sys.stderr)
+    result = cache.measure(log_dir / "cache.log", cache.Plan.quick() if args.quick else cache.Plan())
+    for cell in result.cells:
+        print(f"{cell.workload}, {cell.workers} workers: TTFT p50 {cell.ttft_ms.p50:.0f} ms, "
+              f"{cell.output_throughput:.0f} tok/s, hit rate {cell.hit_rate:.0%}, {cell.failed} failed")
+    cache_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    print(f"wrote the prefix cache section of {args.out}")
+    return 0 if all(cell.failed == 0 for cell in result.cells) else 1

@@ -87,6 +87,8 @@ class Running:
     """Every edge's, when there are several (`base_url` is the first)."""
     metrics_urls: tuple[str, ...] = ()
     """Every edge's /metrics (on a port of its own), in the order of `base_urls`."""
+    worker_metrics_urls: tuple[str, ...] = ()
+    """Every worker's /metrics (tokenbus only)."""
 
 
 def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path,
@@ -128,8 +130,12 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
             settings.update(engine="sim", sim_ttft_ms=sim[0], sim_itl_ms=sim[1], max_num_seqs=100_000)
         settings.update(worker_settings or {})
         children: dict[str, subprocess.Popen[bytes]] = {}
+        worker_metrics: list[str] = []
         for i in range(workers):
-            children[f"worker{i or ''}"] = processes.spawn("worker", processes.settings_env(settings), log)
+            metrics_port = free_port()
+            worker_metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
+            children[f"worker{i or ''}"] = processes.spawn("worker", processes.settings_env(
+                {**settings, "metrics_port": metrics_port}), log)
             stack.callback(processes.stop, children[f"worker{i or ''}"])
         urls, metrics_urls = [], []
         for i in range(edges):
@@ -143,7 +149,7 @@ def tokenbus(engine: Engine, log: Path, *, sim: tuple[float, float] | None = Non
         for url in urls:
             wait_ready(url, engine.model, list(children.values()), log, ready_path="/ready")
         yield Running(urls[0], {name: p.pid for name, p in children.items()}, redis_url, tuple(urls),
-                      tuple(metrics_urls))
+                      tuple(metrics_urls), tuple(worker_metrics))
 
 
 @contextmanager
