@@ -259,3 +259,29 @@ async def test_tenants_batches_share_the_batch_lane_fairly(stack: Stack) -> None
                 await client.batches.cancel(batch_id)
     assert done["a"] + done["b"] > 100  # the worker was busy: about 8 slots x 5 s / 0.25 s
     assert done["b"] / done["a"] == pytest.approx(1.0, abs=0.35), done  # FIFO or per-batch shares: 0.33
+
+
+async def test_a_batch_waits_out_a_restart_of_its_models_only_worker(stack: Stack) -> None:
+    """SIGKILL of the model's only worker mid-batch: its lines are not failed (worker lost, then no live worker of
+    a model the deployment serves) but run again once a new worker is up; every line is answered once."""
+    edge = stack.edge(batch_window=8)
+    doomed = stack.worker(sim_itl_ms=20, max_num_seqs=4)
+    asked = [line(f"r{i}", chat(stack.model, f"question {i}", tokens=10)) for i in range(40)]
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        await answered(client, batch.id, at_least=8)
+        stack.kill(doomed.process)
+        stack.workers.remove(doomed)
+        await asyncio.sleep(9)  # its jobs are given up for lost (the edge waits ~7 s here for a takeover)
+        waiting = await client.batches.retrieve(batch.id)
+        assert waiting.status == "in_progress" and waiting.request_counts is not None
+        assert waiting.request_counts.failed == 0
+        stack.worker(sim_itl_ms=20, max_num_seqs=4)
+        done = await ended(client, batch.id)
+        assert done.status == "completed" and done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
+        output = await lines_of(client, done.output_file_id)
+        assert [one["custom_id"] for one in output] == [f"r{i}" for i in range(40)]
+    await stack.settled()

@@ -32,7 +32,15 @@ from services.edge.plans import PLANNERS, Plan
 from services.edge.redis_boundary import REDIS_FAILURES
 from services.edge.state import ADMITTER, BATCHES, CONVERSATIONS, FILES, GATEWAY, REDIS, SETTINGS, STORE
 from services.edge.store import Quota
-from shared.protocol.errors import InvalidRequest, Overloaded, QuotaExceeded, RateLimited, TokenbusError
+from shared.protocol.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    QuotaExceeded,
+    RateLimited,
+    TokenbusError,
+    WorkerLost,
+)
 from shared.runtime import metrics
 from shared.tenancy import apikeys, fairshare
 
@@ -48,6 +56,8 @@ WATCH_S = 1.0
 """How often a driver looks for a cancel, the batch's expiry and its tenant's storage."""
 QUEUE_RETRY_S = 0.5
 """How long a line whose queue was full waits before it is offered again."""
+RUN_AGAIN_S = 1.0
+"""How long a line whose worker was lost, or whose model has no live worker now, waits before it runs again."""
 MAX_EMBEDDING_INPUTS = 50_000
 
 
@@ -248,9 +258,16 @@ class BatchRun:
         request_id = f"{batch.id}_{index}"
         usage = (0, 0)
         try:
-            plan = await self._plan(batch, caller, line)
-            request_id = plan.arrival.job_id
-            body, usage = await self._answer(batch, caller, plan)
+            while True:
+                try:
+                    plan = await self._plan(batch, caller, line)
+                    request_id = plan.arrival.job_id
+                    body, usage = await self._answer(batch, caller, plan)
+                    break
+                except (ModelNotFound, WorkerLost) as exc:
+                    if not self._worth_waiting(exc, caller, line) or time.time() + RUN_AGAIN_S >= batch.expires_at:
+                        raise
+                await asyncio.sleep(RUN_AGAIN_S)
             ok, recorded = True, shapes.answered(request_id, line.custom_id, body)
         except TokenbusError as exc:
             if time.time() >= batch.expires_at:  # its deadline was the batch's: it expired with the batch
@@ -261,6 +278,16 @@ class BatchRun:
         metrics.BATCH_LINES.labels(batch.endpoint, "completed" if ok else "failed").inc()
         if self.quota.bytes and held > self.quota.bytes:
             self.stop("storage_full")
+
+    def _worth_waiting(self, error: TokenbusError, caller: Caller, line: BatchLine) -> bool:
+        """Whether a line runs again after `error` rather than failing: its worker died with nobody to take its
+        job over, or its model has no live worker now but is one this deployment serves (a restart), and the key
+        may use it."""
+        if isinstance(error, WorkerLost):
+            return True
+        model = line.body.get("model")
+        return (isinstance(model, str) and model in self.app[GATEWAY].directory.counted
+                and (caller.key is None or caller.key.may_use(model)))
 
     async def _plan(self, batch: Batch, caller: Caller, line: BatchLine) -> Plan:
         if line.body.get("stream"):
