@@ -367,6 +367,24 @@ async def test_without_redis_for_limits_the_policy_decides(tmp_path: Path) -> No
     await dead.aclose()
 
 
+async def _ends_then_frees_its_slot(client: openai.AsyncOpenAI, response_id: str, model: str) -> None:
+    """Waits for a background response of 400 tokens to end (incomplete: its length), then for the key's one
+    concurrency slot to come back (its follower gives it back once it has stored the answer)."""
+    deadline = time.monotonic() + 20
+    while (found := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == 400
+    while True:
+        try:
+            after = await client.responses.create(model=model, input="count", max_output_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+    assert after.status == "incomplete"
+
+
 async def test_a_background_response_holds_its_concurrency_until_it_ends_and_is_its_tenants_alone(
         stack: Stack) -> None:
     """Nobody waits on it (these edges keep nothing for a resume), yet it runs to its end holding its key's one
@@ -384,19 +402,7 @@ async def test_a_background_response_holds_its_concurrency_until_it_ends_and_is_
         for call in (other.responses.retrieve, other.responses.cancel):
             with pytest.raises(openai.NotFoundError):
                 await call(created.id)
-        deadline = time.monotonic() + 20
-        while (found := await client.responses.retrieve(created.id)).status in ("queued", "in_progress"):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
-        assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == 400
-        while True:  # its follower gives the slot back once it has stored the answer
-            try:
-                after = await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
-                break
-            except openai.RateLimitError:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
-    assert after.status == "incomplete"
+        await _ends_then_frees_its_slot(client, created.id, stack.model)
 
 
 async def test_a_streamed_background_response_holds_its_concurrency_after_its_client_left(stack: Stack) -> None:
@@ -417,19 +423,7 @@ async def test_a_streamed_background_response_holds_its_concurrency_after_its_cl
         with pytest.raises(openai.RateLimitError) as refused:
             await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
         assert refused.value.body["type"] == "concurrency"
-        deadline = time.monotonic() + 20
-        while (found := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
-        assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == 400
-        while True:
-            try:
-                after = await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
-                break
-            except openai.RateLimitError:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
-    assert after.status == "incomplete"
+        await _ends_then_frees_its_slot(client, response_id, stack.model)
 
 
 async def test_a_conversation_is_its_tenants_alone_and_counts_against_its_storage(stack: Stack) -> None:
