@@ -1,16 +1,19 @@
 """Prompt prefixes as a prefix cache names them (chained block hashes), the LRU cache of the simulated engine, and
 that engine's prefills: a prompt whose leading blocks it holds costs only the rest (the tool `tokenbus bench`
-measures cache-aware dispatch with)."""
+measures cache-aware dispatch with); and the prefixes each worker reports holding, for placement."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
 
 from services.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
-from tests.processes import metric_value
+from shared.protocol import bus, keys, prefixes
+from tests.processes import metric_value, stop_process
 from tests.stack import Stack
 
 
@@ -52,3 +55,45 @@ async def test_a_simulated_prefill_costs_only_what_the_cache_does_not_hold(stack
     queried = metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model})
     hit = metric_value(text, "tokenbus_worker_prefix_cache_hits_total", {"model": stack.model})
     assert queried == 2 * 802 and hit == 800, (queried, hit)  # 802 prompt words; the blocks held: 50
+
+
+def _sets(stack: Stack) -> dict[str, set[str]]:
+    """Each worker's reported prefixes, by its set's key."""
+    return {key.decode(): {link.decode() for link in stack.client.smembers(key)}
+            for key in stack.client.scan_iter(keys.prefixes(stack.model, "*"))}
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+
+
+async def test_a_worker_reports_the_prefixes_it_ran_and_they_go_with_it(stack: Stack) -> None:
+    """After a conversation's two turns, the worker's set holds the chain of each (the second extends the first),
+    the least recently used dropped past its size; a stopped worker's set goes at once, a killed one's with its
+    heartbeat."""
+    edge = stack.edge()
+    stack.worker(prefix_summary_size=4)
+    turns = [[bus.Message(role="system", content="You are terse."), bus.Message(role="user", content="Hi")]]
+    turns.append([*turns[0], bus.Message(role="assistant", content=" t1"), bus.Message(role="user", content="Bye")])
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        for messages in turns:
+            await client.chat.completions.create(model=stack.model, max_tokens=1, messages=[
+                {"role": m.role, "content": m.content} for m in messages])  # type: ignore[misc]
+    chains = [prefixes.chain(bus.Job(id="j", model=stack.model, reply_to="", deadline_ms=0, messages=messages))
+              for messages in turns]
+    assert chains[1][:2] == chains[0] and len(chains[1]) == 4
+    await _until(lambda: list(_sets(stack).values()) == [set(chains[1])])  # 4 places: the first turn's are in it
+    stack.worker(prefix_summary_size=4)
+    stopping = stack.workers[0]
+    stack.workers.remove(stopping)
+    stop_process(stopping.process)
+    assert list(_sets(stack).values()) == []  # the other one ran nothing
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        await client.chat.completions.create(model=stack.model, max_tokens=1, messages=[
+            {"role": m.role, "content": m.content} for m in turns[0]])  # type: ignore[misc]
+    await _until(lambda: list(_sets(stack).values()) == [set(chains[0])])
+    stack.kill(stack.workers[0].process)
+    await _until(lambda: _sets(stack) == {})  # its heartbeat's TTL (2 s here)

@@ -17,6 +17,7 @@ from services.worker.jobtable import JobTable, Phase, Run
 from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import for_job
 from services.worker.parsing.reasoning import reasoning_format
+from services.worker.prefix_summary import PrefixSummary
 from services.worker.publisher import EventPublisher
 from shared.protocol import bus, keys
 from shared.protocol.errors import EngineError, RequestTimeout, StreamAbandoned, TokenbusError, kind_of
@@ -72,7 +73,7 @@ class JobRunner:
     """Runs the jobs of one worker, each from its slot to its settlement."""
 
     def __init__(self, settings: RunnerSettings, engine: Engine, worker_id: str, jobs: JobTable,
-                 publisher: EventPublisher, redis: aioredis.Redis) -> None:
+                 publisher: EventPublisher, redis: aioredis.Redis, prefixes: PrefixSummary | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.worker_id = worker_id
@@ -89,6 +90,8 @@ class JobRunner:
         self.tenants = metrics.TenantLabels(settings.metrics_max_tenants)
         self.background: set[asyncio.Task[Any]] = set()
         """Cancel checks, the aborts they lead to and settles on their own, kept referenced until they end."""
+        self.prefixes = prefixes
+        """What the engine holds, as placement sees it: each job's prompt is in it once the job starts."""
 
     async def own(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
@@ -158,6 +161,8 @@ class JobRunner:
         carried = job.continuation.carried() if job.continuation else 0
         if run.output is None:
             run.output = for_job(job, self.tool_format, self.reasoning)
+        if self.prefixes is not None:
+            self.prefixes.ran(job)
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         run.began = time.monotonic()

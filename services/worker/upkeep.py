@@ -19,6 +19,7 @@ from services.worker.intake import Intake, Marks
 from services.worker.jobrun import Engine, JobRunner
 from services.worker.jobtable import JobTable, Phase, Run
 from services.worker.ownership import Ownership
+from services.worker.prefix_summary import PrefixSummary
 from services.worker.scheduling import SchedulerLink
 from shared.protocol import bus, keys
 from shared.redisio import clients as redis_clients
@@ -76,7 +77,7 @@ class Upkeep:
 
     def __init__(self, settings: UpkeepSettings, engine: Engine, worker_id: str, jobs: JobTable, runner: JobRunner,
                  intake: Intake, scheduler: SchedulerLink, ownership: Ownership, redis: aioredis.Redis,
-                 channels: aioredis.Redis) -> None:
+                 channels: aioredis.Redis, prefixes: PrefixSummary) -> None:
         self.settings = settings
         self.engine = engine
         self.worker_id = worker_id
@@ -89,6 +90,8 @@ class Upkeep:
         self.redis = redis
         self.channels = channels
         """The cancel and route subscription: quiet for long stretches, so no socket timeout."""
+        self.prefixes = prefixes
+        """What the engine holds, written with each heartbeat."""
         self.stopping = False
         """Set when the worker stops: its offer lapses and it claims nothing more."""
         self.beats = rawpipe.Pipelines(redis, keep=False)
@@ -153,6 +156,8 @@ class Upkeep:
             with rawpipe.Span(pipe) as renewal:
                 if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
                     self.scheduler.renew(pipe)
+            with rawpipe.Span(pipe) as summary:
+                held = self.prefixes.write(pipe, ttl_ms)
             reads = self._read_round(pipe)
             try:
                 results = await pipe.execute(raise_on_error=False)
@@ -164,6 +169,9 @@ class Upkeep:
             else:
                 if self.claims_after == math.inf:
                     self.claims_after = time.monotonic() + self.settings.heartbeat_ttl_s
+                    self.prefixes.lost()  # its set may have expired meanwhile: all of it is written next beat
+                else:
+                    self.prefixes.written(held, summary.of(results))
                 if renewed := renewal.of(results):
                     await self.scheduler.renewed(renewed[0])
                 reads.replies = results
@@ -177,6 +185,7 @@ class Upkeep:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(heartbeat)
         pipe.zrem(keys.WORKERS, heartbeat)
+        self.prefixes.forget(pipe)
         await pipe.execute()
 
     def _read_round(self, pipe: rawpipe.PipelineLike) -> RoundReads:

@@ -19,6 +19,7 @@ from services.worker.intake import Intake
 from services.worker.jobrun import Engine, JobRunner
 from services.worker.jobtable import JobTable
 from services.worker.ownership import Ownership
+from services.worker.prefix_summary import PrefixSummary
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
 from services.worker.upkeep import Upkeep
@@ -63,11 +64,13 @@ class Worker:
                                                                 access),
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
-        self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis)
+        self.prefixes = PrefixSummary(self.model, self.id,
+                                      settings.prefix_summary_size if settings.task == "generate" else 0)
+        self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis, self.prefixes)
         self.intake = Intake(settings, engine, self.id, self.jobs, self.runner, self.publisher, self.scheduler,
                              self.ownership, self.redis)
         self.upkeep = Upkeep(settings, engine, self.id, self.jobs, self.runner, self.intake, self.scheduler,
-                             self.ownership, self.redis, channels)
+                             self.ownership, self.redis, channels, self.prefixes)
         self.tasks: list[asyncio.Task[None]] = []
         self.puller: asyncio.Task[None] | None = None
 

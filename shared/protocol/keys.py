@@ -158,6 +158,12 @@ def job_reply_to(job_id: str) -> str:
     return f"{PREFIX}:replyto:{{{job_id}}}"
 
 
+def prefixes(model: str, worker_id: str) -> str:
+    """Set of the prompt prefixes (prefix chain links, shared.protocol.prefixes) a worker's engine holds, bounded
+    by its summary's capacity and expiring with its heartbeat: what cache-aware placement reads."""
+    return f"{PREFIX}:prefixes:{{{model}}}:{worker_id}"
+
+
 def dead_letters(model: str) -> str:
     """Jobs of a model taken off its queue after too many owners died running them, with the reason."""
     return f"{PREFIX}:deadletter:{{{model}}}"

@@ -1,0 +1,36 @@
+"""A job's prompt prefix as placement sees it, the same in every process: a chain of hashes over its leading
+parts, where link k names everything up to the end of part k. The parts are text, not tokens (the edge has no
+tokenizer): a chat's tools, if any, then its messages one by one; a completion's first prompt in CHUNK_CHARS
+pieces. Two jobs share link k exactly when they share parts 1..k. See docs/cache-aware-dispatch.md."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from shared.protocol import bus
+
+MAX_LINKS = 64
+"""The parts a chain names at most (a conversation's first 64 messages: placement needs no more)."""
+CHUNK_CHARS = 1024
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def chain(job: bus.Job) -> list[str]:
+    """The job's links, in order, each 16 hex digits; none for an embedding job."""
+    parts: list[bytes] = []
+    if job.kind == "chat":
+        if job.tool_use is not None:
+            parts.append(_encode(job.tool_use))
+        parts += [_encode(message) for message in job.messages[:MAX_LINKS]]
+    elif job.kind == "completion" and job.prompts:
+        text = job.prompts[0]
+        parts = [text[at:at + CHUNK_CHARS].encode() for at in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS)]
+    links: list[str] = []
+    digest = b""
+    for part in parts[:MAX_LINKS]:
+        digest = hashlib.blake2b(digest + part, digest_size=8).digest()
+        links.append(digest.hex())
+    return links
