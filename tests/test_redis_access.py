@@ -4,12 +4,14 @@ and `tokenbus keys` each logged in as its own user, over TCP and over TLS (`redi
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import json
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,24 @@ def assert_no_password_in_logs(stack: Stack, passwords: Path) -> None:
         assert password(passwords, user) not in logs
 
 
+async def conversation_file_and_batch(stack: Stack, key: str) -> None:
+    """The edge's other stores, as its user: a conversation, a batch file, and a batch of one line run to its
+    end (its output file written)."""
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    async with openai_client(stack, key) as client:
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "hi"}])
+        assert len([item async for item in client.conversations.items.list(conversation.id)]) == 1
+        uploaded = await client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        deadline = time.monotonic() + 30
+        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing"), batch
+            await asyncio.sleep(0.1)
+        assert batch.output_file_id and b'"custom_id":"a"' in (await client.files.content(batch.output_file_id)).content
+
+
 async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path: Path, passwords: Path) -> None:
     with Stack(tmp_path, secrets=passwords, login=worker_login(passwords)) as stack:
         stack.worker(sim_ttft_ms=1, sim_itl_ms=1, **login(passwords, "tokenbus-worker"))
@@ -134,6 +154,8 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
         key = create_key(stack, passwords)
         text, stored = await stream(stack, key)
         assert len(text.split()) == 5
+        await conversation_file_and_batch(stack, key)
+        assert list(stack.client.scan_iter(keys.prefixes(stack.model, "*")))  # the worker says what it holds
         stack.redis.stop()  # what scripts and transactions wrote comes back from the append-only file
         stack.redis.start()
         async with openai_client(stack, key) as client:
