@@ -117,6 +117,8 @@ class BatchDriver:
             await BatchRun(self.app, tenant, batch_id).drive()
         except (TokenbusError, *REDIS_FAILURES) as exc:  # another edge, or this one, takes it up again later
             log.warning("driving batch %s stopped: %s", batch_id, type(exc).__name__)
+        except Exception:
+            log.exception("driving batch %s failed", batch_id)
         finally:
             keeper.cancel()
             with contextlib.suppress(TokenbusError, *REDIS_FAILURES):
@@ -206,25 +208,38 @@ class BatchRun:
             return None
 
     async def _run(self, batch: Batch, caller: Caller, lines: list[BatchLine]) -> None:
-        answered = await self.store.answered(self.tenant, batch.id)
+        """Runs the lines without an answer, in rounds: a line whose answer could not be recorded (Redis failed
+        at that moment) runs again in the next round, a second later, until every line has one or the batch
+        stops."""
+        first = True
+        async with _watching(self, batch):
+            while not self.stopped:
+                answered = await self.store.answered_ids(self.tenant, batch.id)
+                todo = [(index, line) for index, line in enumerate(lines) if line.custom_id not in answered]
+                if not todo:
+                    return
+                if not first:
+                    await asyncio.sleep(RUN_AGAIN_S)
+                first = False
+                await self._round(batch, caller, todo)
+
+    async def _round(self, batch: Batch, caller: Caller, todo: list[tuple[int, BatchLine]]) -> None:
         window = asyncio.Semaphore(max(1, self.app[SETTINGS].batch_window))
-        todo = [(index, line) for index, line in enumerate(lines) if line.custom_id not in answered]
         waiting = len(todo)
         metrics.BATCH_LINES_WAITING.inc(waiting)
         try:
-            async with _watching(self, batch):
-                for index, line in todo:
-                    await window.acquire()
-                    if self.stopped:
-                        window.release()
-                        break
-                    waiting -= 1
-                    metrics.BATCH_LINES_WAITING.dec()
-                    task = asyncio.create_task(self._line(batch, caller, index, line))
-                    self.running.add(task)
-                    metrics.BATCH_LINES_RUNNING.inc()
-                    task.add_done_callback(functools.partial(self._line_ended, window))
-                await asyncio.gather(*self.running, return_exceptions=True)
+            for index, line in todo:
+                await window.acquire()
+                if self.stopped:
+                    window.release()
+                    break
+                waiting -= 1
+                metrics.BATCH_LINES_WAITING.dec()
+                task = asyncio.create_task(self._line(batch, caller, index, line))
+                self.running.add(task)
+                metrics.BATCH_LINES_RUNNING.inc()
+                task.add_done_callback(functools.partial(self._line_ended, window))
+            await asyncio.gather(*self.running, return_exceptions=True)
         finally:
             metrics.BATCH_LINES_WAITING.dec(waiting)
 
@@ -345,7 +360,7 @@ class BatchRun:
         metrics.BATCHES.labels(batch.status).inc()
 
     async def _expire_rest(self, batch: Batch, lines: list[BatchLine]) -> None:
-        answered = await self.store.answered(self.tenant, batch.id)
+        answered = await self.store.answered_ids(self.tenant, batch.id)
         for index, line in enumerate(lines):
             if line.custom_id not in answered:
                 await self.store.answer(self.tenant, batch, line.custom_id, shapes.unrun(

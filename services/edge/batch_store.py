@@ -207,6 +207,12 @@ class BatchStore:
         with redis_boundary(Overloaded):
             await self.redis.hset(keys.batch(tenant, batch.id), "info", msgspec.json.encode(batch))
 
+    async def answered_ids(self, tenant: str, batch_id: str) -> set[str]:
+        """The custom_ids answered so far (their answers left in Redis)."""
+        with redis_boundary(Overloaded):
+            found: list[bytes] = await self.redis.hkeys(keys.batch_lines(tenant, batch_id))  # type: ignore[assignment]
+        return {custom_id.decode() for custom_id in found}
+
     async def answered(self, tenant: str, batch_id: str) -> dict[str, bytes]:
         """The lines answered so far, by custom_id."""
         with redis_boundary(Overloaded):
