@@ -493,3 +493,19 @@ async def test_a_batch_is_its_tenants_alone_bounded_in_number_and_its_usage_coun
     finally:
         stack.edges.remove(edge)
         stack.kill(edge.process)
+
+
+async def test_a_batch_is_an_item_of_its_tenants_storage(stack: Stack) -> None:
+    """A batch's record counts as one stored item until it expires: a tenant whose storage holds two items has
+    room for its batch file and one batch, not a second (a tenant cannot pile up batch records unbounded)."""
+    key = create_key(stack, "--tenant", "hoarder", "--storage-items", "2")
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat(stack.model)})
+    async with openai.AsyncOpenAI(base_url=stack.edges[0].url + "/v1", api_key=key["key"], max_retries=0) as client:
+        uploaded = await client.files.create(file=("in.jsonl", line.encode()), purpose="batch")
+        await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    assert refused.value.body["code"] == "storage_quota_exceeded"
+

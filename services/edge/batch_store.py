@@ -13,18 +13,25 @@ import msgspec
 import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import redis_boundary
+from services.edge.store import Quota
 from shared.protocol import bus, keys
-from shared.protocol.errors import NotFound, Overloaded, RateLimited
+from shared.protocol.errors import NotFound, Overloaded, RateLimited, StorageFull
 from shared.tenancy.storage import TRIM_EXPIRED
 
-_CREATE = """
--- KEYS[1] the batch, KEYS[2] the tenant's index, KEYS[3] its open batches. ARGV: batch id, Batch JSON, key id,
--- created (ms), expiry (ms), most open batches.
-if tonumber(ARGV[6]) > 0 and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[6]) then return 0 end
-redis.call('HSET', KEYS[1], 'info', ARGV[2], 'key', ARGV[3])
-redis.call('PEXPIREAT', KEYS[1], ARGV[5])
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
-redis.call('SADD', KEYS[3], ARGV[1])
+_CREATE = TRIM_EXPIRED + """
+-- KEYS[3] the batch, KEYS[4] the tenant's index, KEYS[5] its open batches. ARGV: now, max bytes, max items, batch
+-- id, Batch JSON, key id, created (ms), expiry (ms), most open batches. Returns 1, 0 (too many open) or -1 (its
+-- storage is full: the batch's record is an item, a:<id>, with its bytes, until it expires).
+if tonumber(ARGV[9]) > 0 and redis.call('SCARD', KEYS[5]) >= tonumber(ARGV[9]) then return 0 end
+local size = #ARGV[5] + 64
+local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
+if (max_bytes > 0 and held + size > max_bytes) or (max_items > 0 and items + 1 > max_items) then return -1 end
+redis.call('HSET', KEYS[3], 'info', ARGV[5], 'key', ARGV[6])
+redis.call('PEXPIREAT', KEYS[3], ARGV[8])
+redis.call('ZADD', KEYS[4], ARGV[7], ARGV[4])
+redis.call('SADD', KEYS[5], ARGV[4])
+redis.call('HSET', tally, 'a:' .. ARGV[4], size, 'bytes', held + size, 'items', items + 1)
+redis.call('ZADD', expiry, ARGV[8], 'a:' .. ARGV[4])
 return 1
 """
 
@@ -49,6 +56,7 @@ _SETTLE = TRIM_EXPIRED + """
 -- expiry (ms). Its answers are in its files now: the lines go, and their bytes leave the tally.
 redis.call('HSET', KEYS[3], 'info', ARGV[4])
 redis.call('PEXPIREAT', KEYS[3], ARGV[5])
+if redis.call('ZSCORE', expiry, 'a:' .. ARGV[3]) then redis.call('ZADD', expiry, ARGV[5], 'a:' .. ARGV[3]) end
 redis.call('DEL', KEYS[4])
 redis.call('SREM', KEYS[5], ARGV[3])
 local size = redis.call('HGET', tally, ARGV[2])
@@ -151,20 +159,28 @@ class BatchStore:
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
-    async def create(self, tenant: str, key_id: str, batch: Batch, max_open: int) -> None:
-        """Stores a new batch and makes it open (or RateLimited: the tenant has `max_open` open already)."""
+    async def create(self, tenant: str, key_id: str, batch: Batch, max_open: int, quota: Quota) -> None:
+        """Stores a new batch and makes it open; its record is an item of the tenant's storage until it expires.
+        RateLimited: the tenant has `max_open` open already; StorageFull: its storage has no room."""
         expires_ms = batch.expires_at * 1000 + self.ttl_ms
         with redis_boundary(Overloaded):
             # open first: a batch stored by an edge that died on the way is still found and driven (an open member
             # without a batch is dropped)
             await self.redis.zadd(keys.BATCHES_OPEN, {open_member(tenant, batch.id): batch.created_at * 1000})
-            made = await self._create(
-                keys=[keys.batch(tenant, batch.id), keys.batches(tenant), keys.batches_running(tenant)],
-                args=[batch.id, msgspec.json.encode(batch), key_id, batch.created_at * 1000, expires_ms, max_open])
-        if not int(made):
+            made = int(await self._create(
+                keys=[keys.storage_tally(tenant), keys.storage_expiry(tenant), keys.batch(tenant, batch.id),
+                      keys.batches(tenant), keys.batches_running(tenant)],
+                args=[bus.now_ms(), quota.bytes, quota.items, batch.id, msgspec.json.encode(batch), key_id,
+                      batch.created_at * 1000, expires_ms, max_open]))
+        if made != 1:
             await self.redis.zrem(keys.BATCHES_OPEN, open_member(tenant, batch.id))
+        if made == 0:
             raise RateLimited(f"You have {max_open} batches open already: wait for one to end, or cancel one.",
                               limit="batches", retry_after_s=60)
+        if made == -1:
+            raise StorageFull("Your storage is full: a batch's record is kept as one item until it expires. Delete "
+                              "files, stored responses or conversations, or wait for them to expire.",
+                              param="input_file_id")
 
     async def load(self, tenant: str, batch_id: str) -> Found | None:
         with redis_boundary(Overloaded):

@@ -16,7 +16,7 @@ from services.edge.formats import batches as shapes
 from services.edge.formats.base import encode
 from services.edge.formats.files import batch_lines
 from services.edge.server import read_body
-from services.edge.state import BATCHES, FILES, SETTINGS
+from services.edge.state import BATCHES, FILES, SETTINGS, STORE
 from shared.protocol.errors import InvalidRequest
 from shared.runtime import metrics
 
@@ -40,7 +40,8 @@ async def create(request: web.Request) -> web.Response:
                          completion_window=asked.completion_window, status="validating", created_at=now,
                          expires_at=now + shapes.window_s(asked.completion_window), metadata=asked.metadata,
                          request_counts=RequestCounts(total=len(lines)))
-    await request.app[BATCHES].create(caller.tenant, caller.key_id, batch, request.app[SETTINGS].batch_max_open)
+    await request.app[BATCHES].create(caller.tenant, caller.key_id, batch, request.app[SETTINGS].batch_max_open,
+                                      request.app[STORE].quota(caller.key))
     metrics.BATCHES.labels("created").inc()
     await request.app[BATCH_DRIVER].begin(caller.tenant, batch.id)
     return _json(batch)

@@ -112,7 +112,8 @@ def batch_driver(batch_id: str) -> str:
 
 def storage_tally(tenant: str) -> str:
     """Hash of what one tenant holds stored: `bytes` and `items` in all, and each item's bytes by its member
-    (r:<response id>, c:<conversation id>, f:<file id>, s:<job id>, l:<job id>: see shared.tenancy.storage)."""
+    (r:<response id>, c:<conversation id>, f:<file id>, a:<batch id> (its record), b:<batch id> (its answers until
+    its files take their place), s:<job id>, l:<job id>: see shared.tenancy.storage)."""
     return f"{PREFIX}:storage:{{{tenant_tag(tenant)}}}:tally"
 
 

@@ -27,11 +27,11 @@ LOG_ENTRY_BYTES = 48
 TRIM_EXPIRED = """
 local tally, expiry = KEYS[1], KEYS[2]
 local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1], 'LIMIT', 0, TRIM_BATCH)
--- an item is a stored response, a conversation or a file; a stream's request and its log count bytes only (a busy
--- tenant streams thousands)
+-- an item is a stored response, a conversation, a file or a batch (its record); a stream's request and its log, and
+-- a batch's answers, count bytes only (a busy tenant streams thousands)
 local function counted(member)
   local kind = string.sub(member, 1, 2)
-  return (kind == 'r:' or kind == 'c:' or kind == 'f:') and 1 or 0
+  return (kind == 'r:' or kind == 'c:' or kind == 'f:' or kind == 'a:') and 1 or 0
 end
 for _, member in ipairs(gone) do
   local size = redis.call('HGET', tally, member)
