@@ -56,6 +56,8 @@ WATCH_S = 1.0
 """How often a driver looks for a cancel, the batch's expiry and its tenant's storage."""
 QUEUE_RETRY_S = 0.5
 """How long a line whose queue was full waits before it is offered again."""
+MAX_LOST_WORKERS = 2
+"""Workers a line may lose before it fails (a line whose job kills every worker that runs it must not go on)."""
 RUN_AGAIN_S = 1.0
 """How long a line whose worker was lost, or whose model has no live worker now, waits before it runs again."""
 MAX_EMBEDDING_INPUTS = 50_000
@@ -272,6 +274,7 @@ class BatchRun:
         """Runs one line and records its answer (unless another driver did)."""
         request_id = f"{batch.id}_{index}"
         usage = (0, 0)
+        lost = 0
         try:
             while True:
                 try:
@@ -280,7 +283,9 @@ class BatchRun:
                     body, usage = await self._answer(batch, caller, plan)
                     break
                 except (ModelNotFound, WorkerLost) as exc:
-                    if not self._worth_waiting(exc, caller, line) or time.time() + RUN_AGAIN_S >= batch.expires_at:
+                    lost += isinstance(exc, WorkerLost)
+                    if (not self._worth_waiting(exc, caller, line) or lost > MAX_LOST_WORKERS
+                            or time.time() + RUN_AGAIN_S >= batch.expires_at):
                         raise
                 await asyncio.sleep(RUN_AGAIN_S)
             ok, recorded = True, shapes.answered(request_id, line.custom_id, body)
