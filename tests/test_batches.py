@@ -35,6 +35,13 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(one) + "\n" for one in lines).encode()
 
 
+async def submitted(client: openai.AsyncOpenAI, asked: list[dict[str, Any]], window: str = "24h") -> Batch:
+    """A batch of these chat lines, uploaded and created as a client does."""
+    uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
+    return await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                       completion_window=window)
+
+
 async def ended(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 60) -> Batch:
     deadline = time.monotonic() + timeout_s
     while (batch := await client.batches.retrieve(batch_id)).status not in ("completed", "failed", "expired",
@@ -119,9 +126,7 @@ async def test_a_batch_outlives_its_edge_and_a_worker_each_line_answered_exactly
     asked = [line(f"line-{i}", chat(stack.model, f"question {i}", tokens=6)) for i in range(total)]
     async with openai.AsyncOpenAI(base_url=driving.url + "/v1", api_key="unused", max_retries=0) as client, \
             openai.AsyncOpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0) as survivor:
-        uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
-        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+        batch = await submitted(client, asked)
         await answered(survivor, batch.id, at_least=100)
         stack.kill(driving.process)
         stack.edges.remove(driving)
@@ -181,9 +186,7 @@ async def test_interactive_work_goes_before_a_batchs_queued_lines(stack: Stack) 
     stack.worker(sim_itl_ms=20, max_num_seqs=4, fair_headroom=0)
     asked = [line(f"b{i}", chat(stack.model, f"question {i}", tokens=20)) for i in range(64)]
     async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
-        uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
-        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+        batch = await submitted(client, asked)
         await answered(client, batch.id)
         waits = []
         for _ in range(3):
@@ -268,9 +271,7 @@ async def test_a_batch_waits_out_a_restart_of_its_models_only_worker(stack: Stac
     doomed = stack.worker(sim_itl_ms=20, max_num_seqs=4)
     asked = [line(f"r{i}", chat(stack.model, f"question {i}", tokens=10)) for i in range(40)]
     async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
-        uploaded = await client.files.create(file=("requests.jsonl", jsonl(asked)), purpose="batch")
-        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+        batch = await submitted(client, asked)
         await answered(client, batch.id, at_least=8)
         stack.kill(doomed.process)
         stack.workers.remove(doomed)
