@@ -155,7 +155,10 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
         text, stored = await stream(stack, key)
         assert len(text.split()) == 5
         await conversation_file_and_batch(stack, key)
-        assert list(stack.client.scan_iter(keys.prefixes(stack.model, "*")))  # the worker says what it holds
+        deadline = time.monotonic() + 10  # the worker says what it holds with its next heartbeat
+        while not list(stack.client.scan_iter(keys.prefixes(stack.model, "*"))):
+            assert time.monotonic() < deadline, "the worker never wrote its prefix set"
+            await asyncio.sleep(0.2)
         stack.redis.stop()  # what scripts and transactions wrote comes back from the append-only file
         stack.redis.start()
         async with openai_client(stack, key) as client:
