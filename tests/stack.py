@@ -4,6 +4,7 @@ simulated workers (`tokenbus worker --engine sim`), each a separate process to k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,11 +101,26 @@ class Stack:
         return any(f"-{pid}-" in key.decode() for key in self.client.scan_iter(keys.worker_heartbeat(self.model, "*")))
 
     def busiest(self) -> WorkerProcess:
-        """The live worker with the most jobs pending in the queue's consumer group."""
-        summary: Any = self.client.xpending(keys.requests_stream(self.model), keys.WORKER_GROUP)
-        counts = {c["name"].decode(): int(c["pending"]) for c in summary["consumers"]}
+        """The live worker with the most jobs pending in the queue's consumer group (on every request stream)."""
+        counts: dict[str, int] = {}
+        for summary in self._pending_summaries():
+            for consumer in summary["consumers"]:
+                name = consumer["name"].decode()
+                counts[name] = counts.get(name, 0) + int(consumer["pending"])
         live = [w for w in self.workers if w.process.poll() is None]
         return max(live, key=lambda w: sum(n for name, n in counts.items() if f"-{w.process.pid}-" in name))
+
+    def request_streams(self) -> list[str]:
+        """The model's request stream and the workers' own streams (cache-aware dispatch)."""
+        own = self.client.scan_iter(keys.worker_requests(self.model, "*"), _type="stream")
+        return [keys.requests_stream(self.model), *(key.decode() for key in own)]
+
+    def _pending_summaries(self) -> list[Any]:
+        summaries = []
+        for stream in self.request_streams():
+            with contextlib.suppress(redis.ResponseError):  # a stream without the group yet
+                summaries.append(self.client.xpending(stream, keys.WORKER_GROUP))
+        return summaries
 
     def kill(self, process: subprocess.Popen[bytes]) -> None:
         """SIGKILL of the process and its children, as when its container dies."""
@@ -116,8 +132,8 @@ class Stack:
         return found
 
     def pending(self) -> int:
-        summary: Any = self.client.xpending(keys.requests_stream(self.model), keys.WORKER_GROUP)
-        return int(summary["pending"])
+        """Entries read by a worker and not yet acknowledged, on every request stream of the model."""
+        return sum(int(summary["pending"]) for summary in self._pending_summaries())
 
     async def settled(self, timeout_s: float = 15.0) -> None:
         """Waits until nothing is pending, no edge has a request in flight and no live worker runs a job."""

@@ -57,8 +57,8 @@ class Pool:
         return fairshare.outcome((await pipe.execute())[0])
 
     async def offer(self, slots: int | None = None, ttl_ms: int = 60_000) -> int:
-        return await self.scheduler.dispatch(self.model, fairshare.Offer("w", self.slots if slots is None else slots,
-                                                                         ttl_ms))
+        offer = fairshare.Offer("w", self.slots if slots is None else slots, ttl_ms)
+        return (await self.scheduler.dispatch(self.model, offer)).sent
 
     async def take(self) -> list[tuple[bytes, bus.Job, fairshare.Ticket | None]]:
         """What the worker reads: every job delivered to it so far."""
@@ -171,10 +171,10 @@ async def test_a_job_that_finds_a_free_slot_and_no_backlog_is_charged_as_through
     await straight.offer()
     for tenant, weight in (("a", 1.0), ("b", 2.0), ("a", 1.0)):
         admitted = await straight.enqueue(make_job(straight.model, tenant, weight=weight))
-        assert isinstance(admitted, fairshare.Admitted) and (admitted.member, admitted.dispatched) == (b"", 1)
+        assert isinstance(admitted, fairshare.Admitted) and (admitted.member, admitted.dispatched.sent) == (b"", 1)
         await through.offer(slots=0)  # no room: the job waits in its tenant's backlog until the offer below
         queued = await through.enqueue(make_job(through.model, tenant, weight=weight))
-        assert isinstance(queued, fairshare.Admitted) and queued.member and queued.dispatched == 0
+        assert isinstance(queued, fairshare.Admitted) and queued.member and queued.dispatched.sent == 0
         await through.offer()
         for pool_ in (straight, through):
             taken = await pool_.take()
@@ -370,7 +370,7 @@ async def test_a_tenant_holding_the_headroom_s_worth_leaves_it_to_one_that_comes
     flooding = await fair.take()
     assert len(flooding) == 6
     admitted = await fair.enqueue(make_job(fair.model, "newcomer"))
-    assert isinstance(admitted, fairshare.Admitted) and admitted.dispatched == 1
+    assert isinstance(admitted, fairshare.Admitted) and admitted.dispatched.sent == 1
     assert [job.tenant for _id, job, _ticket in await fair.take()] == ["newcomer"]
     await fair.finish(flooding[:3])
     assert [job.tenant for _id, job, _ticket in await fair.take()] == ["flood"] * 2

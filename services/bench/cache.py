@@ -6,9 +6,10 @@ workers' hit rate at 2, 4 and 8 workers, on three workloads:
 - multi-turn: conversations whose every turn sends the whole history again, plus the new turn;
 - no shared prefix: long prompts that share nothing (where placement cannot help, and must not hurt).
 
-Each worker's cache holds a fraction of the workload's prefixes: a dispatch that sends every job to any free
-worker (today's) finds a prefix where it was prefilled only by chance; issue 38's cache-aware dispatch is measured
-against these figures."""
+Each worker's cache holds a fraction of the workload's prefixes: a cache-blind dispatch (every job to any free
+worker) finds a prefix where it was prefilled only by chance; cache-aware dispatch sends a job to a worker holding
+its prefix. Each cell runs both, one after the other on fresh processes, and the report gives aware over blind with
+a bootstrap interval over the requests."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from pathlib import Path
 import httpx
 
 from services.bench import load, systems
-from services.bench.stats import Summary
+from services.bench.stats import Interval, Summary, bootstrap_ratio_of_medians
 from services.bench.workload import Request, prompt_of
 
 SHARED, MULTI_TURN, UNSHARED = "shared prefixes", "multi-turn", "no shared prefix"
 WORKLOADS = (SHARED, MULTI_TURN, UNSHARED)
+DISPATCHES = ("blind", "aware")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,10 @@ class Plan:
 class Cell:
     workload: str
     workers: int
+    dispatch: str
     ttft_ms: Summary
+    ttfts: tuple[float, ...]
+    """Each request's time to first token (s)."""
     output_throughput: float
     hit_rate: float
     """Prompt words the workers' caches held, of those looked up."""
@@ -68,8 +73,20 @@ class Cell:
 @dataclass(frozen=True)
 class Result:
     plan: Plan
-    dispatch: str
     cells: list[Cell]
+    decisions: dict[str, dict[str, float]]
+    """Per cell of aware dispatch (workload, workers), its placements by reason."""
+
+    def pairs(self) -> list[tuple[Cell, Cell]]:
+        """(blind, aware) of each workload and worker count."""
+        found = {(cell.workload, cell.workers, cell.dispatch): cell for cell in self.cells}
+        return [(found[w, n, "blind"], found[w, n, "aware"]) for w, n, d in found if d == "blind"
+                and (w, n, "aware") in found]
+
+
+def ttft_ratio(blind: Cell, aware: Cell) -> Interval:
+    """Aware over blind: time to first token p50, with its interval."""
+    return bootstrap_ratio_of_medians(aware.ttfts, blind.ttfts)
 
 
 def workload(name: str, plan: Plan, seed: int = 0) -> list[Request]:
@@ -90,31 +107,45 @@ def workload(name: str, plan: Plan, seed: int = 0) -> list[Request]:
                     plan.max_tokens) for _ in range(plan.requests)]
 
 
-def measure(log: Path, plan: Plan, dispatch: str = "cache-blind") -> Result:
+def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> Result:
     engine = systems.Engine(model="sim-model", model_dir=Path("."))
-    cells = []
+    cells, decisions = [], {}
     for name in WORKLOADS:
         for workers in plan.workers:
-            with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
-                                  worker_settings={"max_num_seqs": plan.slots,
-                                                   "sim_prefill_us_per_token": plan.prefill_us_per_word,
-                                                   "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
-                cells.append(asyncio.run(_cell(running, engine.model, name, workers, plan)))
-    return Result(plan, dispatch, cells)
+            for dispatch in dispatches:
+                with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
+                                      edge_settings={"dispatch": dispatch},
+                                      worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
+                                                       "sim_prefill_us_per_token": plan.prefill_us_per_word,
+                                                       "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
+                    cell, placed = asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
+                cells.append(cell)
+                if dispatch == "aware":
+                    decisions[f"{name}, {workers} workers"] = placed
+    return Result(plan, cells, decisions)
 
 
-async def _cell(running: systems.Running, model: str, name: str, workers: int, plan: Plan) -> Cell:
+async def _cell(running: systems.Running, model: str, name: str, workers: int, dispatch: str,
+                plan: Plan) -> tuple[Cell, dict[str, float]]:
     shape = load.Load(running.base_url, model, concurrency=plan.concurrency)
-    result = await load.run(shape, workload(name, plan), system=f"{workers} workers", quiet=True)
+    timings, duration = await load.collect(shape, workload(name, plan), system=f"{workers} workers", quiet=True)
+    result = load.summarize(f"{workers} workers", shape, timings, duration)
     queried = hit = 0.0
+    placed: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=10) as http:
-        for url in running.worker_metrics_urls:
+        for url in (*running.worker_metrics_urls, *running.metrics_urls):
             text = (await http.get(url)).text
-            queried += _sample(text, "tokenbus_worker_prefix_cache_queries_total")
-            hit += _sample(text, "tokenbus_worker_prefix_cache_hits_total")
-    return Cell(name, workers, result.ttft_ms, result.output_throughput, hit / queried if queried else 0.0,
-                result.requests, result.failed)
+            queried += sample(text, "tokenbus_worker_prefix_cache_queries_total")
+            hit += sample(text, "tokenbus_worker_prefix_cache_hits_total")
+            for line in text.splitlines():
+                if line.startswith("tokenbus_dispatch_decisions_total{"):
+                    reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                    placed[reason] = placed.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    cell = Cell(name, workers, dispatch, result.ttft_ms, tuple(t.ttft for t in timings if t.ok),
+                result.output_throughput, hit / queried if queried else 0.0, result.requests, result.failed)
+    return cell, placed
 
 
-def _sample(text: str, name: str) -> float:
+def sample(text: str, name: str) -> float:
+    """The sum of a metric's labelled series in a Prometheus text page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

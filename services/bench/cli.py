@@ -231,7 +231,7 @@ def _cache(args: argparse.Namespace) -> int:
     print(f"prefix cache: logs in {log_dir}", file=sys.stderr)
     result = cache.measure(log_dir / "cache.log", cache.Plan.quick() if args.quick else cache.Plan())
     for cell in result.cells:
-        print(f"{cell.workload}, {cell.workers} workers: TTFT p50 {cell.ttft_ms.p50:.0f} ms, "
+        print(f"{cell.workload}, {cell.workers} workers, {cell.dispatch}: TTFT p50 {cell.ttft_ms.p50:.0f} ms, "
               f"{cell.output_throughput:.0f} tok/s, hit rate {cell.hit_rate:.0%}, {cell.failed} failed")
     cache_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
     print(f"wrote the prefix cache section of {args.out}")

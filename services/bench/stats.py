@@ -85,6 +85,24 @@ def bootstrap_mean(values: Sequence[float], *, resamples: int = 4000, confidence
     return Interval(sum(values) / rounds, low, high, rounds)
 
 
+def bootstrap_ratio_of_medians(ours: Sequence[float], theirs: Sequence[float], *, resamples: int = 2000,
+                               confidence: float = 0.95, seed: int = 0) -> Interval:
+    """median(ours) / median(theirs) of two independent samples (the requests of two runs), and its
+    percentile-bootstrap interval: each resample draws each sample's values with replacement."""
+    if not ours or not theirs:
+        return Interval(math.nan, math.nan, math.nan, 0)
+    rng = random.Random(seed)  # nosec B311: a benchmark's seeded resampling
+
+    def ratio(a: Sequence[float], b: Sequence[float]) -> float:
+        below = percentile(b, 50)
+        return percentile(a, 50) / below if below else math.nan
+
+    estimates = [ratio(rng.choices(ours, k=len(ours)), rng.choices(theirs, k=len(theirs))) for _ in range(resamples)]
+    tail = (1 - confidence) / 2 * 100
+    return Interval(ratio(ours, theirs), percentile(estimates, tail), percentile(estimates, 100 - tail),
+                    min(len(ours), len(theirs)))
+
+
 def _bootstrap(rounds: int, statistic: Callable[[list[int]], float], resamples: int, confidence: float,
                seed: int) -> tuple[float, float]:
     """The percentile-bootstrap interval of `statistic` over resamples of the round indices (drawn with

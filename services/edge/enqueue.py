@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,6 +24,11 @@ from shared.redisio import rawpipe
 from shared.redisio.rawpipe import PipelineLike
 from shared.runtime import metrics
 from shared.tenancy import fairshare
+
+WAKE_MARGIN_S = 0.005
+"""After a bound's end, so that the dispatch finds it over (Redis's clock and ours agree to a few ms on one host)."""
+WAKE_COALESCE_S = 0.025
+"""Dispatches for bounds ending this close together are one."""
 
 Record = tuple[str, bytes, int]
 """A key written with a job: (key, value, time to live in ms)."""
@@ -52,6 +58,9 @@ class JobQueue:
         self.scheduler = scheduler
         self.batch: list[_Put] = []
         self.writer: asyncio.Task[None] | None = None
+        self.wakeups: dict[str, float] = {}
+        """Per model, when (loop time) the last dispatch this edge set for a bound's end runs."""
+        self.waking: set[asyncio.Task[Any]] = set()
 
     async def put(self, job: bus.Job, record: Record | None = None) -> fairshare.Admitted:
         """Enqueues a job; `record` (key, value, ttl in ms) is written with it, before it (and removed again if
@@ -134,7 +143,9 @@ class JobQueue:
     def _resolve(self, put: _Put, outcome: Outcome) -> bool:
         """Settles a put's future; True if admission refused the job."""
         if isinstance(outcome, fairshare.Admitted):
-            metrics.EDGE_DISPATCHES.labels(put.job.model).inc(outcome.dispatched)
+            outcome.dispatched.count(put.job.model, metrics.EDGE_DISPATCHES, metrics.EDGE_DISPATCH_DECISIONS)
+            if outcome.member:
+                self._wake_at_bound(put.job.model)
         elif isinstance(outcome, TokenbusError):
             metrics.ADMISSION_REFUSALS.labels(put.job.model, outcome.code).inc()
         if not put.written.done():  # else its request went away meanwhile (its job is cancelled on the way out)
@@ -156,6 +167,29 @@ class JobQueue:
         for put in puts:
             put.retried = True
         self.batch[:0] = puts
+
+    def _wake_at_bound(self, model: str) -> None:
+        """A queued job may wait for a busy worker holding its prefix until its bound: a dispatch then sends it on
+        (to any worker) even if no job ends and no worker beats meanwhile. One per model within WAKE_COALESCE_S."""
+        wait_s = self.scheduler.affinity_wait_s()
+        if wait_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        at = loop.time() + wait_s + WAKE_MARGIN_S
+        if abs(self.wakeups.get(model, -math.inf) - at) < WAKE_COALESCE_S:
+            return
+        self.wakeups[model] = at
+        loop.call_at(at, self._wake, model)
+
+    def _wake(self, model: str) -> None:
+        task = asyncio.create_task(self._dispatch(model), name="bound-dispatch")
+        self.waking.add(task)
+        task.add_done_callback(self.waking.discard)
+
+    async def _dispatch(self, model: str) -> None:
+        with contextlib.suppress(*REDIS_FAILURES):
+            moved = await self.scheduler.dispatch(model)
+            moved.count(model, metrics.EDGE_DISPATCHES, metrics.EDGE_DISPATCH_DECISIONS)
 
     async def _forget(self, records: list[str]) -> None:
         """Removes the resume records of refused jobs: there is nothing to resume."""

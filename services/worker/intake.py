@@ -53,7 +53,10 @@ CHECK_WAIT_S = 5.0
 outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
-"""Entries of the request stream: their ids and fields."""
+"""Entries of a request stream: their ids and fields."""
+MOVED_FIELD = b"m"
+"""Marks an entry moved back to the model's stream from a worker's own after that worker, having read it, stopped
+beating (shared.tenancy.fairshare_lua.RESCUE): it is taken over as a claim is."""
 
 
 @dataclass(frozen=True)
@@ -105,16 +108,19 @@ class Intake:
         engine, and redis-py converts each reply and checks a connection out of its pool in Python."""
 
     async def ensure_group(self) -> None:
+        """The workers' group on the model's stream and on this worker's own (made if missing)."""
         try:
             await self.redis.xgroup_create(self.stream, keys.WORKER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        await self.ownership.register()
 
     async def pull(self) -> None:
         """Reads jobs into free slots. The scheduler's dispatch fills the request stream at the first read (this
         worker's slots join the offer); after that an edge's enqueue, the settle written with each finished job's
-        ack and the heartbeat's offer renewal dispatch, so an idle read costs no script call."""
+        ack and the heartbeat's offer renewal dispatch, so an idle read costs no script call. One read takes the
+        jobs placed on this worker's own stream and those on the model's."""
         await self.scheduler.dispatch()
         while True:
             free = self.jobs.free_slots()
@@ -124,7 +130,7 @@ class Intake:
             try:
                 pipe = self.pulls.pipeline()
                 pipe.execute_command("XREADGROUP", "GROUP", keys.WORKER_GROUP, self.worker_id, "COUNT", free,
-                                     "BLOCK", PULL_BLOCK_MS, "STREAMS", self.stream, ">")
+                                     "BLOCK", PULL_BLOCK_MS, "STREAMS", self.ownership.own, self.stream, ">", ">")
                 reply = (await pipe.execute())[0]
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -135,34 +141,40 @@ class Intake:
                 log.warning("reading jobs failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            if entries := [(entry_id, rawpipe.field_map(fields)) for entry_id, fields in rawpipe.stream_entries(reply)]:
-                self._accept(entries)
+            for stream, entries in rawpipe.streams_entries(reply):
+                self._accept([(entry_id, rawpipe.field_map(fields)) for entry_id, fields in entries],
+                             "" if stream in (self.stream, self.stream.encode()) else self.ownership.own)
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
 
     def claimed(self, entries: Entries) -> None:
-        """Takes over the jobs of the entries claimed from a worker that stopped beating."""
-        for run in self._decode(entries):
+        """Takes over the jobs of the entries claimed from a worker that stopped beating (or moved back to the
+        model's stream from its own)."""
+        for run in self._decode(entries, ""):
             if run.job.id in self.jobs:  # ours, grown idle while Redis was away: the claim only refreshed it
                 continue
             metrics.RECLAIMS.labels(self.model).inc()
             log.info("claimed job %s from a worker that stopped beating", run.job.id)
             self._start(run, self._take_over(run, reclaimed=True))
 
-    def _decode(self, entries: Entries) -> list[Run]:
-        """A run for each well-formed entry; a malformed one is dropped."""
+    def _decode(self, entries: Entries, stream: str) -> list[Run]:
+        """A run for each well-formed entry of a stream ("": the model's); a malformed one is dropped."""
         jobs: list[Run] = []
         for entry_id, fields in entries:
             try:
-                jobs.append(Run(bus.decode_job(fields[bus.JOB_FIELD]), entry_id, fairshare.Ticket.from_fields(fields)))
+                jobs.append(Run(bus.decode_job(fields[bus.JOB_FIELD]), entry_id, fairshare.Ticket.from_fields(fields),
+                                stream=stream))
             except (KeyError, ValueError) as exc:
                 log.error("dropping malformed job entry %s: %s", entry_id, type(exc).__name__)
-                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, entry_id)
+                self.publisher.ack_after(stream or self.stream, keys.WORKER_GROUP, entry_id)
         return jobs
 
-    def _accept(self, entries: Entries) -> None:
-        """Starts a batch of jobs; one lookup, in the publisher's next write, tells which were cancelled or resumed
-        while they waited."""
-        runs = self._decode(entries)
+    def _accept(self, entries: Entries, stream: str) -> None:
+        """Starts a batch of jobs of a stream; one lookup, in the publisher's next write, tells which were
+        cancelled or resumed while they waited."""
+        if moved := [(entry_id, fields) for entry_id, fields in entries if MOVED_FIELD in fields]:
+            self.claimed(moved)  # read by a worker that stopped beating, then moved back to the model's stream
+            entries = [(entry_id, fields) for entry_id, fields in entries if MOVED_FIELD not in fields]
+        runs = self._decode(entries, stream)
         fresh = [run for run in runs if not run.job.handovers]
         for run in runs:
             if run.job.handovers:
@@ -267,7 +279,7 @@ class Intake:
         return True
 
     async def _dead_letter(self, run: Run, reason: str) -> None:
-        await self.ownership.dead_letter(run.entry_id, run.job, reason)
+        await self.ownership.dead_letter(run, reason)
         run.give_up()
         self.runner.end_with(run, WorkerLost(f"The job was given up: {reason}."))
         metrics.DEAD_LETTERS.labels(self.model).inc()

@@ -104,7 +104,8 @@ class JobRunner:
         finally:
             self.jobs.remove(run)
             if run.acknowledges:  # the run that ends the job settles its fair-share charge with the ack
-                self.publisher.ack_after(self.stream, keys.WORKER_GROUP, run.entry_id, run.settlement())
+                self.publisher.ack_after(run.stream or self.stream, keys.WORKER_GROUP, run.entry_id,
+                                         run.settlement())
             if run.publishes:  # this owner ended the job: settle what it cost its key
                 self._settle_cost(run)
             if run.job.replayable:

@@ -50,6 +50,8 @@ class Run:
     job: bus.Job
     entry_id: bytes
     ticket: fairshare.Ticket | None = None
+    stream: str = ""
+    """The stream its entry is on: a worker's own (cache-aware dispatch placed it there), or "" for its model's."""
     """What the fair-share scheduler charged for the job (None: it came without the scheduler)."""
     epoch: int = 1
     next_seq: int = 0

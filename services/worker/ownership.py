@@ -1,6 +1,7 @@
 """Who owns which job: a worker keeps its claims fresh, takes over the entries of dead workers (XAUTOCLAIM
-past an idle time tied to the heartbeat TTL), forgets dead consumers, and reads what a former owner left
-in a job's log so that the job continues after the last event its client can have.
+past an idle time tied to the heartbeat TTL; on workers' own streams, moved back to the model's stream), forgets
+dead consumers, and reads what a former owner left in a job's log so that the job continues after the last event
+its client can have.
 
 An entry's idle time restarts whenever its owner refreshes it (every heartbeat), so only the entries of a
 worker that stopped beating grow idle enough to be claimed.
@@ -16,9 +17,12 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from shared.protocol import bus, joblog, keys
+from services.worker.jobtable import Run
+from shared.protocol import bus, joblog, keys, prefixes
 from shared.protocol.sequence import in_order
 from shared.redisio.rawpipe import PipelineLike, field_map
+from shared.tenancy import fairshare
+from shared.tenancy.fairshare_lua import HAND_OVER, RESCUE
 
 log = logging.getLogger(__name__)
 
@@ -59,27 +63,76 @@ class Takeover:
 class Ownership:
     """The ownership side of one worker of one model's queue."""
 
-    def __init__(self, redis: aioredis.Redis, worker_id: str, model: str, stream: str, group: str) -> None:
+    def __init__(self, redis: aioredis.Redis, worker_id: str, model: str, stream: str, group: str,
+                 aware: bool = True) -> None:
         self.redis = redis
         self.worker_id = worker_id
         self.model = model
         self.stream = stream
+        self.own = keys.worker_requests(model, worker_id)
+        """This worker's own stream (cache-aware dispatch)."""
         self.group = group
+        self.aware = aware
+        """Whether a job handed over goes to a worker holding its prompt's prefix, when one has room."""
         self._refresh = redis.register_script(_REFRESH)
+        self._hand_over = redis.register_script(HAND_OVER)
+        self._rescue = redis.register_script(RESCUE)
 
-    def read_refresh(self, pipe: PipelineLike, entry_ids: list[bytes]) -> None:
-        """Adds to a pipeline the refresh of these entries (their idle time restarts while they are ours);
-        `lost` takes its reply."""
-        pipe.execute_command("EVALSHA", self._refresh.sha, 1, self.stream, self.group, self.worker_id, *entry_ids)
+    def stream_of(self, run: Run) -> str:
+        """The stream a run's entry is on."""
+        return run.stream or self.stream
 
-    async def lost(self, reply: Any, entry_ids: list[bytes]) -> set[bytes]:
-        """The entries of a refresh that another worker has taken; a Redis that lost the script runs it again,
-        loading it."""
-        if isinstance(reply, NoScriptError):
-            reply = await self._refresh(keys=[self.stream], args=[self.group, self.worker_id, *entry_ids])
-        elif isinstance(reply, Exception):
-            raise reply
-        return {bytes(entry) for entry in reply or ()}
+    @staticmethod
+    def by_stream(runs: list[Run]) -> dict[str, list[Run]]:
+        """Runs grouped by the stream of their entries ("": the model's)."""
+        grouped: dict[str, list[Run]] = {}
+        for run in runs:
+            grouped.setdefault(run.stream, []).append(run)
+        return grouped
+
+    def read_refresh(self, pipe: PipelineLike, runs: list[Run]) -> None:
+        """Adds to a pipeline the refresh of these runs' entries (their idle time restarts while they are ours), one
+        command per stream of `by_stream`; `lost` takes their replies."""
+        for stream, on_it in self.by_stream(runs).items():
+            pipe.execute_command("EVALSHA", self._refresh.sha, 1, stream or self.stream, self.group, self.worker_id,
+                                 *[run.entry_id for run in on_it])
+
+    async def lost(self, replies: list[Any], runs: list[Run]) -> list[Run]:
+        """The runs whose entries another worker has taken, from the replies of `read_refresh`; a Redis that lost
+        the script runs it again, loading it."""
+        taken: list[Run] = []
+        for reply, (stream, on_it) in zip(replies, self.by_stream(runs).items(), strict=True):
+            entry_ids = [run.entry_id for run in on_it]
+            if isinstance(reply, NoScriptError):
+                reply = await self._refresh(keys=[stream or self.stream], args=[self.group, self.worker_id, *entry_ids])
+            elif isinstance(reply, Exception):
+                raise reply
+            gone = {bytes(entry) for entry in reply or ()}
+            taken += [run for run in on_it if run.entry_id in gone]
+        return taken
+
+    def read_rescue(self, pipe: PipelineLike, min_idle_ms: int) -> None:
+        """Adds to a pipeline the move of the jobs left on other workers' own streams (theirs stopped beating, or
+        they stopped offering slots) back to the model's stream, where any worker takes them."""
+        script_keys = keys.fair_keys(self.model)
+        pipe.execute_command("EVALSHA", self._rescue.sha, len(script_keys), *script_keys,
+                             keys.worker_streams(self.model), self.worker_id, min_idle_ms)
+
+    async def rescue(self, min_idle_ms: int) -> int:
+        """The same on its own (a stopping worker's unread jobs go back at once); returns the entries moved."""
+        return int(await self._rescue(keys=keys.fair_keys(self.model),
+                                      args=[keys.worker_streams(self.model), self.worker_id, min_idle_ms]))
+
+    async def register(self) -> None:
+        """Makes this worker's own stream, with the workers' group, and names it where rescues look."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xgroup_create(self.own, self.group, id="0", mkstream=True)
+        pipe.sadd(keys.worker_streams(self.model), self.worker_id)
+        replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], Exception) and "BUSYGROUP" not in str(replies[0]):
+            raise replies[0]
+        if isinstance(replies[1], Exception):
+            raise replies[1]
 
     def read_claim(self, pipe: PipelineLike, min_idle_ms: int, count: int) -> None:
         """Adds to a pipeline a claim of up to `count` entries idle longer than `min_idle_ms` (their owners
@@ -130,26 +183,29 @@ class Ownership:
             reply_to=reply_to.decode() if reply_to else job.reply_to,
         )
 
-    async def dead_letter(self, entry_id: bytes, job: bus.Job, reason: str) -> None:
+    async def dead_letter(self, run: Run, reason: str) -> None:
         """Moves a job off the queue into the dead-letter stream, with why."""
+        stream = self.stream_of(run)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(keys.dead_letters(self.model), {"job": bus.encode_job(job), "reason": reason,
-                                                  "entry": entry_id, "worker": self.worker_id},
+        pipe.xadd(keys.dead_letters(self.model), {"job": bus.encode_job(run.job), "reason": reason,
+                                                  "entry": run.entry_id, "worker": self.worker_id},
                   maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        pipe.xack(self.stream, self.group, entry_id)
-        pipe.xdel(self.stream, entry_id)
+        pipe.xack(stream, self.group, run.entry_id)
+        pipe.xdel(stream, run.entry_id)
         await pipe.execute()
 
-    async def hand_over(self, entry_id: bytes, job: bus.Job, fields: dict[bytes, bytes] | None = None) -> None:
-        """Puts the job back on the queue for another worker to continue, and lets go of its entry, at once;
-        `fields` go on its new entry too (what the scheduler charged for it, settled by whoever ends it)."""
-        moved = msgspec.structs.replace(job, handovers=job.handovers + 1, continuation=None)
-        pipe = self.redis.pipeline(transaction=True)
-        entry: dict[Any, Any] = {**(fields or {}), bus.JOB_FIELD: bus.encode_job(moved)}
-        pipe.xadd(self.stream, entry)
-        pipe.xack(self.stream, self.group, entry_id)
-        pipe.xdel(self.stream, entry_id)
-        await pipe.execute()
+    async def hand_over(self, run: Run) -> fairshare.Dispatched:
+        """Puts the job back on the queue for another worker to continue (one holding its prompt's prefix, when
+        one has room), and lets go of its entry, at once; what the scheduler charged for it goes on its new entry
+        too, settled by whoever ends it. Returns where it went, as placements."""
+        moved = msgspec.structs.replace(run.job, handovers=run.job.handovers + 1, continuation=None)
+        entry: dict[Any, Any] = {**(run.ticket.fields() if run.ticket else {}), bus.JOB_FIELD: bus.encode_job(moved)}
+        chain = prefixes.chain(run.job) if self.aware else []
+        affinity = f"0 {' '.join(chain)}" if chain else ""
+        fields = [part for pair in entry.items() for part in pair]
+        placed = await self._hand_over(keys=keys.fair_keys(self.model),
+                                       args=[self.stream_of(run), run.entry_id, affinity, *fields])
+        return fairshare.Dispatched(0, tuple(int(n) for n in placed))
 
 
 def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:

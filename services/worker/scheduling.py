@@ -48,16 +48,16 @@ class SchedulerLink:
         elif isinstance(result, Exception):
             self._failed(result)
         else:
-            self._dispatched(int(result))
+            self._dispatched(fairshare.Dispatched.of(result))
 
     def _failed(self, exc: Exception) -> None:
         if not self.failing:
             log.warning("the scheduler's dispatch failed (%s); the worker keeps trying", exc)
         self.failing = True
 
-    def _dispatched(self, moved: int) -> None:
+    def _dispatched(self, moved: fairshare.Dispatched) -> None:
         self.failing = False
-        metrics.DISPATCHES.labels(self.model).inc(moved)
+        moved.count(self.model, metrics.DISPATCHES, metrics.DISPATCH_DECISIONS)
 
     def read_backlog(self, pipe: PipelineLike) -> None:
         """Adds the reads of the model's queue to another write, such as the worker's heartbeat; `count` takes
@@ -85,4 +85,6 @@ class SchedulerLink:
             if isinstance(result, Exception):
                 log.warning("settling finished jobs with the scheduler failed (%s)", result)
             else:
-                metrics.DISPATCHES.labels(self.model).inc(int(result))
+                moved = fairshare.Dispatched.of(result)
+                moved.count(self.model, metrics.DISPATCHES, metrics.DISPATCH_DECISIONS)
+

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from services.worker.intake import Intake, Marks
 from services.worker.jobrun import Engine, JobRunner
@@ -68,6 +68,8 @@ class RoundReads:
     """One liveness read per stream of `streams`."""
     claim: rawpipe.Span
     """The claim of dead workers' entries (none when `claims` is 0)."""
+    rescue: rawpipe.Span
+    """The move of jobs left on other workers' own streams back to the model's (none while claims are held)."""
     replies: list[Any] = field(default_factory=list)
     """The whole write's replies, the heartbeat's own included."""
 
@@ -198,14 +200,17 @@ class Upkeep:
             self.scheduler.read_backlog(pipe)
         with rawpipe.Span(pipe) as refresh:
             if runs:
-                self.ownership.read_refresh(pipe, [run.entry_id for run in runs])
+                self.ownership.read_refresh(pipe, runs)
         with rawpipe.Span(pipe) as alive:
             for stream in streams:
                 pipe.execute_command("EXISTS", keys.edges_alive(stream))
         with rawpipe.Span(pipe) as claim:
             if claims:
                 self.ownership.read_claim(pipe, int(self.settings.heartbeat_ttl_s * 1000), claims)
-        return RoundReads(runs, streams, claims, backlog, refresh, alive, claim)
+        with rawpipe.Span(pipe) as rescue:
+            if not self._holding_claims():
+                self.ownership.read_rescue(pipe, int(self.settings.heartbeat_ttl_s * 1000))
+        return RoundReads(runs, streams, claims, backlog, refresh, alive, claim, rescue)
 
     def _holding_claims(self) -> bool:
         return self.stopping or self.round_read.full() or time.monotonic() < self.claims_after
@@ -231,14 +236,24 @@ class Upkeep:
             self.intake.claimed(self.ownership.claimed(claim[0]))
         gone = {stream for stream, reply in zip(reads.streams, reads.alive.of(replies), strict=True) if reply == 0}
         self.jobs.detach(gone, bus.now_ms() + int(self.settings.resume_window_s * 1000))
+        if rescued := reads.rescue.of(replies):
+            await self._rescued(rescued[0])
         if refresh := reads.refresh.of(replies):
-            lost = await self.ownership.lost(refresh[0], [run.entry_id for run in reads.runs])
-            for run in reads.runs:
-                if run.entry_id in lost:  # we stalled and another worker took it: stop without a word
-                    log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
-                    run.let_go()
-                    await self.engine.abort(run.job.id)
+            for run in await self.ownership.lost(refresh, reads.runs):
+                # we stalled and another worker took it: stop without a word
+                log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
+                run.let_go()
+                await self.engine.abort(run.job.id)
         await self._expire_detached()
+
+    async def _rescued(self, reply: Any) -> None:
+        """Takes the reply of a rescue; a Redis that lost the script runs it again, loading it."""
+        if isinstance(reply, NoScriptError):
+            reply = await self.ownership.rescue(int(self.settings.heartbeat_ttl_s * 1000))
+        elif isinstance(reply, Exception):
+            raise reply
+        if moved := int(reply):
+            log.info("moved %d jobs left on stopped workers' own streams back to the model's stream", moved)
 
     async def _expire_detached(self) -> None:
         now = bus.now_ms()

@@ -63,7 +63,8 @@ class Worker:
         self.publisher = EventPublisher(redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster,
                                                                 access),
                                         settings.replay_max_events, after_acks=self.scheduler)
-        self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP)
+        self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP,
+                                   aware=settings.dispatch == "aware")
         self.prefixes = PrefixSummary(self.model, self.id,
                                       settings.prefix_summary_size if settings.task == "generate" else 0)
         self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis, self.prefixes)
@@ -105,6 +106,7 @@ class Worker:
         self.puller = None
         with contextlib.suppress(RedisError, OSError):
             await self.scheduler.withdraw()
+            await self.ownership.rescue(int(self.settings.heartbeat_ttl_s * 1000))  # what it never read goes back
         if self.jobs.tasks:
             grace = self.settings.worker_grace_s
             log.info("waiting up to %.0f s for %d running jobs", grace, len(self.jobs.tasks))
@@ -140,8 +142,9 @@ class Worker:
         await self.publisher.drain(timeout_s=5.0)  # the log holds everything its clients can have
         for run in runs:
             try:
-                await self.ownership.hand_over(run.entry_id, run.job, run.ticket.fields() if run.ticket else None)
+                placed = await self.ownership.hand_over(run)
                 metrics.HANDOVERS.labels(self.model).inc()
+                placed.count(self.model, metrics.DISPATCHES, metrics.DISPATCH_DECISIONS)
             except (RedisError, OSError) as exc:  # its entry stays pending: a live worker reclaims it
                 log.warning("could not hand job %s over (%s); it will be reclaimed", run.job.id, exc)
         log.info("handed %d running jobs over to other workers", len(runs))

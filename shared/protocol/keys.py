@@ -27,6 +27,17 @@ def events_channel(edge_id: str) -> str:
     return f"{PREFIX}:events:{{{edge_id}}}"
 
 
+def worker_requests(model: str, worker_id: str) -> str:
+    """A worker's own stream of jobs, beside its model's (and in its hash slot): the jobs cache-aware dispatch placed
+    on it, read through WORKER_GROUP with the model's stream in one read."""
+    return f"{requests_stream(model)}:{worker_id}"
+
+
+def worker_streams(model: str) -> str:
+    """Set of the workers of a model that have a stream of their own: where a dead worker's jobs are looked for."""
+    return f"{PREFIX}:fair:{{{model}}}:streams"
+
+
 def worker_heartbeat(model: str, worker_id: str) -> str:
     """A worker's heartbeat: it expires when the worker stops refreshing it."""
     return f"{PREFIX}:worker:{model}:{worker_id}"
@@ -161,7 +172,8 @@ def job_reply_to(job_id: str) -> str:
 
 def prefixes(model: str, worker_id: str) -> str:
     """Set of the prompt prefixes (prefix chain links, shared.protocol.prefixes) a worker's engine holds, bounded
-    by its summary's capacity and expiring with its heartbeat: what cache-aware placement reads."""
+    by its summary's capacity and expiring with its heartbeat: what cache-aware placement reads (the dispatch script
+    names it from the model's request stream: `requests` becomes `prefixes`, then `:<worker>`)."""
     return f"{PREFIX}:prefixes:{{{model}}}:{worker_id}"
 
 
@@ -216,7 +228,7 @@ def settled(key_id: str, job_id: str) -> str:
     return f"{PREFIX}:settled:{{{key_id}}}:{job_id}"
 
 
-FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots", "inflight")
+FAIR_KEY_NAMES = ("ready", "backlog", "jobs", "costs", "counters", "queued", "state", "slots", "inflight", "affinity")
 """The fair-share scheduler's keys of a model (see shared.tenancy.fairshare), all under the model's hash tag like its
 request stream, so that each of its scripts touches one Redis Cluster slot:
 
@@ -230,6 +242,7 @@ request stream, so that each of its scripts touches one Redis Cluster slot:
               backlog members, the moving average of a job's duration
     slots     hash: the slots each live worker offers, with when its offer expires and how many it keeps as headroom
     inflight  hash: the slots each band and tenant's jobs on the request stream take (dispatched, not yet ended)
+    affinity  hash: a queued job's prefix chain and how long it may wait for a worker that holds it, by its member
 """
 
 

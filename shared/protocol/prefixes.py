@@ -1,7 +1,9 @@
 """A job's prompt prefix as placement sees it, the same in every process: a chain of hashes over its leading
 parts, where link k names everything up to the end of part k. The parts are text, not tokens (the edge has no
-tokenizer): a chat's tools, if any, then its messages one by one; a completion's first prompt in CHUNK_CHARS
-pieces. Two jobs share link k exactly when they share parts 1..k. See docs/cache-aware-dispatch.md."""
+tokenizer): a chat's tools, if any, then each message in CHUNK_CHARS pieces, its last piece however short (so a long
+system prompt or document shared by many requests gives them many links in common, and each message boundary one);
+a completion's first prompt in whole CHUNK_CHARS pieces. Two jobs share link k exactly when they share parts 1..k.
+See docs/cache-aware-dispatch.md."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import msgspec
 from shared.protocol import bus
 
 MAX_LINKS = 64
-"""The parts a chain names at most (a conversation's first 64 messages: placement needs no more)."""
+"""The parts a chain names at most (a prompt's first 64 KiB or so: placement needs no more)."""
 CHUNK_CHARS = 1024
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -24,9 +26,14 @@ def chain(job: bus.Job) -> list[str]:
     if job.kind == "chat":
         if job.tool_use is not None:
             parts.append(_encode(job.tool_use))
-        parts += [_encode(message) for message in job.messages[:MAX_LINKS]]
+        for message in job.messages:
+            encoded = _encode(message)
+            ends = min(len(encoded), CHUNK_CHARS * MAX_LINKS)
+            parts += [encoded[at:at + CHUNK_CHARS] for at in range(0, ends, CHUNK_CHARS)]
+            if len(parts) >= MAX_LINKS:
+                break
     elif job.kind == "completion" and job.prompts:
-        text = job.prompts[0]
+        text = job.prompts[0][:CHUNK_CHARS * MAX_LINKS]
         parts = [text[at:at + CHUNK_CHARS].encode() for at in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS)]
     links: list[str] = []
     digest = b""

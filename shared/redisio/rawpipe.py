@@ -31,10 +31,15 @@ pack = cast(Callable[[tuple[Arg, ...]], bytes], hiredis.pack_command)  # its stu
 """One command in Redis's protocol, packed in C (redis-py packs in Python, converting every argument)."""
 
 
+def streams_entries(reply: Any) -> Iterator[tuple[Any, Any]]:
+    """Each stream of an XREAD or XREADGROUP reply, with its entries (id, fields): RESP3 answers {stream: entries},
+    RESP2 [[stream, entries]]; fields come as Redis sent them (a flat list) or as redis-py parsed them (a dict)."""
+    yield from (reply.items() if isinstance(reply, dict) else reply or ())
+
+
 def stream_entries(reply: Any) -> Iterator[tuple[bytes, Any]]:
-    """The (id, fields) of each entry of an XREAD or XREADGROUP reply: RESP3 answers {stream: entries}, RESP2
-    [[stream, entries]]; fields come as Redis sent them (a flat list) or as redis-py parsed them (a dict)."""
-    for _stream, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
+    """The (id, fields) of each entry of an XREAD or XREADGROUP reply, whatever its stream."""
+    for _stream, entries in streams_entries(reply):
         yield from entries
 
 

@@ -290,6 +290,13 @@ DISPATCHES = TallyCounter("tokenbus_worker_fair_dispatches", "Jobs this worker m
                           "model's stream", ["model"])
 EDGE_DISPATCHES = TallyCounter("tokenbus_edge_fair_dispatches", "Jobs this edge moved from tenants' backlogs to the "
                                "model's stream", ["model"], registry=EDGE)
+_DECISIONS_HELP = ("Jobs the fair scheduler placed, by why they went where they did (cache-aware dispatch): cache | "
+                   "waited (onto a worker holding their prefix, at once or after waiting for it), expired (a holder "
+                   "stayed busy past the bound) | none (no live worker holds it)")
+DISPATCH_DECISIONS = TallyCounter("tokenbus_dispatch_decisions", _DECISIONS_HELP, ["model", "reason"])
+EDGE_DISPATCH_DECISIONS = TallyCounter("tokenbus_dispatch_decisions", _DECISIONS_HELP, ["model", "reason"],
+                                       registry=EDGE)
+"""One series in edges and workers alike (both dispatch): sum them across the two."""
 ADMISSION_REFUSALS = Counter("tokenbus_edge_admission_refusals", "Requests refused before they were queued",
                              ["model", "reason"], registry=EDGE)
 """reason: queue_full | tenant_queue_full | wait_exceeds_deadline"""

@@ -18,6 +18,7 @@ ENGINES = ("vllm", "sim")
 AUTH_MODES = ("keys", "none")
 REDIS_DOWN_POLICIES = ("closed", "open", "local")
 SCHEDULERS = ("fair", "fifo")
+DISPATCHES = ("aware", "blind")
 LOG_FORMATS = ("text", "json")
 EVENT_LOOPS = ("uvloop", "asyncio")
 
@@ -184,6 +185,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Tenants that get their own label in the metrics; the rest are counted as `other`."""
     scheduler: str = "fair"
     """How a model's workers pick the next job: fair (per-tenant queues, virtual token counters) or fifo."""
+    dispatch: str = "aware"
+    """Where the fair scheduler sends a job (an edge's setting): aware (to a worker whose engine holds its prompt's
+    prefix, when one has room; docs/cache-aware-dispatch.md) or blind (whichever worker reads first)."""
+    affinity_wait_ms: int = 250
+    """Cache-aware dispatch: how long a job may wait for a busy worker that holds its prompt's prefix before any
+    worker takes it (an edge's setting; 0: never waits)."""
     fair_input_weight: float = 1.0
     """Fair share: what one prompt token costs a tenant's counter."""
     fair_output_weight: float = 2.0
@@ -278,7 +285,8 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
     if settings.task not in TASKS:
         raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
     for name, allowed in (("auth", AUTH_MODES), ("log_format", LOG_FORMATS), ("event_loop", EVENT_LOOPS),
-                          ("admission_when_redis_down", REDIS_DOWN_POLICIES), ("scheduler", SCHEDULERS)):
+                          ("admission_when_redis_down", REDIS_DOWN_POLICIES), ("scheduler", SCHEDULERS),
+                          ("dispatch", DISPATCHES)):
         if getattr(settings, name) not in allowed:
             raise SystemExit(f"invalid setting {name}={getattr(settings, name)!r}: choose one of {', '.join(allowed)}")
     if settings.engine not in ENGINES:

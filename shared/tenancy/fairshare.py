@@ -25,9 +25,10 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
-from shared.protocol import bus, keys
+from shared.protocol import bus, keys, prefixes
 from shared.protocol.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
 from shared.redisio.rawpipe import PipelineLike, field_map
+from shared.runtime.metrics import TallyCounter
 from shared.runtime.settings import SlotSettings, engine_seqs, headroom_seqs
 from shared.tenancy.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
 
@@ -35,6 +36,10 @@ from shared.tenancy.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDR
 class SchedulerSettings(SlotSettings, Protocol):
     """The settings the scheduler and a worker's offer read (Settings has them)."""
 
+    @property
+    def affinity_wait_ms(self) -> int: ...
+    @property
+    def dispatch(self) -> str: ...
     @property
     def fair_input_weight(self) -> float: ...
     @property
@@ -132,12 +137,39 @@ class Offer:
 NO_OFFER = Offer("", 0, 0)
 
 
+PLACEMENT_REASONS = ("cache", "waited", "expired", "none")
+"""Why a dispatched job went where it did (shared.tenancy.fairshare_lua): onto a worker holding its prefix at once, or
+after waiting for it; onto the model's stream after a holder stayed busy past the bound, or with no holder."""
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What a dispatch did: the jobs it moved onto request streams, and per reason of PLACEMENT_REASONS how many."""
+
+    sent: int
+    placements: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, reply: Any) -> Dispatched:
+        """From a script's reply: {sent, placements...} (a bare count from scripts without placements)."""
+        if isinstance(reply, list):
+            return cls(int(reply[0]), tuple(int(n) for n in reply[1:]))
+        return cls(int(reply))
+
+    def count(self, model: str, dispatches: TallyCounter, decisions: TallyCounter) -> None:
+        """Counts what it moved, and its placements by reason, in a process's counters."""
+        dispatches.labels(model).inc(self.sent)
+        for reason, n in zip(PLACEMENT_REASONS, self.placements, strict=False):
+            if n:
+                decisions.labels(model, reason).inc(n)
+
+
 @dataclass(frozen=True)
 class Admitted:
     member: bytes
     """Where the job waits in its tenant's backlog (empty for fifo)."""
-    dispatched: int
-    """Jobs (of any tenant) the enqueue moved onto the request stream."""
+    dispatched: Dispatched
+    """Jobs (of any tenant) the enqueue moved onto the request streams."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +233,7 @@ def refusal(code: str, retry_ms: int) -> TokenbusError:
 def outcome(result: Any) -> Admitted | TokenbusError:
     """What an enqueue script answered."""
     if result[0] == b"ok":
-        return Admitted(bytes(result[1]), int(result[2]))
+        return Admitted(bytes(result[1]), Dispatched.of(result[2:]))
     return refusal(result[0].decode(), int(result[1]))
 
 
@@ -223,6 +255,10 @@ class Scheduler:
         for script in (self._enqueue, self._enqueue_fifo, self._dispatch, self._withdraw):
             await self.redis.script_load(script.script)
 
+    def affinity_wait_s(self) -> float:
+        """How long a queued job may wait for a busy worker holding its prefix (0: never)."""
+        return self.settings.affinity_wait_ms / 1000 if self.fair and self.settings.dispatch == "aware" else 0.0
+
     def affordable_ms(self, job: bus.Job) -> int:
         """How long the job may wait for a worker: until its deadline, and no longer than the queue timeout."""
         return max(0, min(job.deadline_ms - bus.now_ms(), int(self.settings.queue_timeout_s * 1000)))
@@ -232,12 +268,13 @@ class Scheduler:
         args: list[Arg] = [encoded, self.settings.max_queued_jobs, self.affordable_ms(job), keys.WORKER_GROUP]
         _pipelined(pipe, self._enqueue_fifo, job.model, args)
 
-    async def dispatch(self, model: str, offer: Offer = NO_OFFER) -> int:
-        """Offers a worker's slots (if any) and fills the room on the request stream; returns the jobs moved."""
-        return int(await self._dispatch(keys=keys.fair_keys(model), args=offer.args()))
+    async def dispatch(self, model: str, offer: Offer = NO_OFFER) -> Dispatched:
+        """Offers a worker's slots (if any) and fills the room on the request streams; returns what it moved."""
+        return Dispatched.of(await self._dispatch(keys=keys.fair_keys(model), args=offer.args()))
 
     def offer(self, pipe: PipelineLike, model: str, offer: Offer) -> None:
-        """Adds `dispatch` to a pipeline; its result is the jobs moved, or NoScriptError (call `dispatch`)."""
+        """Adds `dispatch` to a pipeline; its result goes through `Dispatched.of`, or is NoScriptError (call
+        `dispatch`)."""
         _pipelined(pipe, self._dispatch, model, offer.args())
 
     def settle(self, pipe: PipelineLike, model: str, settlements: list[Settlement]) -> None:
@@ -282,8 +319,15 @@ class FairShare(Scheduler):
         cost = Ticket("", charge, input_price, output_price, job.sequences()).fields()
         args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
                 self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job),
-                self.settings.max_queued_bytes_per_tenant]
+                self.settings.max_queued_bytes_per_tenant, self.affinity(job)]
         _pipelined(pipe, self._enqueue, job.model, args)
+
+    def affinity(self, job: bus.Job) -> str:
+        """What the enqueue script places the job by: how long it may wait for a busy worker holding its prompt's
+        prefix (ms), then its prefix chain; '' for none (blind dispatch, or nothing to place by)."""
+        if self.settings.dispatch != "aware" or not (chain := prefixes.chain(job)):
+            return ""
+        return f"{max(0, self.settings.affinity_wait_ms)} {' '.join(chain)}"
 
 
 def _pipelined(pipe: PipelineLike, script: Any, model: str, args: list[Arg]) -> None:

@@ -14,11 +14,24 @@ Slots count engine sequences, and a job takes as many as it runs (its cost's fou
 kept as they were; what jobs of several sequences add beyond one slot each ("wide") is kept beside them, only while
 there is any: in `state` for the request stream (`wide`) and each band (`wide:` .. band), in `queued` for each band
 and tenant (band .. tenant .. NUL).
+
+Cache-aware dispatch (docs/cache-aware-dispatch.md): a queued job's `affinity` is 'U' (or 'W' once it waited), the
+time (unix ms) until which it may wait for a busy worker holding its prompt prefix, then its prefix chain's links.
+A job goes onto the own stream of the live worker with free slots that holds the longest of its links (reason
+`cache`, or `waited`), else, while its bound lasts and a busy worker holds a longer one, it waits (the next tenant
+fairness allows goes first), else onto the model's stream (reasons `expired`: a holder was busy past the bound;
+`none`: nobody holds it). A worker's free slots are its offer less its entries pending on the model's stream and
+its own stream's length; the room counts every live worker's stream.
 """
 
+from shared.protocol.keys import WORKER_GROUP
+
 _COMMON = r"""
-local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, INFLIGHT, REQUESTS =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local READY, BACKLOG, JOBS, COSTS, COUNTERS, QUEUED, STATE, SLOTS, INFLIGHT, AFFINITY, REQUESTS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local GROUP = '@GROUP@'
+-- a worker's prefix set and own stream share the model's hash tag (shared.protocol.keys.prefixes, worker_requests)
+local PREFIXES = (string.gsub(REQUESTS, ':requests:', ':prefixes:', 1)) .. ":"
 local BAND_WIDTH, COUNTER_WIDTH = 4, 24
 local TIE = 0.001  -- the counters' resolution
 local MOST_PER_CALL = 512  -- bounds how long one call holds Redis
@@ -64,13 +77,21 @@ local function offer(worker, slots, ttl_ms, headroom, now)
   end
 end
 
+local live = {}  -- the live workers (name, slots) as `capacity` found them this call
+
+local function own_stream(worker)
+  return REQUESTS .. ':' .. worker
+end
+
 -- the live workers' slots, and their headroom
 local function capacity(now)
   local total, headroom, offers = 0, 0, redis.call('HGETALL', SLOTS)
+  live = {}
   for i = 1, #offers, 2 do
     local slots, expiry, kept = string.match(offers[i + 1], '^(%d+) (%d+) ?(%d*)$')
     if slots and tonumber(expiry) > now then
       total, headroom = total + tonumber(slots), headroom + (tonumber(kept) or 0)
+      live[#live + 1] = {name = offers[i], slots = tonumber(slots)}
     else
       redis.call('HDEL', SLOTS, offers[i])
     end
@@ -101,6 +122,7 @@ end
 local function room(now)
   local slots, headroom = capacity(now)
   local length = redis.call('XLEN', REQUESTS)
+  for _, worker in ipairs(live) do length = length + redis.call('XLEN', own_stream(worker.name)) end
   if length == 0 then
     redis.call('HDEL', STATE, 'wide')
     redis.call('DEL', INFLIGHT)
@@ -115,10 +137,10 @@ local function fits(entity, need, free, headroom)
   return free - need >= headroom or tonumber(redis.call('HGET', INFLIGHT, entity) or '0') + need <= headroom
 end
 
--- a job onto the request stream; its sequences beyond the first join the stream's wide count
-local function send(job, entity, cost)
+-- a job onto a request stream (the model's, or a worker's own); its sequences beyond the first join the wide count
+local function send(job, entity, cost, stream)
   local sequences = sequences_of(cost)
-  redis.call('XADD', REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
+  redis.call('XADD', stream or REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
   add(STATE, 'wide', sequences - 1)
   add(INFLIGHT, entity, sequences)
 end
@@ -133,13 +155,85 @@ local function set_counter(entity, value)
   return new
 end
 
+local placed = {cache = 0, waited = 0, expired = 0, none = 0}  -- this call's placements by reason, for the caller
+
+-- each live worker's free slots: its offer less its entries pending on the model's stream and on its own (read
+-- once a call, when a job has a prefix to place)
+local free_of = nil
+local function free_slots()
+  if free_of then return free_of end
+  free_of = {}
+  local pending = {}
+  local consumers = redis.pcall('XINFO', 'CONSUMERS', REQUESTS, GROUP)
+  if type(consumers) == 'table' and not consumers.err then
+    for _, consumer in ipairs(consumers) do
+      local fields = {}
+      for i = 1, #consumer, 2 do fields[consumer[i]] = consumer[i + 1] end
+      if fields.name then pending[fields.name] = tonumber(fields.pending) or 0 end
+    end
+  end
+  for _, worker in ipairs(live) do
+    free_of[worker.name] = worker.slots - (pending[worker.name] or 0) - redis.call('XLEN', own_stream(worker.name))
+  end
+  return free_of
+end
+
+-- the live worker with room for `need` slots that holds the longest of the links (nil: none), how many it holds,
+-- and the longest any busy worker holds
+local function holder(links, need)
+  local best, best_length, best_free, busy_length = nil, 0, 0, 0
+  for name, free in pairs(free_slots()) do
+    local held = redis.call('SMISMEMBER', PREFIXES .. name, unpack(links))
+    local length = 0
+    for i = #held, 1, -1 do
+      if held[i] == 1 then length = i break end
+    end
+    if length > 0 and free >= need then
+      if length > best_length or (length == best_length and free > best_free) then
+        best, best_length, best_free = name, length, free
+      end
+    elseif length > busy_length then
+      busy_length = length
+    end
+  end
+  return best, best_length, busy_length
+end
+
+-- the stream a job of `need` slots goes onto, from its affinity (see above); nil: it waits for a busy holder
+local function place(affinity, need, now)
+  local mark, bound, chain = string.match(affinity or '', '^(%a)(%d+) ?(.*)$')
+  local links = {}
+  for link in string.gmatch(chain or '', '%S+') do links[#links + 1] = link end
+  if #links == 0 then
+    placed.none = placed.none + 1
+    return REQUESTS
+  end
+  local best, length, busy_length = holder(links, need)
+  if busy_length > length and now < tonumber(bound) then return nil end
+  if best then
+    free_of[best] = free_of[best] - need
+    local reason = mark == 'W' and 'waited' or 'cache'
+    placed[reason] = placed[reason] + 1
+    return own_stream(best)
+  end
+  local reason = busy_length > 0 and 'expired' or 'none'
+  placed[reason] = placed[reason] + 1
+  return REQUESTS
+end
+
+-- what a script answers after its dispatched count: its placements by reason
+local function placements()
+  return {placed.cache, placed.waited, placed.expired, placed.none}
+end
+
 local WAITS, HELD_BACK = -1, -2
 
 -- one job of the backlogged tenant with the least counter in the highest band, onto the request stream, if the
 -- room takes all its sequences (all the slots, for one wider than the workers). Returns the slots it takes; WAITS:
 -- it waits for more room, and nothing goes before it, so however wide it is, it waits only for slots to free;
--- HELD_BACK: only the headroom is left, and its tenant holds too much for it (the next tenant may have it).
-local function dispatch_one(head, room, slots, headroom)
+-- HELD_BACK: only the headroom is left, and its tenant holds too much for it, or it waits for a busy worker that
+-- holds its prefix (the next tenant may have it).
+local function dispatch_one(head, room, slots, headroom, now)
   local band = head:sub(1, BAND_WIDTH)
   local counter = tonumber(head:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH))
   local tenant = head:sub(BAND_WIDTH + COUNTER_WIDTH + 1)
@@ -154,6 +248,13 @@ local function dispatch_one(head, room, slots, headroom)
   local need = math.min(sequences, slots)
   if need > room then return WAITS end
   if not fits(entity, need, room, headroom) then return HELD_BACK end
+  local affinity = redis.call('HGET', AFFINITY, member)
+  local stream = place(affinity, need, now)
+  if not stream then
+    if affinity:sub(1, 1) == 'U' then redis.call('HSET', AFFINITY, member, 'W' .. affinity:sub(2)) end
+    return HELD_BACK
+  end
+  if affinity then redis.call('HDEL', AFFINITY, member) end
   redis.call('ZREM', READY, head)
   redis.call('ZREM', BACKLOG, member)
   redis.call('HDEL', JOBS, member)
@@ -164,7 +265,7 @@ local function dispatch_one(head, room, slots, headroom)
   redis.call('HSET', STATE, 'last:' .. band, served)
   if oldest(entity) then redis.call('ZADD', READY, 0, band .. served .. tenant) end
   if not job then return 0 end
-  send(job, entity, cost)
+  send(job, entity, cost, stream)
   return sequences
 end
 
@@ -176,7 +277,7 @@ local function dispatch(now)
   while free > 0 do
     local head = redis.call('ZRANGEBYLEX', READY, '-', '+', 'LIMIT', passed, 1)[1]
     if not head then break end
-    local taken = dispatch_one(head, free, slots, headroom)
+    local taken = dispatch_one(head, free, slots, headroom, now)
     if taken == WAITS then break end
     if taken == HELD_BACK then
       passed = passed + 1
@@ -186,16 +287,20 @@ local function dispatch(now)
   end
   return sent
 end
-"""
+""".replace("@GROUP@", WORKER_GROUP)
 
 ENQUEUE = _COMMON + r"""
 -- ARGV: tenant, band, cost ('charge input_price output_price'), job, max jobs queued, max queued per tenant,
--- the wait the job can afford (ms), max bytes queued per tenant (0: none). Returns {'ok', backlog member, jobs
--- dispatched} or {refusal, retry in ms}.
+-- the wait the job can afford (ms), max bytes queued per tenant (0: none), its affinity ('' or the longest it may
+-- wait for a busy worker holding its prefix, in ms, then its prefix links). Returns {'ok', backlog member, jobs
+-- dispatched, placements by reason...} or {refusal, retry in ms}.
 local tenant, band, cost, job = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_jobs, max_mine, affordable = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local max_bytes = tonumber(ARGV[8] or '0')
 local entity = band .. tenant
+local affinity = ''
+local wait_ms, chain = string.match(ARGV[9] or '', '^(%d+) (.+)$')
+if chain then affinity = 'U' .. (now_ms() + tonumber(wait_ms)) .. ' ' .. chain end
 local now = now_ms()
 local free, slots, headroom = room(now)
 local interval = slot_interval(slots)
@@ -205,8 +310,12 @@ local total = tonumber(redis.call('HGET', STATE, 'queued') or '0')
 if total >= max_jobs then
   return {'queue_full', math.ceil((total - max_jobs + 1) * interval)}
 end
+local stream = nil
 if total == 0 and need > 0 and fits(entity, need, free, headroom) and max_mine > 0 and affordable >= 0 then
-  -- nobody is backlogged and a slot is free: the job goes straight onto the request stream (no backlog entry,
+  stream = place(affinity, need, now)  -- nil: it waits for a busy worker that holds its prefix
+end
+if stream then
+  -- nobody is backlogged and a slot is free: the job goes straight onto a request stream (no backlog entry,
   -- so no member to withdraw), its tenant's counter moving exactly as the way through the backlog would move it
   local charge = tonumber(string.match(cost, '^(%S+)'))
   local own = tonumber(redis.call('HGET', COUNTERS, entity) or '0')
@@ -214,8 +323,8 @@ if total == 0 and need > 0 and fits(entity, need, free, headroom) and max_mine >
   local served = counter_text(lifted + charge)
   redis.call('HSET', COUNTERS, entity, served)
   redis.call('HSET', STATE, 'last:' .. band, served)
-  send(job, entity, cost)
-  return {'ok', '', 1}
+  send(job, entity, cost, stream)
+  return {'ok', '', 1, unpack(placements())}
 end
 local backlogged = oldest(entity) ~= nil
 local rivals = redis.call('ZLEXCOUNT', READY, band_range(band)) - (backlogged and 1 or 0)
@@ -245,6 +354,7 @@ local member = entity .. '\0' .. string.format('%016d', redis.call('HINCRBY', ST
 redis.call('ZADD', BACKLOG, 0, member)
 redis.call('HSET', JOBS, member, job)
 redis.call('HSET', COSTS, member, cost)
+if affinity ~= '' then redis.call('HSET', AFFINITY, member, affinity) end
 count_queued(tenant, band, 1, sequences - 1, #job)
 if not backlogged then
   -- back from idle: its counter rises to the least of its band's backlogged tenants (or the last one served),
@@ -260,13 +370,14 @@ if not backlogged then
   redis.call('HSET', COUNTERS, entity, lifted)
   redis.call('ZADD', READY, 0, band .. lifted .. tenant)
 end
-return {'ok', member, dispatch(now)}
+local sent = dispatch(now)
+return {'ok', member, sent, unpack(placements())}
 """
 
 DISPATCH = _COMMON + r"""
 -- ARGV: the offering worker ('' for none), its slots, how long its offer holds (ms), its headroom, then for each
 -- job that ended: its band and tenant, the correction of its counter, how long it ran (ms), its sequences (its
--- entry left the request stream). Returns jobs dispatched.
+-- entry left the request stream). Returns {jobs dispatched, placements by reason...}.
 local now = now_ms()
 offer(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now)
 for i = 5, #ARGV, 4 do
@@ -282,7 +393,8 @@ for i = 5, #ARGV, 4 do
     redis.call('HSET', STATE, 'avg_ms', string.format('%.1f', average))
   end
 end
-return dispatch(now)
+local sent = dispatch(now)
+return {sent, unpack(placements())}
 """
 
 ENQUEUE_FIFO = _COMMON + r"""
@@ -317,10 +429,91 @@ local cost = redis.call('HGET', COSTS, member)
 local bytes = redis.call('HSTRLEN', JOBS, member)
 redis.call('HDEL', JOBS, member)
 redis.call('HDEL', COSTS, member)
+redis.call('HDEL', AFFINITY, member)
 count_queued(tenant, band, -1, 1 - sequences_of(cost), -bytes)
 if not oldest(entity) then
   local counter = redis.call('HGET', COUNTERS, entity)
   if counter then redis.call('ZREM', READY, band .. counter .. tenant) end
 end
 return 1
+"""
+
+HAND_OVER = _COMMON + r"""
+-- ARGV: the stream a job's entry is on, its id, its affinity as the enqueue takes it ('' or '0 ' then its prefix
+-- links), then the fields of its new entry. A draining worker puts the job back for another worker to continue:
+-- onto the own stream of a live worker with room that holds its prefix, else onto the model's stream, and lets go
+-- of its entry, in one step. Returns the placements by reason.
+local from, entry = ARGV[1], ARGV[2]
+local now = now_ms()
+capacity(now)
+local wait_ms, chain = string.match(ARGV[3], '^(%d+) (.+)$')
+local stream = place(chain and ('U' .. now .. ' ' .. chain) or '', 1, now) or REQUESTS
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', stream, '*', unpack(fields))
+redis.call('XACK', from, GROUP, entry)
+redis.call('XDEL', from, entry)
+return placements()
+"""
+
+RESCUE = _COMMON + r"""
+-- ARGV: the set of the model's workers with a stream of their own (shared.protocol.keys.worker_streams), the calling
+-- worker, the idle time (ms) past which a read entry's worker stopped beating. Moves to the model's stream the
+-- entries of workers' own streams that would otherwise wait on a dead worker: those read by a worker that stopped
+-- beating (marked `m`: whoever reads them continues them from their logs, as a claim does) and those never read
+-- on the stream of a worker that no longer offers slots (stopped or dead); a dead worker's stream, once empty, goes.
+-- At most 100 entries a stream a call. Returns the entries moved.
+local registry, caller, min_idle = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local now = now_ms()
+capacity(now)
+local offering = {}
+for _, worker in ipairs(live) do offering[worker.name] = true end
+local moved = 0
+
+local function move(stream, entry, fields, reclaimed)
+  if fields then
+    if reclaimed then
+      fields[#fields + 1] = 'm'
+      fields[#fields + 1] = '1'
+    end
+    redis.call('XADD', REQUESTS, '*', unpack(fields))
+    moved = moved + 1
+  end
+  redis.call('XACK', stream, GROUP, entry)
+  redis.call('XDEL', stream, entry)
+end
+
+local function last_read(stream)
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) ~= 'table' or groups.err then return '0-0' end
+  for _, group in ipairs(groups) do
+    local fields = {}
+    for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+    if fields.name == GROUP then return fields['last-delivered-id'] end
+  end
+  return '0-0'
+end
+
+for _, worker in ipairs(redis.call('SMEMBERS', registry)) do
+  local stream = own_stream(worker)
+  if worker ~= caller then
+    local stale = redis.pcall('XPENDING', stream, GROUP, 'IDLE', min_idle, '-', '+', 100)
+    if type(stale) == 'table' and not stale.err then
+      for _, pending in ipairs(stale) do
+        local found = redis.call('XRANGE', stream, pending[1], pending[1])[1]
+        move(stream, pending[1], found and found[2], true)
+      end
+    end
+  end
+  if not offering[worker] then
+    for _, entry in ipairs(redis.call('XRANGE', stream, '(' .. last_read(stream), '+', 'COUNT', 100)) do
+      move(stream, entry[1], entry[2], false)
+    end
+    if worker ~= caller and redis.call('XLEN', stream) == 0 then
+      redis.call('DEL', stream)
+      redis.call('SREM', registry, worker)
+    end
+  end
+end
+return moved
 """

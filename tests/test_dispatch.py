@@ -1,0 +1,137 @@
+"""Cache-aware dispatch with real processes (edges, simulated workers, a real Redis): a job goes to the worker that
+holds its prompt's prefix while it has room, waits for a busy one only up to the bound, and a killed holder's jobs,
+read or not, continue on another worker with nothing lost or repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+
+from shared.protocol import bus, keys, prefixes
+from tests.processes import WorkerProcess, metric_value
+from tests.stack import Stack
+
+SYSTEM = "You answer in the house style. " * 40
+"""A long system prompt many requests share."""
+
+
+def messages(question: str) -> list[bus.Message]:
+    return [bus.Message(role="system", content=SYSTEM), bus.Message(role="user", content=question)]
+
+
+def links(question: str, model: str) -> list[str]:
+    return prefixes.chain(bus.Job(id="j", model=model, reply_to="", deadline_ms=0, messages=messages(question)))
+
+
+def expected(tokens: int) -> str:
+    return "".join(f" t{n}" for n in range(1, tokens + 1))
+
+
+async def ask(url: str, model: str, question: str, tokens: int) -> tuple[str, float]:
+    """A streamed chat through the openai SDK: its text, and the seconds to its first token."""
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        sent = time.monotonic()
+        stream = await client.chat.completions.create(model=model, max_tokens=tokens, stream=True, messages=[
+            {"role": m.role, "content": m.content} for m in messages(question)])  # type: ignore[misc]
+        text, first = "", 0.0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.monotonic() - sent
+                text += chunk.choices[0].delta.content
+        return text, first
+
+
+def worker_id(stack: Stack, worker: WorkerProcess) -> str:
+    found = [key.decode().rsplit(":", 1)[1] for key in stack.client.scan_iter(keys.worker_heartbeat(stack.model, "*"))
+             if f"-{worker.process.pid}-" in key.decode()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.05)
+
+
+async def holds(stack: Stack, worker: WorkerProcess, question: str) -> None:
+    """Waits until the worker's prefix set (written with its heartbeat) holds the question's whole chain."""
+    key = keys.prefixes(stack.model, worker_id(stack, worker))
+    chain = links(question, stack.model)
+    await until(lambda: all(stack.client.smismember(key, chain)))
+
+
+async def decisions(edge_metrics: str, model: str) -> dict[str, float]:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(edge_metrics)).text
+    return {reason: metric_value(text, "tokenbus_dispatch_decisions_total", {"model": model, "reason": reason})
+            for reason in ("cache", "waited", "expired", "none")}
+
+
+async def test_jobs_go_to_the_worker_that_holds_their_prefix(stack: Stack) -> None:
+    """The first request of a system prompt goes to either worker; the next six, sharing its system prompt, all to
+    that one (the prefix cache counters show it: the other prefilled nothing), while it has room."""
+    edge = stack.edge()
+    first = stack.worker(sim_prefix_cache_blocks=1000)
+    await ask(edge.url, stack.model, "warm up", 1)
+    await holds(stack, first, "warm up")
+    second = stack.worker(sim_prefix_cache_blocks=1000)
+    answers = await asyncio.gather(*(ask(edge.url, stack.model, f"question {i}", 5) for i in range(6)))
+    assert [text for text, _ in answers] == [expected(5)] * 6
+    assert (await decisions(edge.metrics_url, stack.model))["cache"] == 6
+    async with httpx.AsyncClient() as http:
+        for worker, asked in ((first, 7), (second, 0)):
+            text = (await http.get(worker.metrics_url)).text
+            queries = metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model})
+            assert (queries > 0) == (asked > 0), (worker.metrics_url, queries)
+    await stack.settled()
+
+
+async def test_a_job_waits_for_a_busy_holder_no_longer_than_the_bound(stack: Stack) -> None:
+    """The holder has one slot, taken by a long answer: a job sharing its prefix waits for it 1 s (the bound), then
+    the other worker serves it, well before the holder would have been free (4 s)."""
+    edge = stack.edge(affinity_wait_ms=1000)
+    holder = stack.worker(max_num_seqs=1)
+    await ask(edge.url, stack.model, "warm up", 1)
+    await holds(stack, holder, "warm up")
+    stack.worker(max_num_seqs=1)
+    long = asyncio.create_task(ask(edge.url, stack.model, "a long answer", 200))  # 4 s at 20 ms a token
+    await until(lambda: stack.pending() == 1)
+    text, first = await ask(edge.url, stack.model, "a short one", 3)
+    assert text == expected(3)
+    assert 0.9 < first < 1.6, first  # the bound, then a hop (the edge dispatches at the bound's end)
+    assert not long.done()
+    seen = await decisions(edge.metrics_url, stack.model)
+    assert (seen["cache"], seen["expired"]) == (1, 1), seen  # the long one on the holder; the short one past it
+    assert (await long)[0] == expected(200)
+    await stack.settled()
+
+
+async def test_a_killed_holder_s_jobs_read_or_not_continue_elsewhere(stack: Stack) -> None:
+    """Two answers run on the holder and a third waits unread on its own stream (it froze first); kill -9 of the
+    holder: the other worker continues the two from their logs and starts the third, each client gets every token
+    once, nothing stays pending and the dead worker's stream goes."""
+    edge = stack.edge()
+    holder = stack.worker()
+    await ask(edge.url, stack.model, "warm up", 1)
+    await holds(stack, holder, "warm up")
+    own = keys.worker_requests(stack.model, worker_id(stack, holder))
+    stack.worker()
+    running = [asyncio.create_task(ask(edge.url, stack.model, f"running {i}", 100)) for i in range(2)]
+    await until(lambda: stack.client.xlen(own) == 2)
+    await asyncio.sleep(0.5)  # tokens flow
+    os.killpg(holder.process.pid, signal.SIGSTOP)
+    unread = asyncio.create_task(ask(edge.url, stack.model, "unread", 20))
+    await until(lambda: stack.client.xlen(own) == 3, timeout_s=1.0)  # its offer still stands: it is placed there
+    stack.kill(holder.process)
+    results = await asyncio.wait_for(asyncio.gather(*running, unread), 30)
+    assert [text for text, _ in results] == [expected(100), expected(100), expected(20)]
+    await stack.settled()
+    await until(lambda: not stack.client.exists(own))
