@@ -135,3 +135,35 @@ async def test_a_killed_holder_s_jobs_read_or_not_continue_elsewhere(stack: Stac
     assert [text for text, _ in results] == [expected(100), expected(100), expected(20)]
     await stack.settled()
     await until(lambda: not stack.client.exists(own))
+
+
+def test_a_prompt_cache_key_heads_the_chain_of_its_tenant_only() -> None:
+    def chain(text: str, key: str = "", tenant: str = "t") -> list[str]:
+        return prefixes.chain(bus.Job(id="j", model="m", reply_to="", deadline_ms=0, tenant=tenant, cache_key=key,
+                                      messages=[bus.Message(role="user", content=text)]))
+
+    assert chain("one", "k")[0] == chain("two", "k")[0] != chain("one")[0]  # the key, whatever follows
+    assert chain("one", "k", tenant="other")[0] != chain("one", "k")[0]  # another tenant's key is another head
+    long = "x" * 5000  # a long message: a link per 1 KiB piece, then one at its end
+    assert chain(long + "a")[:4] == chain(long + "b")[:4] and chain(long + "a")[4] != chain(long + "b")[4]
+
+
+async def test_requests_with_one_prompt_cache_key_go_where_one_of_them_ran(stack: Stack) -> None:
+    """Four requests that share no text but their prompt_cache_key go to the worker that ran the first one."""
+    edge = stack.edge()
+    first = stack.worker(sim_prefix_cache_blocks=1000)
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        async def chat(text: str) -> str | None:
+            answer = await client.chat.completions.create(model=stack.model, max_tokens=2, prompt_cache_key="k",
+                                                          messages=[{"role": "user", "content": text}])
+            return answer.choices[0].message.content
+
+        await chat("the first")
+        key = keys.prefixes(stack.model, worker_id(stack, first))
+        await until(lambda: bool(stack.client.scard(key)))
+        second = stack.worker(sim_prefix_cache_blocks=1000)
+        assert await asyncio.gather(*(chat(f"unrelated {i}") for i in range(4))) == [expected(2)] * 4
+    assert (await decisions(edge.metrics_url, stack.model))["cache"] == 4
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(second.metrics_url)).text
+    assert metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model}) == 0

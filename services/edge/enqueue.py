@@ -44,6 +44,8 @@ class _Put:
     written: asyncio.Future[fairshare.Admitted]
     retried: bool = False
     """Sent again once already, after Redis had lost the scheduler's scripts."""
+    affine: bool = False
+    """It may wait for a busy worker holding its prefix."""
 
 
 class JobQueue:
@@ -105,7 +107,7 @@ class JobQueue:
         for put in batch:
             if put.record is not None:
                 pipe.execute_command("SET", put.record[0], put.record[1], "PX", put.record[2])
-            self.scheduler.enqueue(pipe, put.job, put.encoded)
+            put.affine = self.scheduler.enqueue(pipe, put.job, put.encoded)
         return pipe
 
     def _send_now(self, pipe: PipelineLike) -> bool:
@@ -144,7 +146,7 @@ class JobQueue:
         """Settles a put's future; True if admission refused the job."""
         if isinstance(outcome, fairshare.Admitted):
             outcome.dispatched.count(put.job.model, metrics.EDGE_DISPATCHES, metrics.EDGE_DISPATCH_DECISIONS)
-            if outcome.member:
+            if outcome.member and put.affine:
                 self._wake_at_bound(put.job.model)
         elif isinstance(outcome, TokenbusError):
             metrics.ADMISSION_REFUSALS.labels(put.job.model, outcome.code).inc()

@@ -163,6 +163,9 @@ class Job(Base):
     handovers, or one reclaimed from a dead worker, continues from its event log."""
     continuation: Continuation | None = None
     """Set by the worker that takes the job over: what the client already has, for the engine to continue."""
+    cache_key: str = ""
+    """The client's prompt_cache_key: jobs of a tenant with the same one share the head of their prefix chain
+    (shared.protocol.prefixes), so dispatch sends them where one ran."""
 
     def log_kept_ms(self, default_ms: int) -> int:
         """How long its event log is kept after its end, where the worker keeps logs `default_ms`."""

@@ -1,9 +1,9 @@
 """A job's prompt prefix as placement sees it, the same in every process: a chain of hashes over its leading
 parts, where link k names everything up to the end of part k. The parts are text, not tokens (the edge has no
-tokenizer): a chat's tools, if any, then each message in CHUNK_CHARS pieces, its last piece however short (so a long
-system prompt or document shared by many requests gives them many links in common, and each message boundary one);
-a completion's first prompt in whole CHUNK_CHARS pieces. Two jobs share link k exactly when they share parts 1..k.
-See docs/cache-aware-dispatch.md."""
+tokenizer): the client's prompt_cache_key, if any (with its tenant), then a chat's tools, if any, then each message
+in CHUNK_CHARS pieces, its last piece however short (so a long system prompt or document shared by many requests
+gives them many links in common, and each message boundary one); a completion's first prompt in whole CHUNK_CHARS
+pieces. Two jobs share link k exactly when they share parts 1..k. See docs/cache-aware-dispatch.md."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _encode = msgspec.msgpack.Encoder().encode
 
 def chain(job: bus.Job) -> list[str]:
     """The job's links, in order, each 16 hex digits; none for an embedding job."""
-    parts: list[bytes] = []
+    parts: list[bytes] = [b"key\0" + _encode([job.tenant, job.cache_key])] if job.cache_key else []
     if job.kind == "chat":
         if job.tool_use is not None:
             parts.append(_encode(job.tool_use))
@@ -34,7 +34,7 @@ def chain(job: bus.Job) -> list[str]:
                 break
     elif job.kind == "completion" and job.prompts:
         text = job.prompts[0][:CHUNK_CHARS * MAX_LINKS]
-        parts = [text[at:at + CHUNK_CHARS].encode() for at in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS)]
+        parts += [text[at:at + CHUNK_CHARS].encode() for at in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS)]
     links: list[str] = []
     digest = b""
     for part in parts[:MAX_LINKS]:

@@ -85,8 +85,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """The simulated engine's prefix cache, in blocks of 16 prompt tokens (words), least recently used evicted
     first: a prompt's prefill costs only the tokens past the leading blocks it holds. 0: none."""
     prefix_summary_size: int = 4096
-    """Prompt prefixes (links of their prefix chains: a chat's leading messages) a worker reports holding, the least
-    recently used dropped first: what cache-aware placement reads (docs/cache-aware-dispatch.md). 0: none."""
+    """Prompt prefixes (links of their prefix chains: a prompt's leading 1 KiB pieces) a worker reports holding, the
+    least recently used dropped first: what cache-aware dispatch reads (docs/cache-aware-dispatch.md). 0: none."""
     max_model_len: int = 2048
     """Context length the worker allows (prompt plus completion tokens)."""
     max_num_seqs: int = 32

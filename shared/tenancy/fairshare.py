@@ -263,10 +263,12 @@ class Scheduler:
         """How long the job may wait for a worker: until its deadline, and no longer than the queue timeout."""
         return max(0, min(job.deadline_ms - bus.now_ms(), int(self.settings.queue_timeout_s * 1000)))
 
-    def enqueue(self, pipe: PipelineLike, job: bus.Job, encoded: bytes) -> None:
-        """Adds the job's admission and enqueue to a pipeline; its result goes through `outcome`."""
+    def enqueue(self, pipe: PipelineLike, job: bus.Job, encoded: bytes) -> bool:
+        """Adds the job's admission and enqueue to a pipeline; its result goes through `outcome`. Returns whether
+        the job may wait for a worker holding its prefix (`affinity_wait_s`)."""
         args: list[Arg] = [encoded, self.settings.max_queued_jobs, self.affordable_ms(job), keys.WORKER_GROUP]
         _pipelined(pipe, self._enqueue_fifo, job.model, args)
+        return False
 
     async def dispatch(self, model: str, offer: Offer = NO_OFFER) -> Dispatched:
         """Offers a worker's slots (if any) and fills the room on the request streams; returns what it moved."""
@@ -310,7 +312,7 @@ class Scheduler:
 class FairShare(Scheduler):
     fair = True
 
-    def enqueue(self, pipe: PipelineLike, job: bus.Job, encoded: bytes) -> None:
+    def enqueue(self, pipe: PipelineLike, job: bus.Job, encoded: bytes) -> bool:
         weight = max(job.weight, 1e-3)
         input_price = self.settings.fair_input_weight / weight
         output_price = self.settings.fair_output_weight / weight
@@ -319,8 +321,9 @@ class FairShare(Scheduler):
         cost = Ticket("", charge, input_price, output_price, job.sequences()).fields()
         args: list[Arg] = [job.tenant.replace("\0", ""), band_of(job.priority), cost[COST_FIELD], encoded,
                 self.settings.max_queued_jobs, self.settings.max_queued_per_tenant, self.affordable_ms(job),
-                self.settings.max_queued_bytes_per_tenant, self.affinity(job)]
+                self.settings.max_queued_bytes_per_tenant, affinity := self.affinity(job)]
         _pipelined(pipe, self._enqueue, job.model, args)
+        return bool(affinity) and self.affinity_wait_s() > 0
 
     def affinity(self, job: bus.Job) -> str:
         """What the enqueue script places the job by: how long it may wait for a busy worker holding its prompt's

@@ -173,6 +173,7 @@ def to_job(req: ChatCompletionRequest, *, job_id: str, reply_to: str, deadline_m
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=messages, params=params, created_ms=bus.now_ms(), tool_use=tool_use,
+        cache_key=req.prompt_cache_key or "",
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs, reasoning_effort=req.reasoning_effort),
     )
 

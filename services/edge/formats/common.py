@@ -27,6 +27,7 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=INT64_MAX)]
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=2)]
 N = Annotated[int, Meta(ge=1, le=16)]
 MAX_LOGIT_BIAS = 300
+MAX_CACHE_KEY = 1024
 """OpenAI's cap on `logit_bias` entries: each one is a row the engine applies at every step."""
 LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
 
@@ -60,6 +61,9 @@ class Sampling(Request):
 
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_cache_key: Annotated[str, Meta(max_length=MAX_CACHE_KEY)] | None = None
+    """OpenAI's hint that requests share a prefix: those with the same key (of one tenant) go to a worker that ran
+    one of them when it has room (cache-aware dispatch)."""
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None

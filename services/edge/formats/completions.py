@@ -81,6 +81,7 @@ def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: i
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
         prompts=prompts_of(req), chat_template=req.use_raw_prompt is False,
         truncate=req.error_behavior == "truncate", params=params, created_ms=bus.now_ms(),
+        cache_key=req.prompt_cache_key or "",
     )
 
 

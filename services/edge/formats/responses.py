@@ -282,6 +282,7 @@ def to_job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="chat",
         messages=instructions + history, params=params, truncate=req.truncation == "auto",
         created_ms=bus.now_ms(), tool_use=tool_use, background=bool(req.background),
+        cache_key=req.prompt_cache_key or "",
         # as OVMS does: any reasoning effort turns the template's thinking on
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs, enable_thinking=True if effort else None,
                                              reasoning_effort=effort),
