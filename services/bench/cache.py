@@ -128,7 +128,12 @@ def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> 
 async def _cell(running: systems.Running, model: str, name: str, workers: int, dispatch: str,
                 plan: Plan) -> tuple[Cell, dict[str, float]]:
     shape = load.Load(running.base_url, model, concurrency=plan.concurrency)
-    timings, duration = await load.collect(shape, workload(name, plan), system=f"{workers} workers", quiet=True)
+    return await _run(running, shape, workload(name, plan), name, workers, dispatch)
+
+
+async def _run(running: systems.Running, shape: load.Load, requests: list[Request], name: str, workers: int,
+               dispatch: str) -> tuple[Cell, dict[str, float]]:
+    timings, duration = await load.collect(shape, requests, system=f"{workers} workers", quiet=True)
     result = load.summarize(f"{workers} workers", shape, timings, duration)
     queried = hit = 0.0
     placed: dict[str, float] = {}
@@ -149,3 +154,36 @@ async def _cell(running: systems.Running, model: str, name: str, workers: int, d
 def sample(text: str, name: str) -> float:
     """The sum of a metric's labelled series in a Prometheus text page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@dataclass(frozen=True)
+class RealPlan:
+    """Two real CPU workers (vLLM on the default model), each with a KV cache that holds every prefix of the
+    workload, so that what placement changes is where a prefix is prefilled first: once, or once per worker."""
+
+    workers: int = 2
+    prefixes: int = 16
+    prefix_words: int = 300
+    question_words: int = 8
+    requests: int = 96
+    concurrency: int = 4
+    max_tokens: int = 4
+
+
+def real_workload(plan: RealPlan, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)  # nosec B311: a benchmark's seeded workload
+    prefixes = [prompt_of(plan.prefix_words, rng) for _ in range(plan.prefixes)]
+    return [Request(f"{rng.choice(prefixes)} {prompt_of(plan.question_words, rng)}",
+                    plan.prefix_words + plan.question_words, plan.max_tokens) for _ in range(plan.requests)]
+
+
+def measure_real(log: Path, engine: systems.Engine, plan: RealPlan) -> list[Cell]:
+    """Cache-blind, then cache-aware, each on fresh processes: vLLM's own prefix cache counters give the hit rate."""
+    cells = []
+    for dispatch in DISPATCHES:
+        with systems.tokenbus(engine, log, workers=plan.workers, edge_settings={"dispatch": dispatch},
+                              worker_settings={"dispatch": dispatch}) as running:
+            shape = load.Load(running.base_url, engine.model, concurrency=plan.concurrency)
+            cell, _placed = asyncio.run(_run(running, shape, real_workload(plan), SHARED, plan.workers, dispatch))
+        cells.append(cell)
+    return cells

@@ -50,6 +50,25 @@ def section(result: cache.Result, command: str) -> list[str]:
     return [*lines, ""]
 
 
-def write(result: cache.Result, path: Path, command: str) -> None:
+def real_section(cells: list[cache.Cell]) -> list[str]:
+    """The two real workers' figures (none in a quick run)."""
+    if not cells:
+        return []
+    plan = cache.RealPlan()
+    by_dispatch = {cell.dispatch: cell for cell in cells}
+    blind, aware = by_dispatch["blind"], by_dispatch["aware"]
+    ratio = cache.ttft_ratio(blind, aware)
+    return [
+        f"With {plan.workers} real CPU workers (vLLM on the default model, its own prefix cache; the hit rate from its "
+        f"counters): {plan.prefixes} system prompts of {plan.prefix_words} words, each request one of them and an "
+        f"{plan.question_words}-word question, {plan.requests} requests, {plan.concurrency} in flight, "
+        f"{plan.max_tokens} tokens an answer.", "",
+        "| dispatch | TTFT p50 / p90 | output tok/s | prefix cache hit rate | failed |", "|---|---|---|---|---|",
+        *(f"| {cell.dispatch} | {cell.ttft_ms.p50:.0f} / {cell.ttft_ms.p90:.0f} ms | {cell.output_throughput:.1f} | "
+          f"{cell.hit_rate:.0%} | {cell.failed} |" for cell in (blind, aware)),
+        "", f"TTFT p50 aware/blind: {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}].", ""]
+
+
+def write(result: cache.Result, real: list[cache.Cell], path: Path, command: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    splice(path, HEADING, section(result, command))
+    splice(path, HEADING, section(result, command) + real_section(real))

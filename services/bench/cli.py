@@ -230,9 +230,11 @@ def _cache(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"prefix cache: logs in {log_dir}", file=sys.stderr)
     result = cache.measure(log_dir / "cache.log", cache.Plan.quick() if args.quick else cache.Plan())
-    for cell in result.cells:
+    real = [] if args.quick else cache.measure_real(log_dir / "cache-vllm.log", _engine(args.model_dir),
+                                                    cache.RealPlan())
+    for cell in [*result.cells, *real]:
         print(f"{cell.workload}, {cell.workers} workers, {cell.dispatch}: TTFT p50 {cell.ttft_ms.p50:.0f} ms, "
               f"{cell.output_throughput:.0f} tok/s, hit rate {cell.hit_rate:.0%}, {cell.failed} failed")
-    cache_report.write(result, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
+    cache_report.write(result, real, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
     print(f"wrote the prefix cache section of {args.out}")
-    return 0 if all(cell.failed == 0 for cell in result.cells) else 1
+    return 0 if all(cell.failed == 0 for cell in [*result.cells, *real]) else 1

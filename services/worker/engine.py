@@ -91,6 +91,8 @@ class VllmEngine:
         self.dimensions = 0
         """Length of the vectors an embedding model returns (0 for generation)."""
         self.max_model_len = settings.max_model_len
+        self.cache_tokens = 0
+        """Tokens its KV cache holds (0: unknown until it started)."""
         self.requests: dict[str, list[str]] = {}
         """Engine request ids of each running job (a completion batch has one per prompt)."""
         self.tool_format = tool_format(settings.tool_parser)
@@ -127,6 +129,8 @@ class VllmEngine:
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
         self.use_tokenizer(self.llm.get_tokenizer())
         self.max_model_len = self.llm.model_config.max_model_len
+        cache = self.llm.vllm_config.cache_config  # the engine core reports its blocks to the front end at start
+        self.cache_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0)
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
 

@@ -49,6 +49,9 @@ T = TypeVar("T")
 class Engine(Protocol):
     """What the worker needs of an engine (vLLM, or a simulator for benchmarks and fault tests)."""
 
+    cache_tokens: int
+    """Tokens its prefix (KV) cache holds; 0: unknown."""
+
     max_model_len: int
     dimensions: int
 
@@ -111,6 +114,11 @@ class JobRunner:
             if run.job.replayable:
                 self.publisher.then([], lambda _replies: self._charge_log(run.job))
 
+    def _publish_prefixes(self, summary: PrefixSummary) -> None:
+        """What the engine now holds, in the publisher's next write: dispatch places the next job by it."""
+        commands, changes = summary.commands()
+        self.publisher.then(commands, lambda replies: summary.written(changes, replies))
+
     async def serve(self, run: Run, resumed: bool) -> None:
         """Runs the job in the engine and ends it: one outcome counted and, while it is this worker's, a last event."""
         outcome = "finished"
@@ -162,8 +170,8 @@ class JobRunner:
         carried = job.continuation.carried() if job.continuation else 0
         if run.output is None:
             run.output = for_job(job, self.tool_format, self.reasoning)
-        if self.prefixes is not None:
-            self.prefixes.ran(job)
+        if self.prefixes is not None and self.prefixes.ran(job):
+            self._publish_prefixes(self.prefixes)
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         run.began = time.monotonic()

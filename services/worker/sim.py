@@ -75,6 +75,7 @@ class SimEngine:
         self.ttft_s = settings.sim_ttft_ms / 1000
         self.itl_s = settings.sim_itl_ms / 1000
         self.max_model_len = settings.max_model_len
+        self.cache_tokens = settings.sim_prefix_cache_blocks * BLOCK_TOKENS
         self.dimensions = 0
         self.running: list[_Sequence] = []
         self.slots = engine_seqs(settings)

@@ -159,7 +159,7 @@ class Upkeep:
                 if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
                     self.scheduler.renew(pipe)
             with rawpipe.Span(pipe) as summary:
-                held = self.prefixes.write(pipe, ttl_ms)
+                held = self.prefixes.write(pipe)
             reads = self._read_round(pipe)
             try:
                 results = await pipe.execute(raise_on_error=False)

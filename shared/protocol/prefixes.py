@@ -27,9 +27,12 @@ def chain(job: bus.Job) -> list[str]:
         if job.tool_use is not None:
             parts.append(_encode(job.tool_use))
         for message in job.messages:
-            encoded = _encode(message)
-            ends = min(len(encoded), CHUNK_CHARS * MAX_LINKS)
-            parts += [encoded[at:at + CHUNK_CHARS] for at in range(0, ends, CHUNK_CHARS)]
+            # the text as it leads (an encoding with its length first would differ from the first byte on)
+            leading = f"{message.role}\n{message.content}".encode()
+            pieces = [leading[at:at + CHUNK_CHARS] for at in range(0, min(len(leading), CHUNK_CHARS * MAX_LINKS),
+                                                                   CHUNK_CHARS)]
+            pieces[-1] += b"\0" + _encode([message.tool_calls, message.tool_call_id, message.reasoning])
+            parts += pieces
             if len(parts) >= MAX_LINKS:
                 break
     elif job.kind == "completion" and job.prompts:
