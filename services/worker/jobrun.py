@@ -150,6 +150,8 @@ class JobRunner:
             run.generated += len(event.token_ids)
         elif isinstance(event, bus.Final):
             run.usage = (event.prompt_tokens, event.completion_tokens)
+            if self.prefixes is not None:
+                self.prefixes.counted(run.job, event.prompt_tokens)
         self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
 
     def log_kept_ms(self, job: bus.Job) -> int:

@@ -11,28 +11,25 @@ from collections import OrderedDict
 from shared.protocol import bus, keys, prefixes
 from shared.redisio.rawpipe import Arg, PipelineLike
 
-TOKENS_PER_LINK = prefixes.CHUNK_CHARS // 4
-"""A link names about 1 KiB of text: some 256 tokens of English."""
-
 Changes = tuple[set[str], set[str]]
 """Links added and dropped, as one write sent them."""
 
 
-def capacity_for(summary_size: int, cache_tokens: int) -> int:
-    """Links a worker reports at most: as many as its engine's cache holds prompts of (eviction approximated by
-    the summary's own), no more than --prefix-summary-size; that alone where the cache's size is unknown."""
-    if cache_tokens <= 0 or summary_size <= 0:
-        return summary_size
-    return max(1, min(summary_size, cache_tokens // TOKENS_PER_LINK))
-
-
 class PrefixSummary:
-    def __init__(self, model: str, worker_id: str, capacity: int, ttl_ms: int) -> None:
+    """`max_links` bounds the links; `cache_tokens` (0: unknown) the prompt tokens they stand for, as the engine's
+    KV cache bounds what it holds: a link stands for its job's prompt tokens over its links (the edge's estimate at
+    the start, the engine's count once the job ends), so the summary forgets about when the engine evicts."""
+
+    def __init__(self, model: str, worker_id: str, max_links: int, ttl_ms: int, cache_tokens: int = 0) -> None:
         self.key = keys.prefixes(model, worker_id)
-        self.capacity = capacity
+        self.max_links = max_links
+        self.cache_tokens = cache_tokens
         self.ttl_ms = ttl_ms
         """The heartbeat's: the set goes with it."""
-        self.links: OrderedDict[str, None] = OrderedDict()
+        self.links: OrderedDict[str, int] = OrderedDict()
+        """Each held link, least recently used first, with the tokens it stands for."""
+        self.tokens = 0
+        """What the held links stand for, together."""
         self.added: set[str] = set()
         """Held, not yet written."""
         self.dropped: set[str] = set()
@@ -41,21 +38,40 @@ class PrefixSummary:
     def ran(self, job: bus.Job) -> bool:
         """The job's prompt went through the engine: its links are held, the most recently used. True if that
         changed the set."""
-        if self.capacity <= 0:
+        if self.max_links <= 0:
             return False
-        for link in prefixes.chain(job):
+        chain = prefixes.chain(job)
+        for link in chain:
             if link not in self.links:
                 self.added.add(link)
                 self.dropped.discard(link)
-            self.links[link] = None
+            self._weigh(link, max(1, job.prompt_estimate // len(chain)))
             self.links.move_to_end(link)
-        while len(self.links) > self.capacity:
-            link, _ = self.links.popitem(last=False)
+        self._evict()
+        return bool(self.added or self.dropped)
+
+    def counted(self, job: bus.Job, prompt_tokens: int) -> None:
+        """The engine counted the job's prompt: its links held still stand for that, from now on."""
+        if self.max_links <= 0 or not (chain := prefixes.chain(job)):
+            return
+        for link in chain:
+            if link in self.links:
+                self._weigh(link, max(1, prompt_tokens // len(chain)))
+        self._evict()
+
+    def _weigh(self, link: str, tokens: int) -> None:
+        self.tokens += tokens - self.links.get(link, 0)
+        self.links[link] = tokens
+
+    def _evict(self) -> None:
+        while len(self.links) > self.max_links or (self.cache_tokens and self.tokens > self.cache_tokens
+                                                   and len(self.links) > 1):
+            link, tokens = self.links.popitem(last=False)
+            self.tokens -= tokens
             if link in self.added:
                 self.added.discard(link)
             else:
                 self.dropped.add(link)
-        return bool(self.added or self.dropped)
 
     def commands(self) -> tuple[list[tuple[Arg, ...]], Changes]:
         """The writes of the changes and the set's renewed expiry, and the changes, for `written` once they went

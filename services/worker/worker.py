@@ -19,7 +19,7 @@ from services.worker.intake import Intake
 from services.worker.jobrun import Engine, JobRunner
 from services.worker.jobtable import JobTable
 from services.worker.ownership import Ownership
-from services.worker.prefix_summary import PrefixSummary, capacity_for
+from services.worker.prefix_summary import PrefixSummary
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
 from services.worker.upkeep import Upkeep
@@ -65,9 +65,9 @@ class Worker:
                                         settings.replay_max_events, after_acks=self.scheduler)
         self.ownership = Ownership(self.redis, self.id, self.model, self.stream, keys.WORKER_GROUP,
                                    aware=settings.dispatch == "aware")
-        summary_size = capacity_for(settings.prefix_summary_size, engine.cache_tokens)
-        self.prefixes = PrefixSummary(self.model, self.id, summary_size if settings.task == "generate" else 0,
-                                      int(settings.heartbeat_ttl_s * 1000))
+        self.prefixes = PrefixSummary(self.model, self.id,
+                                      settings.prefix_summary_size if settings.task == "generate" else 0,
+                                      int(settings.heartbeat_ttl_s * 1000), engine.cache_tokens)
         self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis, self.prefixes)
         self.intake = Intake(settings, engine, self.id, self.jobs, self.runner, self.publisher, self.scheduler,
                              self.ownership, self.redis)

@@ -281,6 +281,7 @@ local function dispatch(now)
     if taken == WAITS then break end
     if taken == HELD_BACK then
       passed = passed + 1
+      if passed >= MOST_PER_CALL then break end  -- heads held back (or waiting for a holder) bound a call too
     else
       sent, free = sent + math.min(taken, 1), free - taken
     end
