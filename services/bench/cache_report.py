@@ -29,7 +29,7 @@ def section(result: cache.Result, command: str) -> list[str]:
         "dispatch (`--dispatch blind`: any free worker) and cache-aware (`--dispatch aware`, the default, with its "
         "wait bound), one after the other on fresh processes. Hit rate: prompt words the workers' caches held, of "
         "those looked up. Aware/blind: time to first token p50, aware over blind, with its 95% bootstrap interval "
-        "over the requests; throughput the same way, as one figure per run.", "",
+        "over the requests; output throughput is one figure per run (no interval).", "",
         "| workload | workers | TTFT p50 / p90 blind | aware | TTFT p50 aware/blind [95%] | output tok/s blind / aware "
         "| hit rate blind / aware | failed |",
         "|---|---|---|---|---|---|---|---|",
@@ -66,7 +66,8 @@ def real_section(cells: list[cache.Cell]) -> list[str]:
         "| dispatch | TTFT p50 / p90 | output tok/s | prefix cache hit rate | failed |", "|---|---|---|---|---|",
         *(f"| {cell.dispatch} | {cell.ttft_ms.p50:.0f} / {cell.ttft_ms.p90:.0f} ms | {cell.output_throughput:.1f} | "
           f"{cell.hit_rate:.0%} | {cell.failed} |" for cell in (blind, aware)),
-        "", f"TTFT p50 aware/blind: {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}].", ""]
+        "", f"TTFT p50 aware/blind: {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] (95% bootstrap "
+            "interval over the requests).", ""]
 
 
 def write(result: cache.Result, real: list[cache.Cell], path: Path, command: str) -> None:
