@@ -37,12 +37,6 @@ def streams_entries(reply: Any) -> Iterator[tuple[Any, Any]]:
     yield from (reply.items() if isinstance(reply, dict) else reply or ())
 
 
-def stream_entries(reply: Any) -> Iterator[tuple[bytes, Any]]:
-    """The (id, fields) of each entry of an XREAD or XREADGROUP reply, whatever its stream."""
-    for _stream, entries in streams_entries(reply):
-        yield from entries
-
-
 def field_map(reply: Any) -> dict[Any, Any]:
     """A map in a reply (an entry's fields, an XINFO record) as Redis sends it raw (a flat [name, value, ...]
     list in RESP2) or as redis-py or RESP3 give it (a dict)."""
