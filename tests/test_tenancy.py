@@ -35,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def tokenbus(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=30, env=stack.admin_env())
+                          timeout=60, env=stack.admin_env())
 
 
 def create_key(stack: Stack, *options: str) -> dict[str, Any]:
@@ -367,14 +367,19 @@ async def test_without_redis_for_limits_the_policy_decides(tmp_path: Path) -> No
     await dead.aclose()
 
 
+# A background response's length: 8 s at the simulated 5 ms a token, so that a loaded machine's stall of a few
+# seconds between two calls does not let it end before the test looks at the slot it holds.
+LONG_ANSWER = 1600
+
+
 async def _ends_then_frees_its_slot(client: openai.AsyncOpenAI, response_id: str, model: str) -> None:
-    """Waits for a background response of 400 tokens to end (incomplete: its length), then for the key's one
-    concurrency slot to come back (its follower gives it back once it has stored the answer)."""
-    deadline = time.monotonic() + 20
+    """Waits for a background response of LONG_ANSWER tokens to end (incomplete: its length), then for the key's
+    one concurrency slot to come back (its follower gives it back once it has stored the answer)."""
+    deadline = time.monotonic() + 40
     while (found := await client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
-    assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == 400
+    assert found.status == "incomplete" and found.usage is not None and found.usage.output_tokens == LONG_ANSWER
     while True:
         try:
             after = await client.responses.create(model=model, input="count", max_output_tokens=2)
@@ -394,7 +399,7 @@ async def test_a_background_response_holds_its_concurrency_until_it_ends_and_is_
     url = stack.edges[0].url + "/v1"
     async with openai.AsyncOpenAI(base_url=url, api_key=key["key"], max_retries=0) as client, \
             openai.AsyncOpenAI(base_url=url, api_key=stranger["key"], max_retries=0) as other:
-        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=400,
+        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=LONG_ANSWER,
                                                 background=True)
         with pytest.raises(openai.RateLimitError) as refused:
             await client.responses.create(model=stack.model, input="count", max_output_tokens=2)
@@ -411,7 +416,7 @@ async def test_a_streamed_background_response_holds_its_concurrency_after_its_cl
     key = create_key(stack, "--tenant", "streamer", "--max-concurrency", "1")
     url = stack.edges[0].url + "/v1"
     async with openai.AsyncOpenAI(base_url=url, api_key=key["key"], max_retries=0) as client:
-        stream = await client.responses.create(model=stack.model, input="count", max_output_tokens=400,
+        stream = await client.responses.create(model=stack.model, input="count", max_output_tokens=LONG_ANSWER,
                                                background=True, stream=True)
         response_id = ""
         async for event in stream:
