@@ -14,6 +14,7 @@ from services.bench.stats import (
     UNJUDGED,
     Interval,
     bootstrap_mean,
+    bootstrap_ratio_of_medians,
     paired_bootstrap_ratio,
     ratio_of_means,
     verdict,
@@ -113,3 +114,15 @@ def test_a_round_without_a_figure_gives_no_claim() -> None:
 def test_the_verdict_needs_an_interval_that_excludes_one(interval: Interval, higher_is_better: bool,
                                                          expected: str) -> None:
     assert verdict(interval, higher_is_better) == expected
+
+
+def test_runs_that_disagree_from_round_to_round_widen_the_ratio_of_medians() -> None:
+    # Each run's requests agree closely, so pooled they would give a narrow interval; the rounds disagree (aware
+    # 0.5x of blind in one, 1.5x in the other), and the interval over rounds and requests spans both.
+    rng = random.Random(3)
+    blind = [[rng.gauss(100, 2) for _ in range(200)] for _ in range(2)]
+    aware = [[rng.gauss(50, 1) for _ in range(200)], [rng.gauss(150, 3) for _ in range(200)]]
+    across = bootstrap_ratio_of_medians(aware, blind)
+    assert across.rounds == 2 and across.low < 0.6 and across.high > 1.4
+    within = bootstrap_ratio_of_medians(aware[:1], blind[:1])
+    assert 0.45 < within.low <= within.estimate <= within.high < 0.55

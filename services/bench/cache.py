@@ -8,13 +8,15 @@ workers' hit rate at 2, 4 and 8 workers, on three workloads:
 
 Each worker's cache holds a fraction of the workload's prefixes: a cache-blind dispatch (every job to any free
 worker) finds a prefix where it was prefilled only by chance; cache-aware dispatch sends a job to a worker holding
-its prefix. Each cell runs both, one after the other on fresh processes, and the report gives aware over blind with
-a bootstrap interval over the requests."""
+its prefix. Each cell runs both, one after the other on fresh processes, in rounds (the order alternating), and the
+report gives aware over blind with a two-level bootstrap interval over the rounds and their requests."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +51,20 @@ class Plan:
     sim_itl_ms: float = 10.0
     prefill_us_per_word: float = 200.0
     """A 1,024-word prompt prefills in about 0.2 s, in one lane per worker."""
+    rounds: int = 3
+    """Runs of each dispatch per cell, blind and aware side by side (this machine's runs differ more than their
+    requests do)."""
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(workers=(2,), tenants=8, requests=64, conversations=8, turns=3, concurrency=8, cache_blocks=128)
+        return cls(workers=(2,), tenants=8, requests=64, conversations=8, turns=3, concurrency=8, cache_blocks=128,
+                   rounds=1)
 
 
 @dataclass(frozen=True)
 class Cell:
+    """One run: a workload at a worker count with one dispatch."""
+
     workload: str
     workers: int
     dispatch: str
@@ -71,22 +79,56 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class Pair:
+    """A workload at a worker count: the runs of both dispatches, round by round."""
+
+    workload: str
+    workers: int
+    blind: tuple[Cell, ...]
+    aware: tuple[Cell, ...]
+
+    def ttft_ratio(self) -> Interval:
+        """Aware over blind: time to first token p50 over every round's requests, with its interval."""
+        return bootstrap_ratio_of_medians([c.ttfts for c in self.aware], [c.ttfts for c in self.blind])
+
+    def round_ratios(self) -> list[float]:
+        """Aware over blind, time to first token p50, each round on its own."""
+        return [a.ttft_ms.p50 / b.ttft_ms.p50 if b.ttft_ms.p50 else float("nan")
+                for b, a in zip(self.blind, self.aware, strict=True)]
+
+
+def pooled_ttft_ms(cells: tuple[Cell, ...]) -> Summary:
+    """Time to first token over every run's requests (ms)."""
+    return Summary.of([t * 1000 for cell in cells for t in cell.ttfts])
+
+
+def median_throughput(cells: tuple[Cell, ...]) -> float:
+    return statistics.median(cell.output_throughput for cell in cells)
+
+
+def mean_hit_rate(cells: tuple[Cell, ...]) -> float:
+    return statistics.fmean(cell.hit_rate for cell in cells)
+
+
+def pair_up(cells: list[Cell]) -> list[Pair]:
+    """The runs grouped by workload and worker count, both dispatches present, in the order they first ran."""
+    grouped: dict[tuple[str, int], dict[str, list[Cell]]] = {}
+    for cell in cells:
+        grouped.setdefault((cell.workload, cell.workers), {}).setdefault(cell.dispatch, []).append(cell)
+    return [Pair(w, n, tuple(runs["blind"]), tuple(runs["aware"])) for (w, n), runs in grouped.items()
+            if runs.get("blind") and len(runs["blind"]) == len(runs.get("aware", ()))]
+
+
+@dataclass(frozen=True)
 class Result:
     plan: Plan
     cells: list[Cell]
+    """Every run, every round."""
     decisions: dict[str, dict[str, float]]
-    """Per cell of aware dispatch (workload, workers), its placements by reason."""
+    """Per cell of aware dispatch (workload, workers), its placements by reason, summed over the rounds."""
 
-    def pairs(self) -> list[tuple[Cell, Cell]]:
-        """(blind, aware) of each workload and worker count."""
-        found = {(cell.workload, cell.workers, cell.dispatch): cell for cell in self.cells}
-        return [(found[w, n, "blind"], found[w, n, "aware"]) for w, n, d in found if d == "blind"
-                and (w, n, "aware") in found]
-
-
-def ttft_ratio(blind: Cell, aware: Cell) -> Interval:
-    """Aware over blind: time to first token p50, with its interval."""
-    return bootstrap_ratio_of_medians(aware.ttfts, blind.ttfts)
+    def pairs(self) -> list[Pair]:
+        return pair_up(self.cells)
 
 
 def workload(name: str, plan: Plan, seed: int = 0) -> list[Request]:
@@ -109,20 +151,36 @@ def workload(name: str, plan: Plan, seed: int = 0) -> list[Request]:
 
 def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> Result:
     engine = systems.Engine(model="sim-model", model_dir=Path("."))
-    cells, decisions = [], {}
-    for name in WORKLOADS:
-        for workers in plan.workers:
-            for dispatch in dispatches:
-                with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
+    cells: list[Cell] = []
+    decisions: dict[str, dict[str, float]] = {}
+    for index, name, workers, dispatch in _schedule(plan, dispatches):
+        with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
                                       edge_settings={"dispatch": dispatch},
                                       worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
                                                        "sim_prefill_us_per_token": plan.prefill_us_per_word,
                                                        "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
-                    cell, placed = asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
-                cells.append(cell)
-                if dispatch == "aware":
-                    decisions[f"{name}, {workers} workers"] = placed
+            cell, placed = asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
+        cells.append(cell)
+        _progress(index, plan.rounds, cell)
+        if dispatch == "aware":
+            summed = decisions.setdefault(f"{name}, {workers} workers", {})
+            for reason, count in placed.items():
+                summed[reason] = summed.get(reason, 0.0) + count
     return Result(plan, cells, decisions)
+
+
+def _schedule(plan: Plan, dispatches: tuple[str, ...]) -> list[tuple[int, str, int, str]]:
+    """(round, workload, workers, dispatch) in the order to run: round by round, each cell's dispatches side by
+    side, the first of them alternating from round to round so that neither always runs on a cooler machine."""
+    return [(index, name, workers, dispatch) for index in range(plan.rounds) for name in WORKLOADS
+            for workers in plan.workers
+            for dispatch in (dispatches if index % 2 == 0 else tuple(reversed(dispatches)))]
+
+
+def _progress(index: int, rounds: int, cell: Cell) -> None:
+    print(f"round {index + 1}/{rounds}: {cell.workload}, {cell.workers} workers, {cell.dispatch}: TTFT p50 "
+          f"{cell.ttft_ms.p50:.0f} ms, {cell.output_throughput:.0f} tok/s, hit rate {cell.hit_rate:.0%}, "
+          f"{cell.failed} failed", file=sys.stderr)
 
 
 async def _cell(running: systems.Running, model: str, name: str, workers: int, dispatch: str,
@@ -168,6 +226,7 @@ class RealPlan:
     requests: int = 96
     concurrency: int = 4
     max_tokens: int = 4
+    rounds: int = 2
 
 
 def real_workload(plan: RealPlan, seed: int = 0) -> list[Request]:
@@ -178,12 +237,16 @@ def real_workload(plan: RealPlan, seed: int = 0) -> list[Request]:
 
 
 def measure_real(log: Path, engine: systems.Engine, plan: RealPlan) -> list[Cell]:
-    """Cache-blind, then cache-aware, each on fresh processes: vLLM's own prefix cache counters give the hit rate."""
+    """Cache-blind and cache-aware side by side, in rounds, each run on fresh processes: vLLM's own prefix cache
+    counters give the hit rate."""
     cells = []
-    for dispatch in DISPATCHES:
-        with systems.tokenbus(engine, log, workers=plan.workers, edge_settings={"dispatch": dispatch},
-                              worker_settings={"dispatch": dispatch}) as running:
-            shape = load.Load(running.base_url, engine.model, concurrency=plan.concurrency)
-            cell, _placed = asyncio.run(_run(running, shape, real_workload(plan), SHARED, plan.workers, dispatch))
-        cells.append(cell)
+    for index in range(plan.rounds):
+        for dispatch in DISPATCHES if index % 2 == 0 else tuple(reversed(DISPATCHES)):
+            with systems.tokenbus(engine, log, workers=plan.workers, edge_settings={"dispatch": dispatch},
+                                  worker_settings={"dispatch": dispatch}) as running:
+                shape = load.Load(running.base_url, engine.model, concurrency=plan.concurrency)
+                cell, _placed = asyncio.run(_run(running, shape, real_workload(plan), SHARED, plan.workers,
+                                                 dispatch))
+            cells.append(cell)
+            _progress(index, plan.rounds, cell)
     return cells

@@ -27,22 +27,19 @@ def section(result: cache.Result, command: str) -> list[str]:
         f"conversations of {plan.turns} turns, each turn {plan.turn_words} words more) and {cache.UNSHARED} "
         f"({plan.prefix_words + plan.question_words}-word prompts sharing nothing). Each cell runs cache-blind "
         "dispatch (`--dispatch blind`: any free worker) and cache-aware (`--dispatch aware`, the default, with its "
-        "wait bound), one after the other on fresh processes. Hit rate: prompt words the workers' caches held, of "
-        "those looked up. Aware/blind: time to first token p50, aware over blind, with its 95% bootstrap interval "
-        "over the requests; output throughput is one figure per run (no interval).", "",
-        "| workload | workers | TTFT p50 / p90 blind | aware | TTFT p50 aware/blind [95%] | output tok/s blind / aware "
-        "| hit rate blind / aware | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        f"wait bound), side by side on fresh processes, in {plan.rounds} rounds (which of the two runs first "
+        "alternating). Hit rate: prompt words the workers' caches held, of those looked up (mean of the rounds). "
+        "TTFT: over every round's requests. Aware/blind: time to first token p50, aware over blind, with its 95% "
+        "interval from a two-level bootstrap (rounds, then each run's requests), and each round's own ratio; output "
+        "throughput: the median of the rounds' runs.", "",
+        "| workload | workers | TTFT p50 / p90 blind | aware | TTFT p50 aware/blind [95%] | by round "
+        "| output tok/s blind / aware | hit rate blind / aware | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for blind, aware in result.pairs():
-        ratio = cache.ttft_ratio(blind, aware)
-        lines.append(
-            f"| {blind.workload} | {blind.workers} | {blind.ttft_ms.p50:.0f} / {blind.ttft_ms.p90:.0f} ms | "
-            f"{aware.ttft_ms.p50:.0f} / {aware.ttft_ms.p90:.0f} ms | {ratio.estimate:.2f}x "
-            f"[{ratio.low:.2f}, {ratio.high:.2f}] | {blind.output_throughput:.0f} / {aware.output_throughput:.0f} "
-            f"({aware.output_throughput / blind.output_throughput if blind.output_throughput else 0:.2f}x) | "
-            f"{blind.hit_rate:.0%} / {aware.hit_rate:.0%} | {blind.failed + aware.failed} |")
-    lines += ["", "Placements of the aware runs (`tokenbus_dispatch_decisions_total`, edges and workers summed):", "",
+    for pair in result.pairs():
+        lines.append(_row(pair))
+    lines += ["", "Placements of the aware runs (`tokenbus_dispatch_decisions_total`, edges and workers, summed over "
+              "the rounds):", "",
               "| cell | cache | waited | expired | none |", "|---|---|---|---|---|"]
     for cell, placed in result.decisions.items():
         lines.append(f"| {cell} | " + " | ".join(f"{placed.get(reason, 0):.0f}"
@@ -50,24 +47,37 @@ def section(result: cache.Result, command: str) -> list[str]:
     return [*lines, ""]
 
 
+def _row(pair: cache.Pair) -> str:
+    blind, aware = cache.pooled_ttft_ms(pair.blind), cache.pooled_ttft_ms(pair.aware)
+    ratio = pair.ttft_ratio()
+    served = cache.median_throughput(pair.blind), cache.median_throughput(pair.aware)
+    failed = sum(cell.failed for cell in (*pair.blind, *pair.aware))
+    return (f"| {pair.workload} | {pair.workers} | {blind.p50:.0f} / {blind.p90:.0f} ms | {aware.p50:.0f} / "
+            f"{aware.p90:.0f} ms | {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] | "
+            f"{', '.join(f'{r:.2f}' for r in pair.round_ratios())} | {served[0]:.0f} / {served[1]:.0f} "
+            f"({served[1] / served[0] if served[0] else 0:.2f}x) | {cache.mean_hit_rate(pair.blind):.0%} / "
+            f"{cache.mean_hit_rate(pair.aware):.0%} | {failed} |")
+
+
 def real_section(cells: list[cache.Cell]) -> list[str]:
     """The two real workers' figures (none in a quick run)."""
     if not cells:
         return []
     plan = cache.RealPlan()
-    by_dispatch = {cell.dispatch: cell for cell in cells}
-    blind, aware = by_dispatch["blind"], by_dispatch["aware"]
-    ratio = cache.ttft_ratio(blind, aware)
+    pair = cache.pair_up(cells)[0]
+    ratio = pair.ttft_ratio()
     return [
         f"With {plan.workers} real CPU workers (vLLM on the default model, its own prefix cache; the hit rate from its "
         f"counters): {plan.prefixes} system prompts of {plan.prefix_words} words, each request one of them and an "
         f"{plan.question_words}-word question, {plan.requests} requests, {plan.concurrency} in flight, "
-        f"{plan.max_tokens} tokens an answer.", "",
+        f"{plan.max_tokens} tokens an answer; {plan.rounds} rounds.", "",
         "| dispatch | TTFT p50 / p90 | output tok/s | prefix cache hit rate | failed |", "|---|---|---|---|---|",
-        *(f"| {cell.dispatch} | {cell.ttft_ms.p50:.0f} / {cell.ttft_ms.p90:.0f} ms | {cell.output_throughput:.1f} | "
-          f"{cell.hit_rate:.0%} | {cell.failed} |" for cell in (blind, aware)),
-        "", f"TTFT p50 aware/blind: {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] (95% bootstrap "
-            "interval over the requests).", ""]
+        *(f"| {name} | {summary.p50:.0f} / {summary.p90:.0f} ms | {cache.median_throughput(runs):.1f} | "
+          f"{cache.mean_hit_rate(runs):.0%} | {sum(cell.failed for cell in runs)} |"
+          for name, runs in (("blind", pair.blind), ("aware", pair.aware))
+          for summary in (cache.pooled_ttft_ms(runs),)),
+        "", f"TTFT p50 aware/blind: {ratio.estimate:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}] (95%, two-level "
+            f"bootstrap), by round {', '.join(f'{r:.2f}' for r in pair.round_ratios())}.", ""]
 
 
 def write(result: cache.Result, real: list[cache.Cell], path: Path, command: str) -> None:

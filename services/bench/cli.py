@@ -72,6 +72,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         if name in ("compare", "all"):
             sub.add_argument("--rounds", type=int, default=None,
                              help="interleaved rounds of the comparison with vllm serve (default: 6, 2 with --quick)")
+        if name == "cache":
+            sub.add_argument("--rounds", type=int, default=None,
+                             help="runs of each dispatch per cell, side by side (default: 3, 1 with --quick)")
         if name in ("compare", "all"):
             sub.add_argument("--scale-out", action=argparse.BooleanOptionalAction, default=None,
                              help="add the c=256 short shape, tokenbus with 1, 2 and 4 edges against vllm serve "
@@ -229,12 +232,12 @@ def _batch(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"prefix cache: logs in {log_dir}", file=sys.stderr)
-    result = cache.measure(log_dir / "cache.log", cache.Plan.quick() if args.quick else cache.Plan())
+    plan = cache.Plan.quick() if args.quick else cache.Plan()
+    if args.bench_command == "cache" and args.rounds:
+        plan = dataclasses.replace(plan, rounds=args.rounds)
+    result = cache.measure(log_dir / "cache.log", plan)
     real = [] if args.quick else cache.measure_real(log_dir / "cache-vllm.log", _engine(args.model_dir),
                                                     cache.RealPlan())
-    for cell in [*result.cells, *real]:
-        print(f"{cell.workload}, {cell.workers} workers, {cell.dispatch}: TTFT p50 {cell.ttft_ms.p50:.0f} ms, "
-              f"{cell.output_throughput:.0f} tok/s, hit rate {cell.hit_rate:.0%}, {cell.failed} failed")
     cache_report.write(result, real, args.out, "tokenbus bench " + " ".join(sys.argv[2:]))
     print(f"wrote the prefix cache section of {args.out}")
     return 0 if all(cell.failed == 0 for cell in [*result.cells, *real]) else 1

@@ -85,22 +85,27 @@ def bootstrap_mean(values: Sequence[float], *, resamples: int = 4000, confidence
     return Interval(sum(values) / rounds, low, high, rounds)
 
 
-def bootstrap_ratio_of_medians(ours: Sequence[float], theirs: Sequence[float], *, resamples: int = 2000,
-                               confidence: float = 0.95, seed: int = 0) -> Interval:
-    """median(ours) / median(theirs) of two independent samples (the requests of two runs), and its
-    percentile-bootstrap interval: each resample draws each sample's values with replacement."""
-    if not ours or not theirs:
+def bootstrap_ratio_of_medians(ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]], *,
+                               resamples: int = 2000, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """median(ours) / median(theirs) of the requests of paired rounds (round i of each ran side by side), and its
+    two-level percentile-bootstrap interval: each resample draws round indices with replacement (a round's two runs
+    together), then each drawn run's requests with replacement, so that the interval holds the runs' differences
+    from round to round as well as the requests' within one run."""
+    pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if a and b]
+    if not pairs:
         return Interval(math.nan, math.nan, math.nan, 0)
     rng = random.Random(seed)  # nosec B311: a benchmark's seeded resampling
 
-    def ratio(a: Sequence[float], b: Sequence[float]) -> float:
-        below = percentile(b, 50)
-        return percentile(a, 50) / below if below else math.nan
+    def ratio(chosen: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float:
+        below = percentile([v for _, b in chosen for v in b], 50)
+        return percentile([v for a, _ in chosen for v in a], 50) / below if below else math.nan
 
-    estimates = [ratio(rng.choices(ours, k=len(ours)), rng.choices(theirs, k=len(theirs))) for _ in range(resamples)]
+    def resample() -> list[tuple[list[float], list[float]]]:
+        return [(rng.choices(a, k=len(a)), rng.choices(b, k=len(b))) for a, b in rng.choices(pairs, k=len(pairs))]
+
+    estimates = [ratio(resample()) for _ in range(resamples)]
     tail = (1 - confidence) / 2 * 100
-    return Interval(ratio(ours, theirs), percentile(estimates, tail), percentile(estimates, 100 - tail),
-                    min(len(ours), len(theirs)))
+    return Interval(ratio(pairs), percentile(estimates, tail), percentile(estimates, 100 - tail), len(pairs))
 
 
 def _bootstrap(rounds: int, statistic: Callable[[list[int]], float], resamples: int, confidence: float,

@@ -19,8 +19,9 @@ Cache-aware dispatch (docs/cache-aware-dispatch.md): a queued job's `affinity` i
 time (unix ms) until which it may wait for a busy worker holding its prompt prefix, then its prefix chain's links.
 A job goes onto the own stream of the live worker with free slots that holds the longest of its links (reason
 `cache`, or `waited`), else, while its bound lasts and a busy worker holds a longer one, it waits (the next tenant
-fairness allows goes first), else onto the model's stream (reasons `expired`: a holder was busy past the bound;
-`none`: nobody holds it). A worker's free slots are its offer less its entries pending on the model's stream and
+fairness allows goes first), else onto the own stream of the worker with free slots first in its chain head's
+rendezvous order (reasons `expired`: a holder was busy past the bound; `none`: nobody holds it), else onto the
+model's stream. A worker's free slots are its offer less its entries pending on the model's stream and
 its own stream's length; the room counts every live worker's stream.
 """
 
@@ -199,6 +200,22 @@ local function holder(links, need)
   return best, best_length, busy_length
 end
 
+-- the live worker with room for `need` slots first in the rendezvous order of a chain's head (nil: none has room):
+-- a prefix no worker holds yet goes where the same prefix went before, even before a summary says so, and distinct
+-- prefixes spread evenly, so that the workers' caches hold different prefixes (consistent hashing, its load bounded
+-- by the workers' slots)
+local function spread(head, need)
+  local best, best_score = nil, nil
+  for name, free in pairs(free_slots()) do
+    if free >= need then
+      local score = redis.sha1hex(head .. '\0' .. name)
+      if not best_score or score > best_score then best, best_score = name, score end
+    end
+  end
+  if best then free_of[best] = free_of[best] - need end
+  return best
+end
+
 -- the stream a job of `need` slots goes onto, from its affinity (see above); nil: it waits for a busy holder
 local function place(affinity, need, now)
   local mark, bound, chain = string.match(affinity or '', '^(%a)(%d+) ?(.*)$')
@@ -218,7 +235,8 @@ local function place(affinity, need, now)
   end
   local reason = busy_length > 0 and 'expired' or 'none'
   placed[reason] = placed[reason] + 1
-  return REQUESTS
+  local spread_to = spread(links[1], need)
+  return spread_to and own_stream(spread_to) or REQUESTS
 end
 
 -- what a script answers after its dispatched count: its placements by reason
