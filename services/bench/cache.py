@@ -3,7 +3,8 @@ cost only the prompt words past the leading blocks a worker holds): time to firs
 workers' hit rate at 2, 4 and 8 workers, on three workloads:
 
 - shared prefixes: many tenants' long system prompts, each request one of them and a short question;
-- multi-turn: conversations whose every turn sends the whole history again, plus the new turn;
+- multi-turn: conversations whose every turn sends the whole history again, plus the new turn, once the answer to
+  the last one came (the conversations side by side);
 - no shared prefix: long prompts that share nothing (where placement cannot help, and must not hurt).
 
 Each worker's cache holds a fraction of the workload's prefixes: a cache-blind dispatch (every job to any free
@@ -131,22 +132,24 @@ class Result:
         return pair_up(self.cells)
 
 
-def workload(name: str, plan: Plan, seed: int = 0) -> list[Request]:
+def workload(name: str, plan: Plan, seed: int = 0) -> list[list[Request]]:
+    """The workload's sessions: a conversation's turns one after the other, any other request a session of one."""
     rng = random.Random(seed)  # nosec B311: a benchmark's seeded workload
     if name == SHARED:
         prefixes = [prompt_of(plan.prefix_words, rng) for _ in range(plan.tenants)]
-        return [Request(f"{rng.choice(prefixes)} {prompt_of(plan.question_words, rng)}",
-                        plan.prefix_words + plan.question_words, plan.max_tokens) for _ in range(plan.requests)]
+        return [[Request(f"{rng.choice(prefixes)} {prompt_of(plan.question_words, rng)}",
+                         plan.prefix_words + plan.question_words, plan.max_tokens)] for _ in range(plan.requests)]
     if name == MULTI_TURN:
-        histories = [prompt_of(plan.prefix_words // 2, rng) for _ in range(plan.conversations)]
-        out = []
-        for _turn in range(plan.turns):  # every conversation's next turn, one after the other
-            for c in range(plan.conversations):
-                histories[c] += " " + prompt_of(plan.turn_words, rng)
-                out.append(Request(histories[c], len(histories[c].split()), plan.max_tokens))
-        return out
-    return [Request(prompt_of(plan.prefix_words + plan.question_words, rng), plan.prefix_words + plan.question_words,
-                    plan.max_tokens) for _ in range(plan.requests)]
+        conversations = []
+        for _ in range(plan.conversations):
+            history, turns = prompt_of(plan.prefix_words // 2, rng), []
+            for _turn in range(plan.turns):  # each turn sends the whole history, then its own words
+                history += " " + prompt_of(plan.turn_words, rng)
+                turns.append(Request(history, len(history.split()), plan.max_tokens))
+            conversations.append(turns)
+        return conversations
+    return [[Request(prompt_of(plan.prefix_words + plan.question_words, rng), plan.prefix_words + plan.question_words,
+                     plan.max_tokens)] for _ in range(plan.requests)]
 
 
 def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> Result:
@@ -189,9 +192,9 @@ async def _cell(running: systems.Running, model: str, name: str, workers: int, d
     return await _run(running, shape, workload(name, plan), name, workers, dispatch)
 
 
-async def _run(running: systems.Running, shape: load.Load, requests: list[Request], name: str, workers: int,
+async def _run(running: systems.Running, shape: load.Load, sessions: list[list[Request]], name: str, workers: int,
                dispatch: str) -> tuple[Cell, dict[str, float]]:
-    timings, duration = await load.collect(shape, requests, system=f"{workers} workers", quiet=True)
+    timings, duration = await load.collect_sessions(shape, sessions, system=f"{workers} workers", quiet=True)
     result = load.summarize(f"{workers} workers", shape, timings, duration)
     queried = hit = 0.0
     placed: dict[str, float] = {}
@@ -229,11 +232,11 @@ class RealPlan:
     rounds: int = 2
 
 
-def real_workload(plan: RealPlan, seed: int = 0) -> list[Request]:
+def real_workload(plan: RealPlan, seed: int = 0) -> list[list[Request]]:
     rng = random.Random(seed)  # nosec B311: a benchmark's seeded workload
     prefixes = [prompt_of(plan.prefix_words, rng) for _ in range(plan.prefixes)]
-    return [Request(f"{rng.choice(prefixes)} {prompt_of(plan.question_words, rng)}",
-                    plan.prefix_words + plan.question_words, plan.max_tokens) for _ in range(plan.requests)]
+    return [[Request(f"{rng.choice(prefixes)} {prompt_of(plan.question_words, rng)}",
+                     plan.prefix_words + plan.question_words, plan.max_tokens)] for _ in range(plan.requests)]
 
 
 def measure_real(log: Path, engine: systems.Engine, plan: RealPlan) -> list[Cell]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -91,24 +93,39 @@ async def run(load: Load, requests: list[Request], *, system: str = "server", se
 async def collect(load: Load, requests: list[Request], *, system: str = "server", seed: int = 0,
                   quiet: bool = False) -> tuple[list[Timing], float]:
     """Like `run`, and gives each request's timing (in the order they finished) and the duration."""
+    return await _collect(load, [[request] for request in requests], poisson_gaps(load.rate, seed), system, quiet)
+
+
+async def collect_sessions(load: Load, sessions: list[list[Request]], *, system: str = "server",
+                           quiet: bool = False) -> tuple[list[Timing], float]:
+    """Conversations: each session's requests one after the other (the next once the last one's answer came, as
+    a user or an agent sends its next turn), the sessions side by side, at most `concurrency` requests at once.
+    Gives each request's timing and the duration."""
+    return await _collect(load, sessions, itertools.repeat(0.0), system, quiet)
+
+
+async def _collect(load: Load, sessions: list[list[Request]], gaps: Iterable[float], system: str,
+                   quiet: bool) -> tuple[list[Timing], float]:
     urls = load.urls
     gate = asyncio.Semaphore(load.concurrency)
     timings: list[Timing] = []
     timeout = aiohttp.ClientTimeout(total=load.timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def one(request: Request, url: str) -> None:
-            async with gate:
-                timings.append(await send(session, url, load.api, load.model, request))
+        async def converse(turns: list[Request], url: str) -> None:
+            for request in turns:
+                async with gate:
+                    timings.append(await send(session, url, load.api, load.model, request))
 
         label = f"{system} c={load.concurrency}"
-        reporter = None if quiet else asyncio.create_task(_progress(label, timings, len(requests)))
+        total = sum(len(turns) for turns in sessions)
+        reporter = None if quiet else asyncio.create_task(_progress(label, timings, total))
         started = time.perf_counter()
         tasks = []
-        for number, (request, gap) in enumerate(zip(requests, poisson_gaps(load.rate, seed), strict=False)):
+        for number, (turns, gap) in enumerate(zip(sessions, gaps, strict=False)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(request, urls[number % len(urls)])))
+            tasks.append(asyncio.create_task(converse(turns, urls[number % len(urls)])))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
         if reporter is not None:
