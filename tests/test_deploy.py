@@ -84,7 +84,7 @@ def test_the_redis_users_have_no_password_and_nobody_logs_in_as_default() -> Non
     users = acl_users()
     assert users["default"].split()[0] == "off"  # its permissions are the append-only file's replay
     assert users["tokenbus-health"].split()[-2:] == ["-@all", "+ping"]
-    assert set(SERVICE_USERS.values()) | {"tokenbus-keda"} <= set(users)
+    assert set(SERVICE_USERS.values()) <= set(users)
     for name, rules in users.items():
         assert not any(rule.startswith((">", "#")) for rule in rules.split()), name  # start.sh adds them
         if name not in ("default", "tokenbus-health"):
@@ -179,8 +179,7 @@ K8S = ROOT / "deploy" / "k8s"
 POD_KINDS = ("Deployment", "StatefulSet")
 CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml",
                 ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com.yaml",
-                ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml",
-                ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentication.keda.sh.yaml"}
+                ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml"}
 
 
 def rendered(overlay: str) -> list[dict[str, Any]]:
@@ -203,7 +202,7 @@ def test_the_kubernetes_manifests_validate(overlay: str, tmp_path: Path) -> None
                               str(tmp_path / "core.yaml")], capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     custom = [d for d in docs if (d["apiVersion"], d["kind"]) in CUSTOM_KINDS]
-    assert {d["kind"] for d in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule", "TriggerAuthentication"}
+    assert {d["kind"] for d in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
     for doc in custom:
         schema = yaml.safe_load((K8S / "schemas" / CUSTOM_KINDS[(doc["apiVersion"], doc["kind"])]).read_text())
         errors = [e.message for e in Draft202012Validator(schema).iter_errors(doc)]

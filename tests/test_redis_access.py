@@ -29,7 +29,7 @@ from shared.redisio import clients as redis_clients
 from tests.processes import ROOT
 from tests.stack import Stack
 
-USERS = ("tokenbus-edge", "tokenbus-worker", "tokenbus-admin", "tokenbus-keda")
+USERS = ("tokenbus-edge", "tokenbus-worker", "tokenbus-admin")
 
 
 @pytest.fixture
@@ -173,17 +173,12 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
                                 ("CONFIG", "GET", "*"), ("ACL", "LIST"), ("XADD", keys.job_record("j"), "*", "a", "b")],
             "tokenbus-admin": [("GET", response), ("XADD", keys.requests_stream(stack.model), "*", "a", "b"),
                                ("FLUSHALL",)],
-            "tokenbus-keda": [("GET", response), ("XADD", keys.requests_stream(stack.model), "*", "a", "b"),
-                              ("HGETALL", keys.API_KEYS)],
         }
         for user, commands in denied.items():
             with client_of(stack, passwords, user) as client:
                 for command in commands:
                     with pytest.raises(redis.exceptions.NoPermissionError):
                         client.execute_command(*command)
-        with client_of(stack, passwords, "tokenbus-keda") as keda:  # what KEDA's trigger reads
-            assert keda.xlen(keys.requests_stream(stack.model)) >= 0
-            assert keda.xinfo_groups(keys.requests_stream(stack.model))[0]["name"] == keys.WORKER_GROUP.encode()
         with redis.Redis.from_url(stack.url) as anonymous, pytest.raises(redis.exceptions.AuthenticationError):
             anonymous.ping()  # NOAUTH
         with redis.Redis.from_url(stack.url, username="tokenbus-health", password="any") as probe:

@@ -73,6 +73,23 @@ async def test_the_queue_gauges_count_the_jobs_waiting_behind_a_full_worker(
     assert _gauge("tokenbus_stream_length", model) == 4
 
 
+async def test_the_queue_gauges_count_the_jobs_on_a_workers_own_stream(
+    redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
+) -> None:
+    """Cache-aware dispatch puts most jobs onto a worker's own stream: the gauges (and the autoscaler reading them)
+    count them as they count the model's stream's."""
+    model = f"rounds-{uuid.uuid4().hex[:8]}"
+    worker = await start_worker(model, max_num_seqs=1, sim_ttft_ms=30_000, worker_grace_s=0.5)
+    redis_client.xadd(keys.requests_stream(model), {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
+    for _ in range(2):
+        redis_client.xadd(keys.worker_requests(model, worker.id),
+                          {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
+    counted = await _until(lambda: _gauge("tokenbus_stream_length", model) == 3
+                           and _gauge("tokenbus_stream_pending", model) == 1, 20 * BEAT_S)
+    assert counted, (_gauge("tokenbus_stream_length", model), _gauge("tokenbus_stream_pending", model))
+    assert _gauge("tokenbus_queued_jobs", model) == 2 and _gauge("tokenbus_stream_lag", model) == 2
+
+
 async def test_the_jobs_of_a_worker_that_stopped_beating_are_claimed_and_finished(
     redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
 ) -> None:
@@ -133,3 +150,26 @@ def _all_events(listener: Any, jobs: int, wait_s: float) -> list[tuple[float, bu
     while time.monotonic() < deadline and sum(isinstance(e, bus.Final) for _t, e in events) < jobs:
         events += listener.events(max(0.1, deadline - time.monotonic()))
     return events
+
+
+async def test_a_job_read_beyond_the_free_slots_goes_back_for_another_worker(
+    redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
+) -> None:
+    """One read takes up to the free slots from each of the worker's two streams: a one-slot worker that finds a
+    job on its own stream and one on the model's when its slot frees keeps the first and puts the second back,
+    unread, where a second worker takes it at once (it does not wait behind the first)."""
+    model = f"rounds-{uuid.uuid4().hex[:8]}"
+    first = await start_worker(model, max_num_seqs=1, sim_ttft_ms=1_000, worker_grace_s=0.5)
+    shared = keys.requests_stream(model)
+    redis_client.xadd(shared, {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
+    assert await _until(lambda: len(first.jobs) == 1, 20 * BEAT_S)
+    redis_client.xadd(keys.worker_requests(model, first.id), {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
+    redis_client.xadd(shared, {bus.JOB_FIELD: bus.encode_job(_job(model, "nobody"))})
+
+    def given_back() -> bool:
+        group = next(g for g in redis_client.xinfo_groups(shared) if g["name"] == keys.WORKER_GROUP.encode())
+        return group["pending"] == 0 and group["lag"] == 1 and len(first.jobs) == 1
+
+    assert await _until(given_back, 30 * BEAT_S), redis_client.xinfo_groups(shared)
+    second = await start_worker(model, max_num_seqs=1, sim_ttft_ms=1_000, worker_grace_s=0.5)
+    assert await _until(lambda: len(second.jobs) == 1, 20 * BEAT_S)

@@ -19,7 +19,7 @@ from services.worker.ownership import Ownership
 from services.worker.parsing.output import for_job
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from shared.protocol import bus, keys
+from shared.protocol import bus, keys, prefixes
 from shared.protocol.errors import QueueTimeout, StreamAbandoned, WorkerLost
 from shared.redisio import rawpipe
 from shared.runtime import metrics
@@ -141,10 +141,35 @@ class Intake:
                 log.warning("reading jobs failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for stream, entries in rawpipe.streams_entries(reply):
-                self._accept([(entry_id, rawpipe.field_map(fields)) for entry_id, fields in entries],
-                             "" if stream in (self.stream, self.stream.encode()) else self.ownership.own)
+            own, shared = self._split(reply)
+            if (excess := len(own) + len(shared) - free) > 0:  # COUNT is per stream: more than the free slots came
+                shared, extra = shared[:len(shared) - excess], shared[len(shared) - excess:]
+                await self._give_back(extra)
+            self._accept(own, self.ownership.own)
+            self._accept(shared, "")
             await asyncio.sleep(0)  # the jobs just accepted reach the engine before the next pull is sent
+
+    def _split(self, reply: Any) -> tuple[Entries, Entries]:
+        """A read's entries: those of this worker's own stream, and those of the model's."""
+        found: dict[bool, Entries] = {True: [], False: []}
+        for stream, entries in rawpipe.streams_entries(reply):
+            shared = stream in (self.stream, self.stream.encode())
+            found[shared] += [(entry_id, rawpipe.field_map(fields)) for entry_id, fields in entries]
+        return found[False], found[True]
+
+    async def _give_back(self, entries: Entries) -> None:
+        """Entries of the model's stream read beyond the free slots go back on the queue for the next free worker
+        (a failed give-back keeps them here: they run when a slot frees, or are claimed if this worker dies)."""
+        for entry_id, fields in entries:
+            try:
+                job = bus.decode_job(fields[bus.JOB_FIELD])
+            except (KeyError, ValueError):
+                job = None
+            try:
+                await self.ownership.give_back(entry_id, fields, prefixes.chain(job) if job else [])
+            except (RedisError, OSError) as exc:
+                log.warning("giving back a job read beyond the free slots failed (%s); it waits here", exc)
+                self._accept([(entry_id, fields)], "")
 
     def claimed(self, entries: Entries) -> None:
         """Takes over the jobs of the entries claimed from a worker that stopped beating (or moved back to the

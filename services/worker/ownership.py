@@ -208,6 +208,14 @@ class Ownership:
         return fairshare.Dispatched(0, tuple(int(n) for n in placed))
 
 
+    async def give_back(self, entry_id: Any, fields: dict[Any, Any], chain: list[str]) -> None:
+        """Puts an entry of the model's stream that this worker read without a slot for it back on the queue, as
+        it was (placed by its prefix `chain` like a dispatched job), and lets go of it, in one step."""
+        affinity = f"0 {' '.join(chain)}" if chain and self.aware else ""
+        flat = [part for pair in fields.items() for part in pair]
+        await self._hand_over(keys=keys.fair_keys(self.model), args=[self.stream, entry_id, affinity, *flat])
+
+
 def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:
     """What the client can already have of the job, from the events its log holds."""
     choices = max(1, len(job.prompts)) * job.params.n

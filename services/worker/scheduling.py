@@ -42,8 +42,14 @@ class SchedulerLink:
         self.scheduler.offer(pipe, self.model, self.offer)
 
     async def renewed(self, result: Any) -> None:
-        """Takes the result of `renew`'s command; a Redis that lost the scripts gets a dispatch that loads them."""
+        """Takes the result of `renew`'s command; a Redis that lost the scripts (or never had them) gets them all
+        again, and the dispatch."""
         if isinstance(result, NoScriptError):
+            try:
+                await self.scheduler.load()
+            except (RedisError, OSError) as exc:
+                self._failed(exc)
+                return
             await self.dispatch()
         elif isinstance(result, Exception):
             self._failed(result)
@@ -65,7 +71,7 @@ class SchedulerLink:
         self.scheduler.read_backlog(pipe, self.model)
 
     def count(self, replies: list[Any]) -> None:
-        """Updates the gauges of the model's queue: its queued jobs, and its request stream's length, lag and
+        """Updates the gauges of the model's queue: its queued jobs, and its request streams' length, lag and
         entries pending with workers."""
         backlog = fairshare.Backlog.of(replies)
         metrics.QUEUED_JOBS.labels(self.model).set(backlog.queued)

@@ -230,9 +230,10 @@ PREFIX_CACHE_HITS = Counter("tokenbus_worker_prefix_cache_hits", "Of those, the 
 KV_CACHE_USAGE = Gauge("tokenbus_worker_kv_cache_usage_ratio", "Share of the engine's KV cache in use (0-1)",
                        ["model"])
 
-# the request streams (read by each worker of a model; take the max over workers)
-STREAM_LENGTH = Gauge("tokenbus_stream_length", "Entries in a model's request stream", ["model"])
-STREAM_LAG = Gauge("tokenbus_stream_lag", "Entries of a model's request stream not yet delivered to a worker",
+# the request streams, the model's and each worker's own, summed (read by each worker of a model; take the max over
+# workers)
+STREAM_LENGTH = Gauge("tokenbus_stream_length", "Entries in a model's request streams", ["model"])
+STREAM_LAG = Gauge("tokenbus_stream_lag", "Entries of a model's request streams not yet delivered to a worker",
                    ["model"])
 STREAM_PENDING = Gauge("tokenbus_stream_pending", "Entries delivered to a worker and not yet acknowledged",
                        ["model"])

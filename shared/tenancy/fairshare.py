@@ -27,10 +27,10 @@ import redis.asyncio as aioredis
 
 from shared.protocol import bus, keys, prefixes
 from shared.protocol.errors import InvalidRequest, QueueFull, TenantQueueFull, TokenbusError, WaitExceedsDeadline
-from shared.redisio.rawpipe import PipelineLike, field_map
+from shared.redisio.rawpipe import PipelineLike
 from shared.runtime.metrics import TallyCounter
 from shared.runtime.settings import SlotSettings, engine_seqs, headroom_seqs
-from shared.tenancy.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, WITHDRAW
+from shared.tenancy.fairshare_lua import DISPATCH, ENQUEUE, ENQUEUE_FIFO, QUEUE_FIGURES, WITHDRAW
 
 
 class SchedulerSettings(SlotSettings, Protocol):
@@ -177,33 +177,22 @@ class Backlog:
     """A model's queue as the gauges show it."""
 
     queued: int
-    """Jobs waiting for a worker: in the backlogs, and on the request stream not yet read."""
+    """Jobs waiting for a worker: in the backlogs, and on the request streams not yet read."""
     length: int
-    """Entries on the request stream, read or not."""
+    """Entries on the request streams (the model's and each worker's own), read or not."""
     pending: int
     """Entries read by a worker and not yet acknowledged."""
     lag: int
-    """Entries on the request stream that no worker has read yet."""
+    """Entries on the request streams that no worker has read yet."""
 
     @classmethod
     def of(cls, replies: list[Any]) -> Backlog:
-        """From the replies of `Scheduler.read_backlog`'s commands, as Redis sent them (a failed one counts 0)."""
-        waiting, length, groups = replies
-        group = {} if isinstance(groups, Exception) else next(
-            (fields for fields in map(_fields, groups) if fields.get("name") == keys.WORKER_GROUP), {})
-        pending, lag = int(group.get("pending") or 0), int(group.get("lag") or 0)
-        length = 0 if isinstance(length, Exception) else int(length)
-        waiting = 0 if isinstance(waiting, Exception) else int(waiting or 0)
+        """From the reply of `Scheduler.read_backlog`'s command, as Redis sent it (a failed one counts 0)."""
+        reply = replies[0]
+        if isinstance(reply, Exception):
+            return cls(0, 0, 0, 0)
+        waiting, length, pending, lag = (int(value) for value in reply)
         return cls(waiting + max(0, length - pending), length, pending, lag)
-
-
-def _fields(reply: Any) -> dict[str, Any]:
-    """A map in a reply, with text names and text for the values that are bytes."""
-    return {_text(name): _text(value) for name, value in field_map(reply).items()}
-
-
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def check_fits(job: bus.Job, info: bus.WorkerInfo | None) -> None:
@@ -249,10 +238,11 @@ class Scheduler:
         self._enqueue_fifo = redis.register_script(ENQUEUE_FIFO)
         self._dispatch = redis.register_script(DISPATCH)
         self._withdraw = redis.register_script(WITHDRAW)
+        self._queue_figures = redis.register_script(QUEUE_FIGURES)
 
     async def load(self) -> None:
         """Loads the scripts (after Redis lost them): pipelines call them by their hash alone."""
-        for script in (self._enqueue, self._enqueue_fifo, self._dispatch, self._withdraw):
+        for script in (self._enqueue, self._enqueue_fifo, self._dispatch, self._withdraw, self._queue_figures):
             await self.redis.script_load(script.script)
 
     def affinity_wait_s(self) -> float:
@@ -292,11 +282,8 @@ class Scheduler:
             _pipelined(pipe, self._withdraw, model, [member])
 
     def read_backlog(self, pipe: PipelineLike, model: str) -> None:
-        """Adds the reads of the model's queue to a pipeline: three commands, whose replies `Backlog.of` takes."""
-        stream = keys.requests_stream(model)
-        pipe.execute_command("HGET", keys.fair_key(model, "state"), "queued")
-        pipe.execute_command("XLEN", stream)
-        pipe.execute_command("XINFO", "GROUPS", stream)
+        """Adds the read of the model's queue to a pipeline: one script, whose reply `Backlog.of` takes."""
+        _pipelined(pipe, self._queue_figures, model, [keys.worker_streams(model)])
 
     async def backlog(self, model: str) -> Backlog:
         """The model's queue, in one round trip: what waits in the backlogs and on the request stream."""

@@ -84,6 +84,18 @@ local function own_stream(worker)
   return REQUESTS .. ':' .. worker
 end
 
+-- the fields of the workers' consumer group on a stream (empty: no such stream or group)
+local function group_of(stream)
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) ~= 'table' or groups.err then return {} end
+  for _, group in ipairs(groups) do
+    local fields = {}
+    for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+    if fields.name == GROUP then return fields end
+  end
+  return {}
+end
+
 -- the live workers' slots, and their headroom
 local function capacity(now)
   local total, headroom, offers = 0, 0, redis.call('HGETALL', SLOTS)
@@ -503,14 +515,7 @@ local function move(stream, entry, fields, reclaimed)
 end
 
 local function last_read(stream)
-  local groups = redis.pcall('XINFO', 'GROUPS', stream)
-  if type(groups) ~= 'table' or groups.err then return '0-0' end
-  for _, group in ipairs(groups) do
-    local fields = {}
-    for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
-    if fields.name == GROUP then return fields['last-delivered-id'] end
-  end
-  return '0-0'
+  return group_of(stream)['last-delivered-id'] or '0-0'
 end
 
 for _, worker in ipairs(redis.call('SMEMBERS', registry)) do
@@ -535,4 +540,19 @@ for _, worker in ipairs(redis.call('SMEMBERS', registry)) do
   end
 end
 return moved
+"""
+
+QUEUE_FIGURES = _COMMON + r"""
+-- ARGV: the set of the model's workers with a stream of their own (shared.protocol.keys.worker_streams). The model's
+-- queue as its gauges show it, over its stream and every worker's own: {jobs in the backlogs, entries on the
+-- streams, entries read and not yet acknowledged, entries no worker has read}. Writes nothing.
+local streams = {REQUESTS}
+for _, worker in ipairs(redis.call('SMEMBERS', ARGV[1])) do streams[#streams + 1] = own_stream(worker) end
+local length, pending, lag = 0, 0, 0
+for _, stream in ipairs(streams) do
+  local group = group_of(stream)
+  length = length + redis.call('XLEN', stream)
+  pending, lag = pending + (tonumber(group.pending) or 0), lag + (tonumber(group.lag) or 0)
+end
+return {tonumber(redis.call('HGET', STATE, 'queued') or '0'), length, pending, lag}
 """
