@@ -94,6 +94,30 @@ async def test_jobs_go_to_the_worker_that_holds_their_prefix(stack: Stack) -> No
     await stack.settled()
 
 
+async def test_a_new_prefix_goes_to_one_worker_and_different_ones_spread(stack: Stack) -> None:
+    """Six requests of a system prompt nobody ran yet, sent at once, before any worker says it holds it: all go to
+    one worker (the prefix's place in its rendezvous order), not wherever a read was waiting; sixteen different
+    prompts after them spread over both workers."""
+    edge = stack.edge()
+    workers = [stack.worker(sim_prefix_cache_blocks=1000), stack.worker(sim_prefix_cache_blocks=1000)]
+    answers = await asyncio.gather(*(ask(edge.url, stack.model, f"question {i}", 5) for i in range(6)))
+    assert [text for text, _ in answers] == [expected(5)] * 6
+    async with httpx.AsyncClient() as http:
+
+        async def queried() -> list[float]:
+            return [metric_value((await http.get(worker.metrics_url)).text,
+                                 "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model})
+                    for worker in workers]
+
+        assert sorted(q > 0 for q in await queried()) == [False, True]
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+            for n in range(16):
+                await client.chat.completions.create(model=stack.model, max_tokens=1, messages=[
+                    {"role": "system", "content": f"{n} " * 600}, {"role": "user", "content": "hi"}])
+        assert all(q > 0 for q in await queried())
+    await stack.settled()
+
+
 async def test_a_job_waits_for_a_busy_holder_no_longer_than_the_bound(stack: Stack) -> None:
     """The holder has one slot, taken by a long answer: a job sharing its prefix waits for it 1 s (the bound), then
     the other worker serves it, well before the holder would have been free (4 s)."""

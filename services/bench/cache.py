@@ -157,12 +157,7 @@ def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> 
     cells: list[Cell] = []
     decisions: dict[str, dict[str, float]] = {}
     for index, name, workers, dispatch in _schedule(plan, dispatches):
-        with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
-                                      edge_settings={"dispatch": dispatch},
-                                      worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
-                                                       "sim_prefill_us_per_token": plan.prefill_us_per_word,
-                                                       "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
-            cell, placed = asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
+        cell, placed = _started(engine, log, name, workers, dispatch, plan)
         cells.append(cell)
         _progress(index, plan.rounds, cell)
         if dispatch == "aware":
@@ -170,6 +165,24 @@ def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> 
             for reason, count in placed.items():
                 summed[reason] = summed.get(reason, 0.0) + count
     return Result(plan, cells, decisions)
+
+
+def _started(engine: systems.Engine, log: Path, name: str, workers: int, dispatch: str, plan: Plan,
+             attempts: int = 3) -> tuple[Cell, dict[str, float]]:
+    """One run on fresh processes, started again (up to `attempts` times) if one exits while starting."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
+                                  edge_settings={"dispatch": dispatch},
+                                  worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
+                                                   "sim_prefill_us_per_token": plan.prefill_us_per_word,
+                                                   "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
+                return asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
+        except systems.StartFailed as exc:
+            if attempt == attempts:
+                raise
+            print(f"{exc}: starting the run again", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def _schedule(plan: Plan, dispatches: tuple[str, ...]) -> list[tuple[int, str, int, str]]:

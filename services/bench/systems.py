@@ -91,13 +91,17 @@ class Running:
     """Every worker's /metrics (tokenbus only)."""
 
 
+class StartFailed(RuntimeError):
+    """A process of a system exited while it started (a free port taken meanwhile, say): worth one more try."""
+
+
 def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path,
                ready_path: str = "/v1/models") -> None:
     """Until the server lists the model: on /v1/models (OpenAI's shape), or tokenbus's /ready (needs no key)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):
-            raise RuntimeError(f"a process exited while starting; see {log}")
+            raise StartFailed(f"a process exited while starting; see {log}")
         try:
             reply = httpx.get(base_url + ready_path, timeout=2)
             found = reply.json() if reply.status_code == 200 else {}

@@ -307,7 +307,8 @@ def worker_series(model: str) -> None:
     """Creates a worker's per-model series at 0, so that rates and alerts see them before the first event."""
     for how in ("reclaimed", "handed_over"):
         MIGRATIONS.labels(model, how)
-    for counter in (RECLAIMS, DEAD_LETTERS, HANDOVERS, ENGINE_ABORTS, GENERATED_TOKENS):
+    for counter in (RECLAIMS, DEAD_LETTERS, HANDOVERS, ENGINE_ABORTS, GENERATED_TOKENS, PREFIX_CACHE_QUERIES,
+                    PREFIX_CACHE_HITS):
         counter.labels(model)
     for gauge in (RUNNING_JOBS, ENGINE_RUNNING, ENGINE_WAITING, KV_CACHE_USAGE):
         gauge.labels(model)
