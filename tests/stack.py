@@ -131,6 +131,10 @@ class Stack:
         found: list[dict[str, Any]] = self.client.xinfo_consumers(keys.requests_stream(self.model), keys.WORKER_GROUP)
         return found
 
+    def on_streams(self) -> int:
+        """Entries on every request stream of the model, read or not."""
+        return sum(self.client.xlen(stream) for stream in self.request_streams())
+
     def pending(self) -> int:
         """Entries read by a worker and not yet acknowledged, on every request stream of the model."""
         return sum(int(summary["pending"]) for summary in self._pending_summaries())

@@ -96,7 +96,7 @@ async def test_past_the_bounds_requests_are_refused_at_once_and_nothing_is_queue
     async with httpx.AsyncClient(timeout=30) as http:
         running = asyncio.create_task(sse_frames(http, "POST", tight.url + "/v1/chat/completions",
                                                  json=chat_body(stack.model, 100)))
-        await wait_for("the first job on its way", lambda: stack.client.xlen(keys.requests_stream(stack.model)))
+        await wait_for("the first job on its way", stack.on_streams)
         waiting = asyncio.create_task(sse_frames(http, "POST", tight.url + "/v1/chat/completions",
                                                  json=chat_body(stack.model, 5)))
         await wait_for("the second job queued", lambda: queued(stack) == 1)
