@@ -170,19 +170,22 @@ def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> 
 def _started(engine: systems.Engine, log: Path, name: str, workers: int, dispatch: str, plan: Plan,
              attempts: int = 3) -> tuple[Cell, dict[str, float]]:
     """One run on fresh processes, started again (up to `attempts` times) if one exits while starting."""
-    for attempt in range(1, attempts + 1):
+    for _ in range(attempts - 1):
         try:
-            with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
-                                  edge_settings={"dispatch": dispatch},
-                                  worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
-                                                   "sim_prefill_us_per_token": plan.prefill_us_per_word,
-                                                   "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
-                return asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
+            return _run_once(engine, log, name, workers, dispatch, plan)
         except systems.StartFailed as exc:
-            if attempt == attempts:
-                raise
             print(f"{exc}: starting the run again", file=sys.stderr)
-    raise AssertionError("unreachable")
+    return _run_once(engine, log, name, workers, dispatch, plan)
+
+
+def _run_once(engine: systems.Engine, log: Path, name: str, workers: int, dispatch: str,
+              plan: Plan) -> tuple[Cell, dict[str, float]]:
+    with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
+                          edge_settings={"dispatch": dispatch},
+                          worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
+                                           "sim_prefill_us_per_token": plan.prefill_us_per_word,
+                                           "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
+        return asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
 
 
 def _schedule(plan: Plan, dispatches: tuple[str, ...]) -> list[tuple[int, str, int, str]]:
