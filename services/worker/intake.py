@@ -19,7 +19,7 @@ from services.worker.ownership import Ownership
 from services.worker.parsing.output import for_job
 from services.worker.publisher import EventPublisher
 from services.worker.scheduling import SchedulerLink
-from shared.protocol import bus, keys, prefixes
+from shared.protocol import bus, keys
 from shared.protocol.errors import QueueTimeout, StreamAbandoned, WorkerLost
 from shared.redisio import rawpipe
 from shared.runtime import metrics
@@ -166,7 +166,7 @@ class Intake:
             except (KeyError, ValueError):
                 job = None
             try:
-                await self.ownership.give_back(entry_id, fields, prefixes.chain(job) if job else [])
+                await self.ownership.give_back(entry_id, fields, job)
             except (RedisError, OSError) as exc:
                 log.warning("giving back a job read beyond the free slots failed (%s); it waits here", exc)
                 self._accept([(entry_id, fields)], "")

@@ -200,20 +200,23 @@ class Ownership:
         too, settled by whoever ends it. Returns where it went, as placements."""
         moved = msgspec.structs.replace(run.job, handovers=run.job.handovers + 1, continuation=None)
         entry: dict[Any, Any] = {**(run.ticket.fields() if run.ticket else {}), bus.JOB_FIELD: bus.encode_job(moved)}
-        chain = prefixes.chain(run.job) if self.aware else []
-        affinity = f"0 {' '.join(chain)}" if chain else ""
-        fields = [part for pair in entry.items() for part in pair]
-        placed = await self._hand_over(keys=keys.fair_keys(self.model),
-                                       args=[self.stream_of(run), run.entry_id, affinity, *fields])
+        placed = await self._requeue(self.stream_of(run), run.entry_id, entry, run.job)
         return fairshare.Dispatched(0, tuple(int(n) for n in placed))
 
-
-    async def give_back(self, entry_id: Any, fields: dict[Any, Any], chain: list[str]) -> None:
+    async def give_back(self, entry_id: Any, fields: dict[Any, Any], job: bus.Job | None) -> None:
         """Puts an entry of the model's stream that this worker read without a slot for it back on the queue, as
-        it was (placed by its prefix `chain` like a dispatched job), and lets go of it, in one step."""
-        affinity = f"0 {' '.join(chain)}" if chain and self.aware else ""
+        it was (placed by its job's prefix like a dispatched job), and lets go of it, in one step."""
+        await self._requeue(self.stream, entry_id, fields, job)
+
+    async def _requeue(self, stream: str, entry_id: Any, fields: dict[Any, Any], job: bus.Job | None) -> list[Any]:
+        """A new entry of `fields` on the queue (the own stream of a live worker with room that holds the job's
+        prefix, else as a dispatch places it), and the old one let go of, in one script; its placements."""
+        chain = prefixes.chain(job) if job and self.aware else []
+        affinity = f"0 {' '.join(chain)}" if chain else ""
         flat = [part for pair in fields.items() for part in pair]
-        await self._hand_over(keys=keys.fair_keys(self.model), args=[self.stream, entry_id, affinity, *flat])
+        placed: list[Any] = await self._hand_over(keys=keys.fair_keys(self.model),
+                                                  args=[stream, entry_id, affinity, *flat])
+        return placed
 
 
 def continuation_of(job: bus.Job, taken: list[bus.Event]) -> bus.Continuation:
