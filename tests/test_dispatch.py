@@ -118,6 +118,35 @@ async def test_a_new_prefix_goes_to_one_worker_and_different_ones_spread(stack: 
     await stack.settled()
 
 
+async def test_a_prompt_nobody_holds_goes_to_the_worker_with_the_most_free_slots(stack: Stack) -> None:
+    """Of two workers with four slots, one runs three long answers of one system prompt (they follow the first to its
+    worker): eight prompts nobody holds, one after the other, all go to the other worker, which has more slots free
+    (a hash of each prompt would have put about half of them on the busy one)."""
+    edge = stack.edge()
+    workers = [stack.worker(max_num_seqs=4, sim_prefix_cache_blocks=1000) for _ in range(2)]
+    long = [asyncio.create_task(ask(edge.url, stack.model, f"long {i}", 150)) for i in range(3)]  # 3 s each
+    async with httpx.AsyncClient() as http:
+
+        async def queried() -> list[float]:
+            return [metric_value((await http.get(worker.metrics_url)).text,
+                                 "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model})
+                    for worker in workers]
+
+        await until(lambda: stack.pending() == 3)
+        before = await queried()
+        assert sorted(q > 0 for q in before) == [False, True], before  # all three on one worker
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+            for n in range(8):
+                await client.chat.completions.create(model=stack.model, max_tokens=1, messages=[
+                    {"role": "system", "content": f"{n} " * 600}, {"role": "user", "content": "hi"}])
+        after = await queried()
+    assert not all(task.done() for task in long)
+    busy = before.index(max(before))
+    assert after[busy] == before[busy] and after[1 - busy] > 0, (before, after)
+    assert [text for text, _ in await asyncio.gather(*long)] == [expected(150)] * 3
+    await stack.settled()
+
+
 async def test_a_job_waits_for_a_busy_holder_no_longer_than_the_bound(stack: Stack) -> None:
     """The holder has one slot, taken by a long answer: a job sharing its prefix waits for it 1 s (the bound), then
     the other worker serves it, well before the holder would have been free (4 s)."""

@@ -12,6 +12,7 @@ import httpx
 import openai
 
 from services.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
+from services.worker.prefix_summary import PrefixSummary
 from shared.protocol import bus, keys, prefixes
 from tests.processes import metric_value, stop_process
 from tests.stack import Stack
@@ -55,6 +56,71 @@ async def test_a_simulated_prefill_costs_only_what_the_cache_does_not_hold(stack
     queried = metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model})
     hit = metric_value(text, "tokenbus_worker_prefix_cache_hits_total", {"model": stack.model})
     assert queried == 2 * 802 and hit == 800, (queried, hit)  # 802 prompt words; the blocks held: 50
+
+
+def _job(job_id: str, text: str, tokens: int) -> bus.Job:
+    """A chat job of one message: `text` of 1 KiB pieces is a chain of as many links, `tokens` its estimate."""
+    job = bus.Job(id=job_id, model="m", reply_to="", deadline_ms=0, messages=[bus.Message(role="user", content=text)])
+    job.prompt_estimate = tokens
+    return job
+
+
+def _written(summary: PrefixSummary, in_redis: set[str]) -> set[str]:
+    """What the set in Redis holds after the summary's next write went through."""
+    commands, changes = summary.commands()
+    for command in commands:
+        if command[0] == "SADD":
+            in_redis |= {str(link) for link in command[2:]}
+        elif command[0] == "SREM":
+            in_redis -= {str(link) for link in command[2:]}
+    summary.written(changes, [1] * len(commands))
+    return in_redis
+
+
+def test_a_summary_shows_a_job_s_links_from_its_start_and_holds_them_only_once_prefilled() -> None:
+    """A cache of 300 tokens holding two prompts of 100 (one link each): ten jobs queued behind them show their links
+    at once (so that their prefix follows them) yet evict nothing the engine holds; once one is prefilled it takes
+    its place, evicting the least recently used; a job that ends before its prefill takes its links out again."""
+    summary = PrefixSummary("m", "w", max_links=64, ttl_ms=1000, cache_tokens=300)
+    held = [_job(f"h{n}", f"held {n}", 100) for n in range(2)]
+    for job in held:
+        summary.started(job)
+        summary.prefilled(job.id)
+        summary.ended(job.id, 100)
+    in_redis = _written(summary, set())
+    old = {link for job in held for link in prefixes.chain(job)}
+    assert in_redis == old
+    queued = [_job(f"q{n}", f"queued {n}", 100) for n in range(10)]
+    assert all(summary.started(job) for job in queued)
+    in_redis = _written(summary, in_redis)
+    new = [prefixes.chain(job)[0] for job in queued]
+    assert in_redis == old | set(new)  # ten jobs' worth (1,000 tokens) queued: the held ones stay
+    assert not summary.prefilled("q0")  # already in the set, and 300 tokens fit
+    assert summary.prefilled("q1")  # 400 tokens prefilled in a cache of 300: the oldest goes
+    in_redis = _written(summary, in_redis)
+    assert prefixes.chain(held[0])[0] not in in_redis and prefixes.chain(held[1])[0] in in_redis
+    summary.ended("q0", 100)
+    assert summary.ended("q9")  # it never reached its prefill
+    assert _written(summary, in_redis) == (old | set(new)) - {prefixes.chain(held[0])[0], new[9]}
+
+
+def test_a_link_a_waiting_job_shares_stays_in_the_set_when_its_holder_evicts_it() -> None:
+    """Two jobs of one prompt: the first prefilled, then evicted by others, while the second still waits for its
+    prefill: the link stays in the set (the second job will hold it), and leaves it if that job ends unprefilled."""
+    summary = PrefixSummary("m", "w", max_links=2, ttl_ms=1000)
+    first, second = _job("a", "shared", 10), _job("b", "shared", 10)
+    summary.started(first)
+    summary.prefilled(first.id)
+    summary.started(second)
+    for n in range(3):
+        other = _job(f"o{n}", f"other {n}", 10)
+        summary.started(other)
+        summary.prefilled(other.id)
+    link = prefixes.chain(first)[0]
+    assert link not in summary.links
+    assert link in _written(summary, set())
+    summary.ended(second.id)
+    assert link not in _written(summary, {link})
 
 
 def _sets(stack: Stack) -> dict[str, set[str]]:

@@ -150,8 +150,6 @@ class JobRunner:
             run.generated += len(event.token_ids)
         elif isinstance(event, bus.Final):
             run.usage = (event.prompt_tokens, event.completion_tokens)
-            if self.prefixes is not None:
-                self.prefixes.counted(run.job, event.prompt_tokens)
         self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
 
     def log_kept_ms(self, job: bus.Job) -> int:
@@ -172,8 +170,10 @@ class JobRunner:
         carried = job.continuation.carried() if job.continuation else 0
         if run.output is None:
             run.output = for_job(job, self.tool_format, self.reasoning)
-        if self.prefixes is not None and self.prefixes.ran(job):
-            self._publish_prefixes(self.prefixes)
+        summary = self.prefixes
+        if summary is not None and summary.started(job):
+            self._publish_prefixes(summary)
+        prefilled = summary is None
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         run.began = time.monotonic()
@@ -184,18 +184,28 @@ class JobRunner:
                         # the cancel may have come before the engine knew the request: abort again
                         await self.engine.abort(job.id)
                         break
-                    if isinstance(event, bus.Final):
-                        event.completion_tokens += carried
-                    if isinstance(event, bus.Tokens):
-                        self.generated_tokens.inc(len(event.token_ids))
-                    for out in [event] if run.output is None else run.output.rewrite(event):
-                        self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
+                    if not prefilled:  # the engine's first output: the prompt is in its cache
+                        prefilled = True
+                        if summary is not None and summary.prefilled(job.id):
+                            self._publish_prefixes(summary)
+                    self._pass_on(run, event, carried, replay_ms)
         except TimeoutError:
             await self.engine.abort(job.id)
             raise RequestTimeout("The request did not finish before its deadline.") from None
         finally:
             running.dec()
+            if summary is not None and summary.ended(job.id, run.usage[0] if run.usage else 0):
+                self._publish_prefixes(summary)
         return "aborted" if run.aborted else "finished"
+
+    def _pass_on(self, run: Run, event: bus.Output, carried: int, replay_ms: int) -> None:
+        """One event of the engine, through the job's parsers, to its client."""
+        if isinstance(event, bus.Final):
+            event.completion_tokens += carried
+        if isinstance(event, bus.Tokens):
+            self.generated_tokens.inc(len(event.token_ids))
+        for out in [event] if run.output is None else run.output.rewrite(event):
+            self.emit(run, out, replay_ms if isinstance(out, bus.Final) else 0)
 
     def _settle_cost(self, run: Run) -> None:
         """Settles the job's reservation with what it used (a job that ended early counts its estimate), in the

@@ -19,10 +19,11 @@ Cache-aware dispatch (docs/cache-aware-dispatch.md): a queued job's `affinity` i
 time (unix ms) until which it may wait for a busy worker holding its prompt prefix, then its prefix chain's links.
 A job goes onto the own stream of the live worker with free slots that holds the longest of its links (reason
 `cache`, or `waited`), else, while its bound lasts and a busy worker holds a longer one, it waits (the next tenant
-fairness allows goes first), else onto the own stream of the worker with free slots first in its chain head's
-rendezvous order (reasons `expired`: a holder was busy past the bound; `none`: nobody holds it), else onto the
-model's stream. A worker's free slots are its offer less its entries pending on the model's stream and
-its own stream's length; the room counts every live worker's stream.
+fairness allows goes first), else onto the own stream of the worker with the most free slots, ties going to the
+first in its chain head's rendezvous order, its links added to that worker's set so that the same prefix follows it
+(reasons `expired`: a holder was busy past the bound; `none`: nobody holds it), else onto the model's stream. A
+worker's free slots are its offer less its entries pending on the model's stream and its own stream's length; the
+room counts every live worker's stream.
 """
 
 from shared.protocol.keys import WORKER_GROUP
@@ -79,6 +80,7 @@ local function offer(worker, slots, ttl_ms, headroom, now)
 end
 
 local live = {}  -- the live workers (name, slots) as `capacity` found them this call
+local expiry_of = {}  -- each live worker's offer's expiry (unix ms)
 
 local function own_stream(worker)
   return REQUESTS .. ':' .. worker
@@ -105,6 +107,7 @@ local function capacity(now)
     if slots and tonumber(expiry) > now then
       total, headroom = total + tonumber(slots), headroom + (tonumber(kept) or 0)
       live[#live + 1] = {name = offers[i], slots = tonumber(slots)}
+      expiry_of[offers[i]] = tonumber(expiry)
     else
       redis.call('HDEL', SLOTS, offers[i])
     end
@@ -212,19 +215,24 @@ local function holder(links, need)
   return best, best_length, busy_length
 end
 
--- the live worker with room for `need` slots first in the rendezvous order of a chain's head (nil: none has room):
--- a prefix no worker holds yet goes where the same prefix went before, even before a summary says so, and distinct
--- prefixes spread evenly, so that the workers' caches hold different prefixes (consistent hashing, its load bounded
--- by the workers' slots)
-local function spread(head, need)
-  local best, best_score = nil, nil
+-- the live worker with the most free slots, at least `need` (nil: none has room), ties going to the first in the
+-- rendezvous order of the chain's head; the links go into its set, so that the same prefix follows it before the
+-- worker starts the job (the worker's summary takes them over then)
+local function spread(links, need)
+  local best, best_free, best_score = nil, nil, nil
   for name, free in pairs(free_slots()) do
     if free >= need then
-      local score = redis.sha1hex(head .. '\0' .. name)
-      if not best_score or score > best_score then best, best_score = name, score end
+      local score = redis.sha1hex(links[1] .. '\0' .. name)
+      if not best or free > best_free or (free == best_free and score > best_score) then
+        best, best_free, best_score = name, free, score
+      end
     end
   end
-  if best then free_of[best] = free_of[best] - need end
+  if not best then return nil end
+  free_of[best] = free_of[best] - need
+  local set = PREFIXES .. best
+  redis.call('SADD', set, unpack(links))
+  if redis.call('PTTL', set) < 0 then redis.call('PEXPIREAT', set, expiry_of[best]) end
   return best
 end
 
@@ -247,7 +255,7 @@ local function place(affinity, need, now)
   end
   local reason = busy_length > 0 and 'expired' or 'none'
   placed[reason] = placed[reason] + 1
-  local spread_to = spread(links[1], need)
+  local spread_to = spread(links, need)
   return spread_to and own_stream(spread_to) or REQUESTS
 end
 
