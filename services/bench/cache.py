@@ -10,7 +10,14 @@ workers' hit rate at 2, 4 and 8 workers, on three workloads:
 Each worker's cache holds a fraction of the workload's prefixes: a cache-blind dispatch (every job to any free
 worker) finds a prefix where it was prefilled only by chance; cache-aware dispatch sends a job to a worker holding
 its prefix. Each cell runs both, one after the other on fresh processes, in rounds (the order alternating), and the
-report gives aware over blind with a two-level bootstrap interval over the rounds and their requests."""
+report gives aware over blind with a two-level bootstrap interval over the rounds and their requests.
+
+Each cell runs both ways a load can come: closed-loop (a fixed number of requests in flight, each sent once one
+ends: what each dispatch can serve, its throughput, and a time to first token set by that many requests queued at
+the prefill lanes) and open-loop (requests, or conversations, arriving as a Poisson process at a fixed rate, as
+users come whatever the service does: time to first token at the same offered load for both dispatches, the figure
+latency comparisons quote). The open-loop rate is a fraction of what blind dispatch served in the same round's
+closed-loop run of the cell, so that it is a load blind dispatch sustains."""
 
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from services.bench.workload import Request, prompt_of
 SHARED, MULTI_TURN, UNSHARED = "shared prefixes", "multi-turn", "no shared prefix"
 WORKLOADS = (SHARED, MULTI_TURN, UNSHARED)
 DISPATCHES = ("blind", "aware")
+CLOSED, OPEN = "closed", "open"
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,12 @@ class Plan:
     rounds: int = 3
     """Runs of each dispatch per cell, blind and aware side by side (this machine's runs differ more than their
     requests do)."""
+    open_load: float = 0.75
+    """The open-loop arrival rate: this fraction of the requests a second blind dispatch served in the same round's
+    closed-loop run of the cell."""
+    open_cap: int = 512
+    """Requests in flight at most in an open-loop run (a bound on the load generator, not a limit it reaches at a
+    rate blind dispatch sustains)."""
 
     @classmethod
     def quick(cls) -> Plan:
@@ -77,14 +91,19 @@ class Cell:
     """Prompt words the workers' caches held, of those looked up."""
     requests: int
     failed: int
+    request_rate: float = 0.0
+    """Requests answered a second."""
+    loop: str = CLOSED
+    """How the requests came: CLOSED (a fixed number in flight) or OPEN (at a fixed rate)."""
 
 
 @dataclass(frozen=True)
 class Pair:
-    """A workload at a worker count: the runs of both dispatches, round by round."""
+    """A workload at a worker count, one way of loading it: the runs of both dispatches, round by round."""
 
     workload: str
     workers: int
+    loop: str
     blind: tuple[Cell, ...]
     aware: tuple[Cell, ...]
 
@@ -112,11 +131,11 @@ def mean_hit_rate(cells: tuple[Cell, ...]) -> float:
 
 
 def pair_up(cells: list[Cell]) -> list[Pair]:
-    """The runs grouped by workload and worker count, both dispatches present, in the order they first ran."""
-    grouped: dict[tuple[str, int], dict[str, list[Cell]]] = {}
+    """The runs grouped by workload, worker count and loop, both dispatches present, in the order they first ran."""
+    grouped: dict[tuple[str, int, str], dict[str, list[Cell]]] = {}
     for cell in cells:
-        grouped.setdefault((cell.workload, cell.workers), {}).setdefault(cell.dispatch, []).append(cell)
-    return [Pair(w, n, tuple(runs["blind"]), tuple(runs["aware"])) for (w, n), runs in grouped.items()
+        grouped.setdefault((cell.workload, cell.workers, cell.loop), {}).setdefault(cell.dispatch, []).append(cell)
+    return [Pair(w, n, loop, tuple(runs["blind"]), tuple(runs["aware"])) for (w, n, loop), runs in grouped.items()
             if runs.get("blind") and len(runs["blind"]) == len(runs.get("aware", ()))]
 
 
@@ -126,10 +145,10 @@ class Result:
     cells: list[Cell]
     """Every run, every round."""
     decisions: dict[str, dict[str, float]]
-    """Per cell of aware dispatch (workload, workers), its placements by reason, summed over the rounds."""
+    """Per cell of aware dispatch (workload, workers), its placements by reason, summed over the rounds and loops."""
 
-    def pairs(self) -> list[Pair]:
-        return pair_up(self.cells)
+    def pairs(self, loop: str = CLOSED) -> list[Pair]:
+        return [pair for pair in pair_up(self.cells) if pair.loop == loop]
 
 
 def workload(name: str, plan: Plan, seed: int = 0) -> list[list[Request]]:
@@ -152,66 +171,88 @@ def workload(name: str, plan: Plan, seed: int = 0) -> list[list[Request]]:
                      plan.max_tokens)] for _ in range(plan.requests)]
 
 
-def measure(log: Path, plan: Plan, dispatches: tuple[str, ...] = DISPATCHES) -> Result:
+def measure(log: Path, plan: Plan) -> Result:
     engine = systems.Engine(model="sim-model", model_dir=Path("."))
     cells: list[Cell] = []
     decisions: dict[str, dict[str, float]] = {}
-    for index, name, workers, dispatch in _schedule(plan, dispatches):
-        cell, placed = _started(engine, log, name, workers, dispatch, plan)
-        cells.append(cell)
-        _progress(index, plan.rounds, cell)
-        if dispatch == "aware":
-            summed = decisions.setdefault(f"{name}, {workers} workers", {})
-            for reason, count in placed.items():
-                summed[reason] = summed.get(reason, 0.0) + count
+    for index, name, workers, order in _schedule(plan):
+        closed: dict[str, Cell] = {}
+        for loop in (CLOSED, OPEN):
+            rate = plan.open_load * closed["blind"].request_rate if loop == OPEN else float("inf")
+            for dispatch in order:
+                cell, placed = _started(engine, log, Setup(name, workers, dispatch, loop, rate), plan)
+                cells.append(cell)
+                closed.setdefault(dispatch, cell)
+                _progress(index, plan.rounds, cell)
+                if dispatch == "aware":
+                    summed = decisions.setdefault(f"{name}, {workers} workers", {})
+                    for reason, count in placed.items():
+                        summed[reason] = summed.get(reason, 0.0) + count
     return Result(plan, cells, decisions)
 
 
-def _started(engine: systems.Engine, log: Path, name: str, workers: int, dispatch: str, plan: Plan,
+@dataclass(frozen=True)
+class Setup:
+    """What one run is: a workload at a worker count, a dispatch, a loop and (open-loop) its arrival rate."""
+
+    workload: str
+    workers: int
+    dispatch: str
+    loop: str = CLOSED
+    rate: float = float("inf")
+    """Requests a second (open-loop)."""
+
+
+def _started(engine: systems.Engine, log: Path, run: Setup, plan: Plan,
              attempts: int = 3) -> tuple[Cell, dict[str, float]]:
     """One run on fresh processes, started again (up to `attempts` times) if one exits while starting."""
     for _ in range(attempts - 1):
         try:
-            return _run_once(engine, log, name, workers, dispatch, plan)
+            return _run_once(engine, log, run, plan)
         except systems.StartFailed as exc:
             print(f"{exc}: starting the run again", file=sys.stderr)
-    return _run_once(engine, log, name, workers, dispatch, plan)
+    return _run_once(engine, log, run, plan)
 
 
-def _run_once(engine: systems.Engine, log: Path, name: str, workers: int, dispatch: str,
-              plan: Plan) -> tuple[Cell, dict[str, float]]:
-    with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=workers,
-                          edge_settings={"dispatch": dispatch},
-                          worker_settings={"max_num_seqs": plan.slots, "dispatch": dispatch,
+def _run_once(engine: systems.Engine, log: Path, run: Setup, plan: Plan) -> tuple[Cell, dict[str, float]]:
+    with systems.tokenbus(engine, log, sim=(plan.sim_ttft_ms, plan.sim_itl_ms), workers=run.workers,
+                          edge_settings={"dispatch": run.dispatch},
+                          worker_settings={"max_num_seqs": plan.slots, "dispatch": run.dispatch,
                                            "sim_prefill_us_per_token": plan.prefill_us_per_word,
                                            "sim_prefix_cache_blocks": plan.cache_blocks}) as running:
-        return asyncio.run(_cell(running, engine.model, name, workers, dispatch, plan))
+        return asyncio.run(_cell(running, engine.model, run, plan))
 
 
-def _schedule(plan: Plan, dispatches: tuple[str, ...]) -> list[tuple[int, str, int, str]]:
-    """(round, workload, workers, dispatch) in the order to run: round by round, each cell's dispatches side by
+def _schedule(plan: Plan) -> list[tuple[int, str, int, tuple[str, ...]]]:
+    """(round, workload, workers, dispatches) in the order to run: round by round, each cell's dispatches side by
     side, the first of them alternating from round to round so that neither always runs on a cooler machine."""
-    return [(index, name, workers, dispatch) for index in range(plan.rounds) for name in WORKLOADS
-            for workers in plan.workers
-            for dispatch in (dispatches if index % 2 == 0 else tuple(reversed(dispatches)))]
+    return [(index, name, workers, DISPATCHES if index % 2 == 0 else tuple(reversed(DISPATCHES)))
+            for index in range(plan.rounds) for name in WORKLOADS for workers in plan.workers]
 
 
 def _progress(index: int, rounds: int, cell: Cell) -> None:
-    print(f"round {index + 1}/{rounds}: {cell.workload}, {cell.workers} workers, {cell.dispatch}: TTFT p50 "
+    print(f"round {index + 1}/{rounds}: {cell.workload}, {cell.workers} workers, {cell.dispatch}, {cell.loop}-loop "
+          f"at {cell.request_rate:.1f} req/s: TTFT p50 "
           f"{cell.ttft_ms.p50:.0f} ms, {cell.output_throughput:.0f} tok/s, hit rate {cell.hit_rate:.0%}, "
           f"{cell.failed} failed", file=sys.stderr)
 
 
-async def _cell(running: systems.Running, model: str, name: str, workers: int, dispatch: str,
-                plan: Plan) -> tuple[Cell, dict[str, float]]:
-    shape = load.Load(running.base_url, model, concurrency=plan.concurrency)
-    return await _run(running, shape, workload(name, plan), name, workers, dispatch)
+async def _cell(running: systems.Running, model: str, run: Setup, plan: Plan) -> tuple[Cell, dict[str, float]]:
+    sessions = workload(run.workload, plan)
+    if run.loop == CLOSED:
+        shape = load.Load(running.base_url, model, concurrency=plan.concurrency)
+        starts = float("inf")
+    else:  # sessions start at the rate that makes `run.rate` requests a second
+        shape = load.Load(running.base_url, model, concurrency=plan.open_cap, rate=run.rate)
+        starts = run.rate * len(sessions) / sum(len(turns) for turns in sessions)
+    return await _run(running, shape, sessions, run, starts)
 
 
-async def _run(running: systems.Running, shape: load.Load, sessions: list[list[Request]], name: str, workers: int,
-               dispatch: str) -> tuple[Cell, dict[str, float]]:
-    timings, duration = await load.collect_sessions(shape, sessions, system=f"{workers} workers", quiet=True)
-    result = load.summarize(f"{workers} workers", shape, timings, duration)
+async def _run(running: systems.Running, shape: load.Load, sessions: list[list[Request]], run: Setup,
+               starts_per_s: float = float("inf")) -> tuple[Cell, dict[str, float]]:
+    timings, duration = await load.collect_sessions(shape, sessions, system=f"{run.workers} workers", quiet=True,
+                                                    starts_per_s=starts_per_s)
+    result = load.summarize(f"{run.workers} workers", shape, timings, duration)
     queried = hit = 0.0
     placed: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=10) as http:
@@ -223,8 +264,9 @@ async def _run(running: systems.Running, shape: load.Load, sessions: list[list[R
                 if line.startswith("tokenbus_dispatch_decisions_total{"):
                     reason = line.split('reason="', 1)[1].split('"', 1)[0]
                     placed[reason] = placed.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-    cell = Cell(name, workers, dispatch, result.ttft_ms, tuple(t.ttft for t in timings if t.ok),
-                result.output_throughput, hit / queried if queried else 0.0, result.requests, result.failed)
+    cell = Cell(run.workload, run.workers, run.dispatch, result.ttft_ms, tuple(t.ttft for t in timings if t.ok),
+                result.output_throughput, hit / queried if queried else 0.0, result.requests, result.failed,
+                result.request_throughput, run.loop)
     return cell, placed
 
 
@@ -264,8 +306,8 @@ def measure_real(log: Path, engine: systems.Engine, plan: RealPlan) -> list[Cell
             with systems.tokenbus(engine, log, workers=plan.workers, edge_settings={"dispatch": dispatch},
                                   worker_settings={"dispatch": dispatch}) as running:
                 shape = load.Load(running.base_url, engine.model, concurrency=plan.concurrency)
-                cell, _placed = asyncio.run(_run(running, shape, real_workload(plan), SHARED, plan.workers,
-                                                 dispatch))
+                cell, _placed = asyncio.run(_run(running, shape, real_workload(plan),
+                                                 Setup(SHARED, plan.workers, dispatch)))
             cells.append(cell)
             _progress(index, plan.rounds, cell)
     return cells

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
 import time
 from collections.abc import Iterable
@@ -97,11 +96,13 @@ async def collect(load: Load, requests: list[Request], *, system: str = "server"
 
 
 async def collect_sessions(load: Load, sessions: list[list[Request]], *, system: str = "server",
-                           quiet: bool = False) -> tuple[list[Timing], float]:
+                           quiet: bool = False, starts_per_s: float = float("inf"),
+                           seed: int = 0) -> tuple[list[Timing], float]:
     """Conversations: each session's requests one after the other (the next once the last one's answer came, as
-    a user or an agent sends its next turn), the sessions side by side, at most `concurrency` requests at once.
-    Gives each request's timing and the duration."""
-    return await _collect(load, sessions, itertools.repeat(0.0), system, quiet)
+    a user or an agent sends its next turn), the sessions side by side, starting as a Poisson process of
+    `starts_per_s` (inf: all at once), at most `concurrency` requests at once. Gives each request's timing and the
+    duration."""
+    return await _collect(load, sessions, poisson_gaps(starts_per_s, seed), system, quiet)
 
 
 async def _collect(load: Load, sessions: list[list[Request]], gaps: Iterable[float], system: str,
