@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.edge.formats import chat, completions, embeddings, planners, responses, tgi
+from services.edge.formats import chat, completions, embeddings, messages, planners, responses, tgi
 from services.edge.store import Conversation
 from shared.protocol import bus
 from shared.protocol.errors import TokenbusError
@@ -69,6 +69,10 @@ FORMATS = {
                          planned(planners.plan_embeddings)),
     "tgi": Format(tgi.GenerateRequest, {"inputs": "Hi", "parameters": {"max_new_tokens": 4}},
                   planned(functools.partial(planners.plan_tgi, stream=None))),
+    "messages": Format(messages.MessagesRequest, {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}, planned(planners.plan_messages)),
+    "count_tokens": Format(messages.CountTokensRequest, {"model": "m", "messages": [
+        {"role": "user", "content": "Hi"}]}, planned(planners.plan_count_tokens)),
 }
 
 # values at the edges of what the structs' types hold: 64-bit and 32-bit limits, huge, negative, odd text

@@ -57,11 +57,14 @@ async def test_openapi_document_describes_every_route(served: Edge) -> None:
         served_doc = (await http.get(served.url + "/openapi.json")).json()
     assert served_doc["openapi"].startswith("3.1")
     for path in ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v3/chat/completions",
-                 "/serving-endpoints/{name}/invocations", "/generate", "/generate_stream", "/", "/info"]:
+                 "/serving-endpoints/{name}/invocations", "/generate", "/generate_stream", "/", "/info",
+                 "/v1/messages", "/v1/messages/count_tokens"]:
         assert path in served_doc["paths"], path
     chat_schema = served_doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat_schema["properties"]["temperature"]["anyOf"][0]["maximum"] == 2
     assert set(chat_schema["required"]) == {"model", "messages"}
+    messages_schema = served_doc["components"]["schemas"]["MessagesRequest"]
+    assert set(messages_schema["required"]) == {"model", "messages", "max_tokens"}
 
 
 def test_openapi_document_is_valid_openapi() -> None:

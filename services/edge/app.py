@@ -17,8 +17,8 @@ from services.edge.batch_store import BatchStore
 from services.edge.conversation_store import ConversationStore
 from services.edge.directory import ModelDirectory
 from services.edge.file_store import FileStore
-from services.edge.formats import tgi
-from services.edge.formats.base import MAX_MESSAGES, openai_error
+from services.edge.formats import messages_render, tgi
+from services.edge.formats.base import MAX_MESSAGES, encode, openai_error
 from services.edge.gateway import Gateway
 from services.edge.ops import expected_models
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
@@ -66,6 +66,8 @@ def _error_response(route: Route, error: TokenbusError) -> web.Response:
     if route.family == "tgi":
         status, _type = tgi.error_status(error)
         body = tgi.tgi_error(error)
+    elif route.family == "anthropic":
+        status, body = error.status, encode(messages_render.error_body(error))
     else:
         status, body = error.status, openai_error(error)
     headers = None

@@ -194,6 +194,17 @@ async def create_embeddings(request: web.Request) -> web.StreamResponse:
     return await _planned(request, "embeddings")
 
 
+# Anthropic
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "messages")
+
+
+async def count_message_tokens(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "messages_count")
+
+
 def _not_found(response_id: str) -> NotFound:
     return NotFound(f"No response with id '{response_id}' is stored.", param="response_id")
 

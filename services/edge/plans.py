@@ -143,6 +143,8 @@ PLANNERS: dict[str, Planner] = {
     "responses_ovms": checked(planned("responses_ovms", "responses", functools.partial(
         planners.plan_responses, ovms=True))),
     "embeddings": planned("embeddings", "embeddings", planners.plan_embeddings),
+    "messages": checked(planned("messages", "messages", planners.plan_messages)),
+    "messages_count": planned("messages_count", "messages", planners.plan_count_tokens),
     "tgi": checked(planned("tgi", "tgi", functools.partial(planners.plan_tgi, stream=False))),
     "tgi_stream": checked(planned("tgi_stream", "tgi", functools.partial(planners.plan_tgi, stream=True))),
     "tgi_compat": checked(planned("tgi_compat", "tgi", functools.partial(

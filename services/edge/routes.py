@@ -2,9 +2,9 @@
 the error shape all read it.
 
 A route's family decides the rest: `openai` routes (OpenAI, Databricks, OVMS) answer errors in OpenAI's
-shape, `tgi` routes in TGI's, and both need an API key and Redis; `ops` routes (health, readiness, the API
-document) need neither, so they answer during a Redis outage and to anyone. The metrics are served on a port
-of their own (--metrics-port), not here.
+shape, `tgi` routes in TGI's, `anthropic` routes in Anthropic's, and all need an API key and Redis; `ops`
+routes (health, readiness, the API document) need neither, so they answer during a Redis outage and to anyone.
+The metrics are served on a port of their own (--metrics-port), not here.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from services.edge.formats import (
     completions,
     conversation_items,
     embeddings,
+    messages,
+    messages_render,
     response_render,
     responses,
     tgi,
@@ -38,7 +40,7 @@ class Route:
     path: str
     handler: Handler
     family: str
-    """openai | tgi | ops"""
+    """openai | tgi | anthropic | ops"""
     summary: str = ""
     request: Any = None
     """The body's msgspec struct, or a tuple of them (one of), for the OpenAPI document."""
@@ -131,6 +133,11 @@ ROUTES: list[Route] = [
           tgi.GenerateRequest, tgi.StreamResponse, streams=True, runs_model=True),
     Route("post", "/", handlers.compat_generate, "tgi", "TGI / MindIE: the body's `stream` decides",
           tgi.GenerateRequest, list[tgi.GenerateResponse], streams=True, runs_model=True),
+    Route("post", "/v1/messages", handlers.create_message, "anthropic", "Anthropic Messages",
+          messages.MessagesRequest, messages_render.Message, streams=True, runs_model=True),
+    Route("post", "/v1/messages/count_tokens", handlers.count_message_tokens, "anthropic",
+          "Anthropic: the tokens of a Messages request's prompt", messages.CountTokensRequest,
+          messages_render.CountTokens, runs_model=True),
     Route("get", "/info", handlers.tgi_info, "tgi", "TGI model information", response=tgi.Info),
     Route("get", "/health", ops.health, "ops"),
     Route("get", "/ready", ops.ready, "ops"),

@@ -254,6 +254,10 @@ class VllmEngine:
             async for event in self._embed(job, priority):
                 yield event
             return
+        if job.count_only:
+            counted = sum(map(len, await self.prompt_ids(job)))
+            yield bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0)
+            return
         counts = Counts()
         reqs = await self._engine_requests(job, counts)
         request_ids = [job.id] if len(reqs) == 1 else [f"{job.id}-{i}" for i in range(len(reqs))]

@@ -128,6 +128,9 @@ class SimEngine:
     async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
         prompts = len(job.prompts) or 1
         prompt_tokens, dropped = self._prompt(job)
+        if job.count_only:
+            yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=0)
+            return
         hashes = block_hashes(self._words(job, dropped)) if self.cache.capacity else []
         cached = self.cache.held(hashes) * BLOCK_TOKENS
         queries, hits = self.cache_counters

@@ -166,6 +166,9 @@ class Job(Base):
     cache_key: str = ""
     """The client's prompt_cache_key: jobs of a tenant with the same one share the head of their prefix chain
     (shared.protocol.prefixes), so dispatch sends them where one ran."""
+    count_only: bool = False
+    """Render and count the prompt, run nothing: the worker answers with a Final of its prompt tokens alone
+    (Anthropic's count_tokens)."""
 
     def log_kept_ms(self, default_ms: int) -> int:
         """How long its event log is kept after its end, where the worker keeps logs `default_ms`."""

@@ -21,7 +21,10 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def chain(job: bus.Job) -> list[str]:
-    """The job's links, in order, each 16 hex digits; none for an embedding job."""
+    """The job's links, in order, each 16 hex digits; none for an embedding job or one that only counts its
+    prompt (it fills no cache)."""
+    if job.count_only:
+        return []
     parts: list[bytes] = [b"key\0" + _encode([job.tenant, job.cache_key])] if job.cache_key else []
     if job.kind == "chat":
         if job.tool_use is not None:

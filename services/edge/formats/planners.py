@@ -21,6 +21,8 @@ from services.edge.formats import (
     completions,
     conversation_items,
     embeddings,
+    messages,
+    messages_render,
     response_render,
     responses,
     tgi,
@@ -148,6 +150,27 @@ def plan_chat(body: bytes) -> Planning:
     job = chat.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
     renderer = chat.ChatRenderer(req, response_id=arrival.job_id, created=arrival.created)
     return Planned(job, renderer, req.stream, arrival)
+
+
+def plan_messages(body: bytes) -> Planning:
+    """Anthropic's Messages API."""
+    req = yield from _decode(body, messages.MessagesRequest, "messages")
+    info = yield from _model(req.model)
+    messages.check_context(req, info.max_model_len)
+    arrival = yield from _arrive("msg_")
+    job = messages.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    renderer = messages_render.MessagesRenderer(req, message_id=arrival.job_id,
+                                                input_estimate=messages.input_estimate(job, info.max_model_len))
+    return Planned(job, renderer, req.stream, arrival)
+
+
+def plan_count_tokens(body: bytes) -> Planning:
+    """Anthropic's count_tokens: the worker renders and counts the prompt, and runs nothing."""
+    req = yield from _decode(body, messages.CountTokensRequest, "messages")
+    yield from _model(req.model)
+    arrival = yield from _arrive("count_")
+    job = messages.count_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    return Planned(job, messages_render.CountRenderer(), False, arrival)
 
 
 def plan_completions(body: bytes, raw_prompt_default: bool = True) -> Planning:
