@@ -29,6 +29,7 @@ READ_TIMEOUT_S = 3
 ANSWER_WITHIN_S = 5.0
 EXAMPLES = 12
 """Per operation and generation mode: 17 operations, 12 of them with a body to spoil, about 350 requests."""
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
 
 PATHS: dict[str, Any] = json.loads(document())["paths"]
@@ -68,11 +69,15 @@ def no_5xx(api: Edge) -> Iterator[None]:
 
 
 def assert_error_shape(path: str, status: int, body: Any) -> None:
-    """TGI's routes answer {"error", "error_type"}; the others, and what the parser refuses before any
-    route is known, OpenAI's {"error": {"message", "type", "param", "code"}}."""
+    """TGI's routes answer {"error", "error_type"}; Anthropic's {"type": "error", "error": {"type", "message"}}; the
+    others, and what the parser refuses before any route is known, OpenAI's {"error": {"message", "type", "param",
+    "code"}}."""
     assert 400 <= status < 500, (status, body)
     if path in TGI_PATHS and status not in (414, 431):
         assert isinstance(body["error"], str) and isinstance(body["error_type"], str), body
+    elif path in ANTHROPIC_PATHS and status not in (414, 431):
+        assert body["type"] == "error" and body["error"].keys() == {"type", "message"}, body
+        assert isinstance(body["error"]["type"], str) and isinstance(body["error"]["message"], str), body
     else:
         error = body["error"]
         assert isinstance(error["message"], str) and isinstance(error["type"], str), body
