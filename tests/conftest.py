@@ -26,8 +26,8 @@ from tests.stack import Stack
 
 ENGINE_MODULES = frozenset(f"tests/test_{name}.py" for name in (
     "chat_engine", "chat_extras", "completions", "embeddings", "messages", "migration_engine", "reasoning_engine",
-    "responses", "routes", "seed_conformance", "service", "sse_clients", "stream_interval", "structured", "tgi",
-    "tools_engine", "workers"))
+    "rerank", "responses", "routes", "seed_conformance", "service", "sse_clients", "stream_interval", "structured",
+    "tgi", "tools_engine", "workers"))
 """The modules with tests of the session's real workers: `make test` runs them all in one process."""
 
 

@@ -15,7 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.edge.formats import chat, completions, embeddings, messages, planners, responses, tgi
+from services.edge.formats import (
+    chat,
+    completions,
+    embeddings,
+    messages,
+    planners,
+    rerank,
+    responses,
+    tgi,
+)
 from services.edge.store import Conversation
 from shared.protocol import bus
 from shared.protocol.errors import TokenbusError
@@ -71,6 +80,10 @@ FORMATS = {
                   planned(functools.partial(planners.plan_tgi, stream=None))),
     "messages": Format(messages.MessagesRequest, {"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}, planned(planners.plan_messages)),
+    "rerank": Format(rerank.RerankRequest, {"model": "m", "query": "q", "documents": ["a", {"text": "b"}]},
+                     planned(planners.plan_rerank)),
+    "score": Format(rerank.ScoreRequest, {"model": "m", "text_1": "q", "text_2": ["a", "b"]},
+                    planned(planners.plan_score)),
     "count_tokens": Format(messages.CountTokensRequest, {"model": "m", "messages": [
         {"role": "user", "content": "Hi"}]}, planned(planners.plan_count_tokens)),
 }

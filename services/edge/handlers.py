@@ -194,6 +194,14 @@ async def create_embeddings(request: web.Request) -> web.StreamResponse:
     return await _planned(request, "embeddings")
 
 
+async def rerank(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "rerank")
+
+
+async def score(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "score")
+
+
 # Anthropic
 
 

@@ -145,6 +145,8 @@ PLANNERS: dict[str, Planner] = {
     "embeddings": planned("embeddings", "embeddings", planners.plan_embeddings),
     "messages": checked(planned("messages", "messages", planners.plan_messages)),
     "messages_count": planned("messages_count", "messages", planners.plan_count_tokens),
+    "rerank": planned("rerank", "rerank", planners.plan_rerank),
+    "score": planned("score", "score", planners.plan_score),
     "tgi": checked(planned("tgi", "tgi", functools.partial(planners.plan_tgi, stream=False))),
     "tgi_stream": checked(planned("tgi_stream", "tgi", functools.partial(planners.plan_tgi, stream=True))),
     "tgi_compat": checked(planned("tgi_compat", "tgi", functools.partial(

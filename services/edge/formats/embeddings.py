@@ -75,13 +75,10 @@ def as_base64(vector: list[float]) -> str:
     return base64.b64encode(floats.tobytes()).decode()
 
 
-class EmbeddingRenderer(Unstored):
-    """Gathers one vector per input; embeddings never stream."""
+class Vectors(Unstored):
+    """Gathers one vector per input, and the prompt tokens; an embedding job's answer never streams."""
 
-    def __init__(self, req: EmbeddingRequest, response_id: str = "") -> None:
-        self.id = response_id
-        self.model = req.model
-        self.base64 = req.encoding_format == "base64"
+    def __init__(self) -> None:
         self.vectors: dict[int, list[float]] = {}
         self.prompt_tokens = 0
 
@@ -97,6 +94,14 @@ class EmbeddingRenderer(Unstored):
 
     def error(self, error: TokenbusError) -> list[Payload]:
         return [openai_error_body(error)]
+
+
+class EmbeddingRenderer(Vectors):
+    def __init__(self, req: EmbeddingRequest, response_id: str = "") -> None:
+        super().__init__()
+        self.id = response_id
+        self.model = req.model
+        self.base64 = req.encoding_format == "base64"
 
     def body(self) -> EmbeddingList:
         data = [EmbeddingData(index=i, embedding=as_base64(v) if self.base64 else v)

@@ -23,6 +23,7 @@ from services.edge.formats import (
     embeddings,
     messages,
     messages_render,
+    rerank,
     response_render,
     responses,
     tgi,
@@ -222,6 +223,24 @@ def plan_embeddings(body: bytes) -> Planning:
     arrival = yield from _arrive("embd-")
     job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
     return Planned(job, embeddings.EmbeddingRenderer(req, arrival.job_id), False, arrival)
+
+
+def plan_rerank(body: bytes) -> Planning:
+    """Rerank (Jina / vLLM, Cohere, OVMS) over an embedding model: the query's and the documents' vectors."""
+    req = yield from _decode(body, rerank.RerankRequest, "rerank")
+    yield from _model(req.model, task="embed")
+    arrival = yield from _arrive("rerank-")
+    job = rerank.rerank_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    return Planned(job, rerank.RerankRenderer(req, arrival.job_id), False, arrival)
+
+
+def plan_score(body: bytes) -> Planning:
+    """vLLM's score over an embedding model: each pair's cosine similarity."""
+    req = yield from _decode(body, rerank.ScoreRequest, "score")
+    yield from _model(req.model, task="embed")
+    arrival = yield from _arrive("score-")
+    job = rerank.score_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
+    return Planned(job, rerank.ScoreRenderer(req, arrival.job_id, arrival.created), False, arrival)
 
 
 def plan_tgi(body: bytes, *, stream: bool | None, array_body: bool = False) -> Planning:

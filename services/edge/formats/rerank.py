@@ -1,0 +1,166 @@
+"""Rerank and score over an embedding model, as vLLM serves them for one: `/v1/rerank` (Jina's and vLLM's shape),
+`/v2/rerank` (Cohere's), `/v3/rerank` (OpenVINO Model Server's) and `/v1/score` (vLLM's). The query and the
+documents (or the two sides of each pair) go to the model's workers as one embedding job; a pair's score is the
+cosine similarity of its two vectors, computed here once every vector came. A cross-encoder (a model that reads
+the pair together) is not served yet."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from msgspec import UNSET, Meta, UnsetType
+
+from services.edge.formats.base import Out, Request
+from services.edge.formats.embeddings import Vectors
+from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
+
+MAX_DOCUMENTS = 1000
+"""Documents of one rerank, and texts of one side of a score: each is an embedding the worker computes."""
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class Document(Request):
+    """A document as Cohere's and Jina's clients may send it: an object with its text."""
+
+    text: NonEmpty
+
+
+class RerankRequest(Request):
+    model: str
+    query: NonEmpty
+    documents: Annotated[list[NonEmpty | Document], Meta(min_length=1, max_length=MAX_DOCUMENTS)]
+    top_n: Annotated[int, Meta(gt=0)] | None = None
+    """The best this many (all of them when absent)."""
+    return_documents: bool = True
+    """Each result with its document's text (vLLM's and Jina's default; Cohere's clients send false)."""
+    max_tokens_per_doc: Annotated[int, Meta(gt=0)] | None = None
+    user: str | None = None
+
+
+class ScoreRequest(Request):
+    """vLLM's score: one text against many (1:N), or pairs side by side (N:N)."""
+
+    model: str
+    text_1: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=MAX_DOCUMENTS)]
+    text_2: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=MAX_DOCUMENTS)]
+    user: str | None = None
+
+
+def _texts(documents: list[str | Document]) -> list[str]:
+    return [d if isinstance(d, str) else d.text for d in documents]
+
+
+def rerank_job(req: RerankRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
+    """The query's and the documents' embeddings, as one job (the query first)."""
+    if req.max_tokens_per_doc is not None:
+        raise InvalidRequest("`max_tokens_per_doc` is not supported: documents are embedded whole (the model's "
+                             "context bounds each).", param="max_tokens_per_doc", code="unsupported_parameter")
+    return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
+                   prompts=[req.query, *_texts(req.documents)], created_ms=bus.now_ms())
+
+
+def pairs_of(req: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
+    """The texts to embed and each pair's two indexes among them: text_1 against each of text_2 when text_1 is one
+    text, else the i-th of each side (both lists of one length)."""
+    left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    if len(left) == 1:
+        return [*left, *right], [(0, 1 + i) for i in range(len(right))]
+    if len(left) != len(right):
+        raise InvalidRequest(f"`text_1` has {len(left)} texts and `text_2` {len(right)}: give one text_1, or as many "
+                             "as text_2 (scored pair by pair).", param="text_2")
+    return [*left, *right], [(i, len(left) + i) for i in range(len(left))]
+
+
+def score_job(req: ScoreRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
+    texts, _pairs = pairs_of(req)
+    return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
+                   prompts=texts, created_ms=bus.now_ms())
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two vectors (0 for a zero or missing one)."""
+    if not a or len(a) != len(b):
+        return 0.0
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return sum(x * y for x, y in zip(a, b, strict=True)) / norms if norms else 0.0
+
+
+# response
+
+
+class DocumentOut(Out):
+    text: str
+
+
+class RerankResult(Out, kw_only=True):
+    index: int
+    relevance_score: float
+    document: DocumentOut | UnsetType = UNSET
+
+
+class RerankUsage(Out):
+    total_tokens: int
+
+
+class RerankResponse(Out, kw_only=True):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ScoreData(Out, kw_only=True):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreUsage(Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ScoreResponse(Out, kw_only=True):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+
+
+class RerankRenderer(Vectors):
+    def __init__(self, req: RerankRequest, response_id: str) -> None:
+        super().__init__()
+        self.id = response_id
+        self.model = req.model
+        self.documents = _texts(req.documents)
+        self.top_n = req.top_n
+        self.return_documents = req.return_documents
+
+    def body(self) -> RerankResponse:
+        query = self.vectors.get(0, [])
+        scored = sorted(((cosine(query, self.vectors.get(i + 1, [])), i) for i in range(len(self.documents))),
+                        key=lambda pair: (-pair[0], pair[1]))
+        results = [RerankResult(index=i, relevance_score=score,
+                                document=DocumentOut(self.documents[i]) if self.return_documents else UNSET)
+                   for score, i in scored[:self.top_n]]
+        return RerankResponse(id=self.id, model=self.model, usage=RerankUsage(self.prompt_tokens), results=results)
+
+
+class ScoreRenderer(Vectors):
+    def __init__(self, req: ScoreRequest, response_id: str, created: int) -> None:
+        super().__init__()
+        self.id = response_id
+        self.created = created
+        self.model = req.model
+        self.pairs = pairs_of(req)[1]
+
+    def body(self) -> ScoreResponse:
+        data = [ScoreData(index=n, score=cosine(self.vectors.get(a, []), self.vectors.get(b, [])))
+                for n, (a, b) in enumerate(self.pairs)]
+        return ScoreResponse(id=self.id, created=self.created, model=self.model, data=data,
+                             usage=ScoreUsage(self.prompt_tokens, self.prompt_tokens))

@@ -1,0 +1,73 @@
+"""Rerank and score on the real embedding worker (all-MiniLM-L6-v2): Jina's and vLLM's `/v1/rerank`, Cohere's
+`/v2/rerank`, OVMS's `/v3/rerank` and vLLM's `/v1/score` answer in their shapes, order a relevant document above
+irrelevant ones, and score a pair as the cosine of the two vectors `/v1/embeddings` gives."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess
+
+pytestmark = pytest.mark.engine
+
+QUERY = "What is the capital of France?"
+DOCUMENTS: list[Any] = ["Bananas are yellow and sweet.", {"text": "Paris is the capital of France."},
+                        "The stock market fell sharply today."]
+
+
+@pytest.fixture
+async def http(served: Edge, embedder: WorkerProcess) -> Any:
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+        yield client
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+async def test_rerank_orders_the_relevant_document_first_on_every_route(http: httpx.AsyncClient) -> None:
+    body = {"model": EMBEDDING_MODEL, "query": QUERY, "documents": DOCUMENTS}
+    answer = (await http.post("/v1/rerank", json=body)).json()
+    assert answer.keys() == {"id", "model", "usage", "results"} and answer["model"] == EMBEDDING_MODEL
+    results = answer["results"]
+    assert results[0]["index"] == 1 and sorted(r["index"] for r in results) == [0, 1, 2]
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True) and scores[0] > scores[1] + 0.2
+    assert results[0]["document"] == {"text": "Paris is the capital of France."}
+    assert answer["usage"]["total_tokens"] > 10
+    for path in ("/v2/rerank", "/v3/rerank"):
+        again = (await http.post(path, json=body)).json()
+        assert [(r["index"], round(r["relevance_score"], 5)) for r in again["results"]] == [
+            (r["index"], round(r["relevance_score"], 5)) for r in results], path
+    top = (await http.post("/v2/rerank", json={**body, "top_n": 1, "return_documents": False})).json()
+    assert top["results"] == [{"index": 1, "relevance_score": results[0]["relevance_score"]}]
+
+
+async def test_score_is_the_cosine_of_the_embeddings(http: httpx.AsyncClient, served: Edge) -> None:
+    texts = ["Paris is the capital of France.", "Bananas are yellow and sweet."]
+    answer = (await http.post("/v1/score", json={"model": EMBEDDING_MODEL, "text_1": QUERY, "text_2": texts})).json()
+    assert answer["object"] == "list" and answer["model"] == EMBEDDING_MODEL
+    assert [(d["index"], d["object"]) for d in answer["data"]] == [(0, "score"), (1, "score")]
+    relevant, irrelevant = (d["score"] for d in answer["data"])
+    assert relevant > irrelevant + 0.2
+    async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as client:
+        vectors = [d.embedding for d in (await client.embeddings.create(model=EMBEDDING_MODEL,
+                                                                         input=[QUERY, *texts])).data]
+    assert relevant == pytest.approx(cosine(vectors[0], vectors[1]), abs=1e-4)
+    pairs = (await http.post("/v1/score", json={"model": EMBEDDING_MODEL, "text_1": [QUERY, QUERY],
+                                                "text_2": texts})).json()
+    assert [d["score"] for d in pairs["data"]] == pytest.approx([relevant, irrelevant], abs=1e-4)
+    uneven = await http.post("/v1/score", json={"model": EMBEDDING_MODEL, "text_1": [QUERY, QUERY, QUERY],
+                                                "text_2": texts})
+    assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "text_2"
+
+
+async def test_a_generation_model_does_not_rerank(http: httpx.AsyncClient) -> None:
+    refused = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a"]})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "wrong_model_task"
