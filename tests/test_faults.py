@@ -188,6 +188,26 @@ async def test_a_cut_stream_resumes_on_the_other_edge_with_nothing_lost_or_repea
     await stack.settled()
 
 
+async def test_a_stream_resumed_on_the_edge_it_began_on_runs_to_its_end(stack: Stack) -> None:
+    """The client drops a long stream and resumes it on the same edge: the request that began it (its client gone)
+    ends at its next keep-alive without letting the job go or taking the resumed request's events, so the resumed
+    stream gets every token once, past the resume window, and nothing stays in flight."""
+    edge = stack.edge(keepalive_interval_s=0.5, resume_window_s=2)
+    stack.worker()
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", edge.url + "/v1/chat/completions", json=chat_body(stack.model, 200),
+                                limit=5)
+        stream_id = head[-1][0].rsplit(":", 1)[0]
+        tail = await sse_frames(http, "GET", f"{edge.url}/v1/streams/{stream_id}",
+                                headers={"Last-Event-ID": head[-1][0]})  # 4 s of tokens at 20 ms each
+    frames = head + tail
+    assert [int(i.rsplit(":", 1)[1]) for i, _ in frames] == list(range(len(frames)))
+    text = "".join(orjson.loads(data)["choices"][0]["delta"].get("content", "") for _id, data in frames
+                   if data != "[DONE]" and orjson.loads(data)["choices"])
+    assert text == expected(200) and frames[-1][1] == "[DONE]"
+    await stack.settled()
+
+
 async def test_a_stream_of_a_killed_edge_resumes_on_another(stack: Stack) -> None:
     doomed, survivor = stack.edge(), stack.edge()
     stack.worker()

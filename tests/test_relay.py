@@ -81,7 +81,7 @@ async def test_a_first_answer_goes_out_before_the_tokens_of_streams_already_flow
     async def first_answer() -> None:
         event = await fresh.next()
         written.append(f"fresh {event.seq if event else None}")
-        relay.unregister("gone")  # meanwhile another request ended
+        relay.unregister(gone)  # meanwhile another request ended
 
     streaming = [asyncio.create_task(events.next()) for events in (flowing, gone)]  # the sinks take their tokens
     answering = asyncio.create_task(first_answer())
@@ -269,3 +269,24 @@ async def test_a_cancelled_job_whose_log_ends_without_its_end_is_abandoned() -> 
     assert [e.text for e in [await events.next(), *events.ready()] if isinstance(e, bus.Tokens)] == ["a"]
     with pytest.raises(StreamAbandoned):
         await events.next()
+
+
+async def test_a_second_request_of_a_job_shelves_the_first_until_it_ends() -> None:
+    """A stream resumed on the edge it began on: the resumed request reads the job's events; the one it shelved
+    ending meanwhile takes nothing from it; once the resumed one ends, the shelved one gets the job back and reads
+    what it missed from the log."""
+    from services.edge.relay import EventRelay
+
+    relay = EventRelay(None, None, "s")  # dispatch needs no Redis
+    first = relay.register("j", time.monotonic() + 5)
+    second = relay.register("j", time.monotonic() + 5)
+    relay.dispatch(bus.encode_events([TOKENS[0]]))
+    assert second.ready() == [TOKENS[0]] and not first.buffer
+    assert relay.reads(second) and not relay.reads(first)
+    third = relay.register("j", time.monotonic() + 5)
+    relay.unregister(second)  # a shelved request ended: the job stays the last one's
+    assert relay.reads(third) and relay.shelved == {"j": [first]}
+    relay.unregister(third)
+    assert relay.reads(first) and first.log_unread and relay.shelved == {}
+    relay.unregister(first)
+    assert relay.jobs == {} and not relay.busy.is_set()

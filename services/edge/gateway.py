@@ -72,7 +72,7 @@ class Gateway:
                 async with self._leaving(events, resumable=record is not None):
                     yield events
         finally:
-            self.relay.unregister(job.id)
+            self.relay.unregister(events)
             self.waiting.pop(job.id, None)
 
     @contextlib.contextmanager
@@ -113,7 +113,7 @@ class Gateway:
             async with self._leaving(events):
                 yield events
         finally:
-            self.relay.unregister(job_id)
+            self.relay.unregister(events)
 
     @contextlib.asynccontextmanager
     async def _leaving(self, events: JobEvents, resumable: bool = True) -> AsyncIterator[None]:
@@ -135,7 +135,10 @@ class Gateway:
                 await self._let_go(events, keep=False)
 
     async def _let_go(self, events: JobEvents, keep: bool) -> None:
-        """A job to `keep` that started runs on for the resume window; any other is cancelled."""
+        """A job to `keep` that started runs on for the resume window; any other is cancelled. A job a later
+        request of this edge reads (its stream resumed here) is that request's to let go."""
+        if not self.relay.reads(events):
+            return
         if keep and events.owner and self.resume_window_s > 0 and not events.overflowed:
             events.kept = True
             keep_until = bus.now_ms() + int(self.resume_window_s * 1000)

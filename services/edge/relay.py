@@ -94,6 +94,11 @@ class EventRelay:
         self.release: Any = None
         """How a cluster node takes its connection back (None: the reader's own pool)."""
         self.jobs: dict[str, JobEvents] = {}
+        """Each job's reader on this edge: the request that registered it last."""
+        self.shelved: dict[str, list[JobEvents]] = {}
+        """Requests that read a job before a later request of this edge took it over (its stream resumed here while
+        the request that began it still waits on a client that left, or a client streaming a background response
+        this edge follows): the last one gets the job back, from its log, when the later one ends."""
         self.put_off: list[tuple[JobEvents, bus.Event]] = []
         """Tokens of flowing streams that wait for the woken requests to run first (see `dispatch`)."""
         self.busy = asyncio.Event()
@@ -115,15 +120,35 @@ class EventRelay:
         one goes through or the job's own deadline ends it (else a job whose client left runs on unread)."""
 
     def register(self, job_id: str, deadline: float) -> JobEvents:
+        """The job's events for a request, from now on (a request of this edge that read them is shelved)."""
         events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
+        if (earlier := self.jobs.get(job_id)) is not None:
+            self.shelved.setdefault(job_id, []).append(earlier)
         self.jobs[job_id] = events
         self.busy.set()
         return events
 
-    def unregister(self, job_id: str) -> None:
-        self.jobs.pop(job_id, None)
+    def unregister(self, events: JobEvents) -> None:
+        """The request of `events` ended: a request it shelved gets the job back and reads what it missed from the
+        job's log."""
+        job_id = events.job_id
+        shelf = self.shelved.get(job_id)
+        if self.jobs.get(job_id) is events:
+            del self.jobs[job_id]
+            if shelf:
+                back = self.jobs[job_id] = shelf.pop()
+                back.log_unread = True
+                back.wake()
+        elif shelf and events in shelf:
+            shelf.remove(events)
+        if shelf is not None and not shelf:
+            del self.shelved[job_id]
         if not self.jobs:
             self.busy.clear()
+
+    def reads(self, events: JobEvents) -> bool:
+        """Whether `events` is its job's reader on this edge (no later request took the job over)."""
+        return self.jobs.get(events.job_id) is events
 
     async def read_log(self, job_id: str, after: str) -> tuple[list[bus.Event], str, bool]:
         return await joblog.read_page(self.commands, job_id, after)
@@ -318,7 +343,7 @@ class EventRelay:
             self.backstop.reschedule(self.last_round + 2 * TICK_S)
         now = time.monotonic()
         outage = self.redis_down()
-        for events in list(self.jobs.values()):
+        for events in [*self.jobs.values(), *(e for shelf in self.shelved.values() for e in shelf)]:
             if outage:
                 events.fail(unavailable())
             else:
