@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess
@@ -71,3 +72,29 @@ async def test_score_is_the_cosine_of_the_embeddings(http: httpx.AsyncClient, se
 async def test_a_generation_model_does_not_rerank(http: httpx.AsyncClient) -> None:
     refused = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a"]})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "wrong_model_task"
+
+
+def test_the_scores_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions() -> None:
+    """The edge computes the scores on its loop: 1,000 documents of MiniLM's 384 dimensions are served, 300 of a
+    4,096-dimension model are refused (a 400 naming `documents`) before anything is queued."""
+    from services.edge.formats import planners
+    from shared.protocol import bus
+    from shared.protocol.errors import InvalidRequest
+
+    def plan(documents: int, dimensions: int) -> bus.Job:
+        body = orjson.dumps({"model": "m", "query": "q", "documents": ["d"] * documents})
+        planning = planners.plan_rerank(body)
+        step = planners.advance(planning)
+        while not isinstance(step, planners.Planned):
+            answer: object = None
+            if isinstance(step, planners.Model):
+                answer = bus.WorkerInfo(worker="w", model="m", task="embed", dimensions=dimensions)
+            elif isinstance(step, planners.Arrive):
+                answer = planners.Arrival(job_id="j", started=0.0, deadline_ms=1, reply_to="r", created=0)
+            step = planners.advance(planning, answer)
+        return step.job
+
+    assert len(plan(1000, 384).prompts) == 1001
+    with pytest.raises(InvalidRequest) as refused:
+        plan(300, 4096)
+    assert refused.value.param == "documents" and refused.value.status == 400

@@ -228,7 +228,8 @@ def plan_embeddings(body: bytes) -> Planning:
 def plan_rerank(body: bytes) -> Planning:
     """Rerank (Jina / vLLM, Cohere, OVMS) over an embedding model: the query's and the documents' vectors."""
     req = yield from _decode(body, rerank.RerankRequest, "rerank")
-    yield from _model(req.model, task="embed")
+    info = yield from _model(req.model, task="embed")
+    rerank.check_size(1 + len(req.documents), info.dimensions)
     arrival = yield from _arrive("rerank-")
     job = rerank.rerank_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
     return Planned(job, rerank.RerankRenderer(req, arrival.job_id), False, arrival)
@@ -237,7 +238,8 @@ def plan_rerank(body: bytes) -> Planning:
 def plan_score(body: bytes) -> Planning:
     """vLLM's score over an embedding model: each pair's cosine similarity."""
     req = yield from _decode(body, rerank.ScoreRequest, "score")
-    yield from _model(req.model, task="embed")
+    info = yield from _model(req.model, task="embed")
+    rerank.check_size(len(rerank.pairs_of(req)[0]), info.dimensions)
     arrival = yield from _arrive("score-")
     job = rerank.score_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
     return Planned(job, rerank.ScoreRenderer(req, arrival.job_id, arrival.created), False, arrival)
