@@ -1,6 +1,6 @@
-"""`tokenbus keys` (create, list, show, update, revoke API keys) and `tokenbus usage` (tokens per tenant and
-model): the operator's commands. Each talks to the Redis every edge uses (--redis-url or
-TOKENBUS_REDIS_URL)."""
+"""`tokenbus keys` (create, list, show, update, revoke API keys), `tokenbus adapters` (add, remove, list LoRA
+adapters) and `tokenbus usage` (tokens per tenant and model): the operator's commands. Each talks to the Redis
+every edge uses (--redis-url or TOKENBUS_REDIS_URL)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from shared.protocol import keys
 from shared.redisio import clients as redis_clients
 from shared.runtime.settings import ENV_PREFIX
-from shared.tenancy import apikeys
+from shared.tenancy import adapters, apikeys
 from shared.tenancy.apikeys import KeyChanges, KeyRecord
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
@@ -100,6 +100,19 @@ def add_arguments(commands: Any) -> None:
     update.add_argument("id")
     _limit_arguments(update, creating=False)
 
+    adapter_parser = commands.add_parser(
+        "adapters", help="manage LoRA adapters", description="Manage the LoRA adapters the workers load at run time.")
+    _redis_arguments(adapter_parser)
+    adapter_parser.add_argument("--json", action="store_true", help="print JSON")
+    adapter_actions = adapter_parser.add_subparsers(dest="adapters_command", required=True)
+    add = adapter_actions.add_parser("add", help="serve an adapter (or replace the one of that name)")
+    add.add_argument("name", help="what requests call it (`model`)")
+    add.add_argument("--base", required=True, help="the model whose workers run it (they need --enable-lora)")
+    add.add_argument("--path", required=True, help="its PEFT folder, as the workers see it (a shared volume)")
+    add.add_argument("--tenant", default="", help="the tenant whose keys alone may use it (default: any key)")
+    adapter_actions.add_parser("list", help="every adapter added")
+    adapter_actions.add_parser("remove", help="stop serving an adapter").add_argument("name")
+
     usage = commands.add_parser("usage", help="tokens used per tenant and model",
                                 description="Tokens used per tenant and model, from the daily counts in Redis.")
     _redis_arguments(usage)
@@ -155,6 +168,24 @@ async def _keys(redis: aioredis.Redis, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _adapters(redis: aioredis.Redis, args: argparse.Namespace) -> int:
+    command = args.adapters_command
+    if command == "add":
+        if problem := adapters.check_folder(args.path):  # the workers may see another filesystem: a warning
+            print(f"warning: {problem}; the workers of {args.base} must find it there", file=sys.stderr)
+        _print(msgspec.to_builtins(await adapters.add(redis, args.name, args.base, args.path, args.tenant)), args.json)
+        return 0
+    if command == "list":
+        _print([msgspec.to_builtins(a) for a in await adapters.list_all(redis)], args.json)
+        return 0
+    found = await adapters.remove(redis, args.name)
+    if found is None:
+        print(f"no adapter named {args.name}", file=sys.stderr)
+        return 1
+    _print({"removed": True, **msgspec.to_builtins(found)}, args.json)
+    return 0
+
+
 async def usage_rows(redis: aioredis.Redis, tenant: str | None, since: str) -> list[dict[str, Any]]:
     """Requests and tokens per tenant and model, summed over the days from `since` (YYYY-MM-DD) on."""
     totals: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: dict.fromkeys(_USAGE_FIELDS, 0))
@@ -189,7 +220,8 @@ async def _main(args: argparse.Namespace) -> int:
         "1", "true", "yes")
     redis = redis_clients.pooled(url, "tokenbus-admin", 4, cluster, _access(args))
     try:
-        return await (_keys(redis, args) if args.command == "keys" else _usage(redis, args))
+        command = {"keys": _keys, "adapters": _adapters, "usage": _usage}[args.command]
+        return await command(redis, args)
     except ValueError as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The `tokenbus` command: `run` (everything), `edge` and `worker`; `keys` and `usage` for operators."""
+"""The `tokenbus` command: `run` (everything), `edge` and `worker`; `keys`, `adapters` and `usage` for operators."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", 
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "max_queued_bytes_per_tenant", "queue_timeout_s", "fair_input_weight",
                  "fair_output_weight", "metrics_port", "metrics_host"]
-WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "engine", "sim_ttft_ms", "sim_itl_ms",
+WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "enable_lora", "lora", "max_loras", "max_lora_rank",
+                   "engine", "sim_ttft_ms", "sim_itl_ms",
                    "sim_prefill_us_per_token",
                    "max_model_len", "max_num_seqs", "stream_interval", "kv_cache_gib",
                    "dtype", "gpu_memory_utilization", "enforce_eager", "heartbeat_interval_s", "heartbeat_ttl_s",
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level="WARNING")
         return run_bench(args)
-    if args.command in ("keys", "usage"):
+    if args.command in ("keys", "adapters", "usage"):
         from services.admin import run as run_admin
 
         return run_admin(args)

@@ -298,8 +298,8 @@ def run(settings: Settings) -> int:
         if settings.embedding_model:
             embedder = msgspec.structs.replace(
                 _metrics_on(settings, 2), task="embed", model=settings.embedding_model,
-                model_dir=settings.embedding_model_dir, kv_cache_gib=1.0,
-            )
+                model_dir=settings.embedding_model_dir, kv_cache_gib=1.0, enable_lora=False, lora="",
+            )  # the adapters are the chat model's
             children.append(spawn("worker", embedder))
         try:
             host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host  # nosec B104: a comparison; binds nothing

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from services.supervisor import private_redis
+from tests.adapters import make_adapter
 from tests.processes import (
     EMBEDDING_MODEL,
     GATHERING_MODEL,
@@ -25,9 +26,9 @@ from tests.processes import (
 from tests.stack import Stack
 
 ENGINE_MODULES = frozenset(f"tests/test_{name}.py" for name in (
-    "chat_engine", "chat_extras", "completions", "embeddings", "messages", "migration_engine", "reasoning_engine",
-    "rerank", "responses", "routes", "seed_conformance", "service", "sse_clients", "stream_interval", "structured",
-    "tgi", "tools_engine", "workers"))
+    "adapters", "chat_engine", "chat_extras", "completions", "embeddings", "messages", "migration_engine",
+    "reasoning_engine", "rerank", "responses", "routes", "seed_conformance", "service", "sse_clients",
+    "stream_interval", "structured", "tgi", "tools_engine", "workers"))
 """The modules with tests of the session's real workers: `make test` runs them all in one process."""
 
 
@@ -74,10 +75,13 @@ def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     stop_process(started.process)
 
 
+STATIC_ADAPTER = "smollm2-started-with"
+"""The LoRA adapter the default model's worker is started with (--lora; test_adapters adds others at run time)."""
+
 REAL_WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     # with a reasoning parser: SmolLM2 never opens a <think> block by itself, so its answers are as without one,
-    # and test_reasoning_engine makes it write one
-    "worker": (MODEL, {"kv_cache_gib": 2, "reasoning_parser": "qwen3"}),
+    # and test_reasoning_engine makes it write one; serving adapters (--lora is added at start, see real_workers)
+    "worker": (MODEL, {"kv_cache_gib": 2, "reasoning_parser": "qwen3", "enable_lora": True}),
     "embedder": (EMBEDDING_MODEL, {"kv_cache_gib": 1, "task": "embed"}),
     "gathering_worker": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 4, "stream_interval": STREAM_INTERVAL}),
 }
@@ -95,6 +99,9 @@ def real_workers(request: pytest.FixtureRequest, redis_url: str, redis_client: r
     try:
         for name in needed or REAL_WORKERS:
             model, settings = REAL_WORKERS[name]
+            if name == "worker":
+                static = make_adapter(tmp_path_factory.mktemp("adapters") / STATIC_ADAPTER, seed=3)
+                settings = {**settings, "lora": f"{STATIC_ADAPTER}={static}"}
             started[name] = spawn_worker(redis_url, tmp_path_factory.mktemp(name) / "worker.log", model, **settings)
         for name, running in started.items():
             wait_serving(running, redis_client, REAL_WORKERS[name][0])

@@ -11,9 +11,11 @@ import time
 from collections.abc import Callable
 
 import httpx
+import msgspec
 import openai
 
 from shared.protocol import bus, keys, prefixes
+from shared.tenancy.adapters import Adapter
 from tests.processes import WorkerProcess, metric_value
 from tests.stack import Stack
 
@@ -199,6 +201,52 @@ def test_a_prompt_cache_key_heads_the_chain_of_its_tenant_only() -> None:
     assert chain("one", "k", tenant="other")[0] != chain("one", "k")[0]  # another tenant's key is another head
     long = "x" * 5000  # a long message: a link per 1 KiB piece, then one at its end
     assert chain(long + "a")[:4] == chain(long + "b")[:4] and chain(long + "a")[4] != chain(long + "b")[4]
+
+
+def test_an_adapter_heads_its_jobs_chains_apart_from_its_base_model() -> None:
+    """An engine caches an adapter's prompts apart from its base model's: no link of one is the other's, and an
+    adapter's jobs share their first link (they go where it is loaded)."""
+    def chain(text: str, adapter: str = "") -> list[str]:
+        return prefixes.chain(bus.Job(id="j", model="m", reply_to="", deadline_ms=0, adapter=adapter,
+                                      messages=[bus.Message(role="user", content=text)]))
+
+    assert chain("one", "a")[0] == chain("two", "a")[0]
+    assert not set(chain("one", "a")) & set(chain("one")) and not set(chain("one", "a")) & set(chain("one", "b"))
+
+
+def heartbeat(stack: Stack, worker: WorkerProcess) -> bus.WorkerInfo:
+    raw = stack.client.get(keys.worker_heartbeat(stack.model, worker_id(stack, worker)))
+    assert isinstance(raw, bytes)
+    return bus.decode_info(raw)
+
+
+async def test_an_adapter_s_jobs_go_to_the_worker_that_holds_it(stack: Stack) -> None:
+    """Two workers serving adapters: an adapter's first job goes to either, which loads it; its next eight, each
+    with a prompt of its own, all go to that worker (its heartbeat says it holds the adapter, the other's never
+    does), while the base model's prompts still spread over both."""
+    edge = stack.edge()
+    workers = [stack.worker(enable_lora=True), stack.worker(enable_lora=True)]
+    stack.client.hset(keys.ADAPTERS, "tenant-lora", msgspec.json.encode(
+        Adapter(name="tenant-lora", base=stack.model, path="/adapters/tenant-lora")))
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+
+        async def ask_in_own_words(model: str, n: int) -> str:
+            completion = await client.chat.completions.create(model=model, max_tokens=3, messages=[
+                {"role": "user", "content": f"{n} " * 300}])
+            assert completion.model == model
+            return completion.choices[0].message.content or ""
+
+        assert await ask_in_own_words("tenant-lora", 0) == expected(3)
+        await until(lambda: any("tenant-lora" in heartbeat(stack, w).held for w in workers))
+        holder, other = sorted(workers, key=lambda w: "tenant-lora" not in heartbeat(stack, w).held)
+        answers = await asyncio.gather(*(ask_in_own_words("tenant-lora", n) for n in range(1, 9)))
+        assert answers == [expected(3)] * 8
+        await asyncio.gather(*(ask_in_own_words(stack.model, n) for n in range(100, 116)))
+    await asyncio.sleep(2.5)  # a heartbeat more: what each worker holds after them all
+    assert heartbeat(stack, holder).held == ["tenant-lora"] and heartbeat(stack, other).held == []
+    assert all(heartbeat(stack, w).max_loras == 4 for w in workers)
+    assert all(heartbeat(stack, w).running == 0 for w in workers)
+    await stack.settled()
 
 
 async def test_requests_with_one_prompt_cache_key_go_where_one_of_them_ran(stack: Stack) -> None:

@@ -97,14 +97,19 @@ def tls_settings(files: TlsFiles) -> dict[str, str]:
     return {"redis_tls_ca_file": files.ca, "redis_tls_cert_file": files.cert, "redis_tls_key_file": files.key}
 
 
-def create_key(stack: Stack, passwords: Path, *flags: str) -> str:
-    """A key made by `tokenbus keys create`, logged in as the admin user with the flags an operator gives it."""
-    made = subprocess.run(
-        [sys.executable, "-m", "services.cli", "keys", "--redis-url", stack.url, "--redis-username", "tokenbus-admin",
-         "--redis-password-file", str(passwords / "tokenbus-admin"), *flags, "--json", "create", "--tenant", "acl"],
+def admin(stack: Stack, passwords: Path, command: str, *args: str, flags: tuple[str, ...] = ()) -> Any:
+    """`tokenbus <command> ...`, logged in as the admin user with the flags an operator gives it; its JSON answer."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", command, "--redis-url", stack.url, "--redis-username", "tokenbus-admin",
+         "--redis-password-file", str(passwords / "tokenbus-admin"), *flags, "--json", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
-    assert made.returncode == 0, made.stderr
-    key: str = json.loads(made.stdout)["key"]
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def create_key(stack: Stack, passwords: Path, *flags: str) -> str:
+    """A key made by `tokenbus keys create` as the admin user."""
+    key: str = admin(stack, passwords, "keys", "create", "--tenant", "acl", flags=flags)["key"]
     return key
 
 
@@ -165,11 +170,16 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
             assert (await client.responses.retrieve(stored)).id == stored
         assert len((await stream(stack, key))[0].split()) == 5
         assert_no_password_in_logs(stack, passwords)
+        added = admin(stack, passwords, "adapters", "add", "acl-adapter", "--base", stack.model, "--path", "/x")
+        assert [a["name"] for a in admin(stack, passwords, "adapters", "list")] == [added["name"]]
+        assert admin(stack, passwords, "adapters", "remove", "acl-adapter")["removed"] is True
         response = keys.stored_response("acl", "resp_x")
         denied: dict[str, list[tuple[Any, ...]]] = {
             "tokenbus-edge": [("HSET", keys.API_KEYS, "minted", "x"), ("SET", keys.api_key_by_hash("0" * 64), "x"),
+                              ("HSET", keys.ADAPTERS, "planted", "x"),
                               ("FLUSHALL",), ("CONFIG", "SET", "maxmemory", "0"), ("KEYS", "*")],
-            "tokenbus-worker": [("HGETALL", keys.API_KEYS), ("GET", response), ("FLUSHALL",), ("FLUSHDB",),
+            "tokenbus-worker": [("HGETALL", keys.API_KEYS), ("HSET", keys.ADAPTERS, "planted", "x"),
+                                ("GET", response), ("FLUSHALL",), ("FLUSHDB",),
                                 ("CONFIG", "GET", "*"), ("ACL", "LIST"), ("XADD", keys.job_record("j"), "*", "a", "b")],
             "tokenbus-admin": [("GET", response), ("XADD", keys.requests_stream(stack.model), "*", "a", "b"),
                                ("FLUSHALL",)],

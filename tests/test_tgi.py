@@ -127,7 +127,6 @@ async def test_bodies_and_events_match_the_tgi_schema(served: Edge) -> None:
         ({"inputs": "x" * (4 * 1024 * 1024 + 1)}, 422, "inputs"),
         ({"inputs": PROMPT, "stream": True, "parameters": {"decoder_input_details": True}}, 400,
          "decoder_input_details"),
-        ({"inputs": PROMPT, "parameters": {"adapter_id": "my-lora"}}, 400, "adapter"),
         ({"inputs": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}, 400, "text only"),
         ({"inputs": [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": "/x.png"}]}, 400,
          "text only"),

@@ -39,10 +39,16 @@ class Caller:
     def key_id(self) -> str:
         return self.key.id if self.key else "-"
 
-    def check_model(self, model: str) -> None:
+    @property
+    def sees(self) -> str | None:
+        """The tenant whose private adapters the caller may see; None: every adapter (an edge without keys)."""
+        return None if self.key is None else self.tenant
+
+    def check_model(self, model: str, param: str = "model") -> None:
         """A model the key may not use is a 404, as if it did not exist: nothing about it is revealed."""
         if self.key is not None and not self.key.may_use(model):
-            raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
+            raise ModelNotFound(f"The {'adapter' if 'adapter' in param else 'model'} `{model}` does not exist or "
+                                "has no live worker.", param=param)
 
     def owns(self, tenant: str) -> bool:
         """Whether stored work of `tenant` (a response, a stream) is this caller's to see."""

@@ -1,5 +1,6 @@
-"""Which models have a live worker, read from the workers' heartbeats in the background: a request looks
-it up without a round trip to Redis, and never scans the keyspace."""
+"""Which models have a live worker, read from the workers' heartbeats in the background, and the LoRA adapters
+they serve (the registry of `tokenbus adapters`, read with them): a request looks either up without a round trip
+to Redis, and never scans the keyspace."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from shared.protocol import bus, keys
 from shared.redisio import rawpipe
 from shared.runtime import metrics
 from shared.runtime.background import looping
+from shared.tenancy import adapters as adapter_registry
+from shared.tenancy.adapters import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,10 @@ class ModelDirectory:
             metrics.LIVE_WORKERS.labels(model).set(0)
             metrics.FREE_SLOTS.labels(model).set(0)
         self.models: dict[str, bus.WorkerInfo] = {}
+        self.adapters: dict[str, Adapter] = {}
+        """Every adapter known: those added to the registry, and those workers were started with (--lora)."""
+        self.lora_models: set[str] = set()
+        """Models with a live worker that serves adapters."""
         self.workers: set[str] = set()
         """Ids of the workers whose heartbeat was alive at the last read."""
         self.names: list[bytes] = []
@@ -64,6 +71,12 @@ class ModelDirectory:
             await self.refresh()
         return self.models.get(model)
 
+    async def find_adapter(self, name: str) -> Adapter | None:
+        """The adapter of that name; one fresh read first when it is unknown (it may have just been added)."""
+        if name not in self.adapters:
+            await self.refresh()
+        return self.adapters.get(name)
+
     async def _read(self) -> dict[str, bus.WorkerInfo]:
         """One round trip while the registry keeps its members: their heartbeats are read with it (not MGET: on
         a Redis Cluster they lie in many slots); a second one for the heartbeats of workers new to it."""
@@ -71,9 +84,10 @@ class ModelDirectory:
         pipe = self.pipelines.pipeline()
         pipe.execute_command("ZREMRANGEBYSCORE", keys.WORKERS, "-inf", time.time() - PRUNE_AFTER_S)
         pipe.execute_command("ZRANGE", keys.WORKERS, 0, -1)
+        pipe.execute_command("HGETALL", keys.ADAPTERS)
         for name in known:
             pipe.execute_command("GET", name)
-        _pruned, names, *bodies = await pipe.execute()
+        _pruned, names, registry, *bodies = await pipe.execute()
         heartbeats = dict(zip(known, bodies, strict=True))
         if new := [name for name in names if name not in heartbeats]:
             reads = self.pipelines.pipeline()
@@ -82,6 +96,8 @@ class ModelDirectory:
             heartbeats.update(zip(new, await reads.execute(), strict=True))
         self.names = names
         found: dict[str, bus.WorkerInfo] = {}
+        started_with: dict[str, Adapter] = {}
+        lora_models: set[str] = set()
         workers: set[str] = set()
         live: dict[str, int] = {}
         free: dict[str, int] = {}
@@ -91,15 +107,25 @@ class ModelDirectory:
                 if info.model not in found or info.slots > found[info.model].slots:  # the largest job it can run
                     found[info.model] = info
                 workers.add(info.worker)
+                if info.max_loras:
+                    lora_models.add(info.model)
+                    started_with.update((name, Adapter(name=name, base=info.model)) for name in info.adapters)
                 live[info.model] = live.get(info.model, 0) + 1
                 free[info.model] = free.get(info.model, 0) + max(0, info.slots - info.running)
-        self.workers, self.loaded = workers, True
+        self.workers, self.loaded, self.lora_models = workers, True, lora_models
+        self.adapters = started_with | {name.decode(): adapter_registry.decode(raw) for name, raw in
+                                       rawpipe.field_map(registry or []).items()}
         self.counted |= live.keys()
         for model in self.counted:
             metrics.LIVE_WORKERS.labels(model).set(live.get(model, 0))
             metrics.FREE_SLOTS.labels(model).set(free.get(model, 0))
         metrics.READY.set(all(model in live for model in self.expected))
         return found
+
+    def visible_adapters(self, tenant: str | None) -> list[Adapter]:
+        """The adapters a caller of `tenant` (None: serving without keys) may see whose model has a live worker."""
+        return [adapter for _, adapter in sorted(self.adapters.items())
+                if adapter.base in self.models and adapter.visible_to(tenant)]
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -113,3 +139,4 @@ class ModelDirectory:
     def running(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Keeps the directory fresh for the lifetime of the block."""
         return looping(model_directory=self._refresh_forever())
+

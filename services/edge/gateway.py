@@ -18,8 +18,9 @@ from services.edge.redis_boundary import redis_boundary, unavailable
 from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
 from shared.protocol import bus, keys
-from shared.protocol.errors import InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated
+from shared.protocol.errors import AdapterUnavailable, InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated
 from shared.tenancy import fairshare
+from shared.tenancy.adapters import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -163,19 +164,30 @@ class Gateway:
             log.warning("could not cancel job %s yet: %s", job_id, exc)
             self.relay.cancel_later(job_id, deadline)
 
-    async def find_model(self, model: str) -> bus.WorkerInfo:
-        """The heartbeat of a live worker of the model; a 404 if there is none."""
+    async def find_model(self, model: str, tenant: str | None = None, param: str = "model"
+                         ) -> tuple[bus.WorkerInfo, Adapter | None]:
+        """The heartbeat of a live worker of the model, or of the model an adapter of that name adapts (with the
+        adapter) where a caller of `tenant` may see it (None: serving without keys); a 404 if there is none."""
         with redis_boundary():
             info = await self.directory.find(model)
+            adapter = None if info is not None else await self.directory.find_adapter(model)
+        if adapter is not None and adapter.visible_to(tenant):
+            info = self.directory.models.get(adapter.base)
+            if info is not None and adapter.base not in self.directory.lora_models:
+                raise AdapterUnavailable(f"The workers of `{adapter.base}` serve no adapters.", param=param)
+        else:
+            adapter = None
         if info is None:
-            raise ModelNotFound(f"The model `{model}` does not exist or has no live worker.", param="model")
-        return info
+            raise ModelNotFound(f"The {'adapter' if 'adapter' in param else 'model'} `{model}` does not exist or "
+                                "has no live worker.", param=param)
+        return info, adapter
 
-    async def require_model(self, model: str, task: str = "generate") -> bus.WorkerInfo:
+    async def require_model(self, model: str, task: str = "generate", tenant: str | None = None,
+                            param: str = "model") -> tuple[bus.WorkerInfo, Adapter | None]:
         """Like find_model, and a 400 if the model serves another task."""
-        info = await self.find_model(model)
+        info, adapter = await self.find_model(model, tenant, param)
         if info.task != task:
             what = {"generate": "text generation", "embed": "embeddings"}
             raise InvalidRequest(f"The model `{model}` serves {what.get(info.task, info.task)}, not "
-                                 f"{what.get(task, task)}.", param="model", code="wrong_model_task")
-        return info
+                                 f"{what.get(task, task)}.", param=param, code="wrong_model_task")
+        return info, adapter

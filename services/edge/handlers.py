@@ -15,6 +15,7 @@ from services.edge.auth import caller_of
 from services.edge.conversation_store import keep_turn
 from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
+from services.edge.formats.models import ModelCard, ModelList
 from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
 from services.edge.plans import PLANNERS, Plan, decode_record
@@ -246,11 +247,16 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models, caller = request.app[GATEWAY].directory.models, caller_of(request)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenbus", "task": info.task,
-             "max_model_len": info.max_model_len} for name, info in sorted(models.items())
-            if caller.key is None or caller.key.may_use(name)]
-    return web.Response(body=encode({"object": "list", "data": data}), content_type="application/json")
+    """The models with a live worker and their adapters the caller may use (an adapter names its `parent`)."""
+    directory, caller = request.app[GATEWAY].directory, caller_of(request)
+    cards = [ModelCard(id=name, root=name, task=info.task, max_model_len=info.max_model_len)
+             for name, info in sorted(directory.models.items()) if caller.key is None or caller.key.may_use(name)]
+    cards += [ModelCard(id=adapter.name, created=adapter.created_at, owned_by=adapter.tenant or "tokenbus",
+                        root=adapter.name, parent=adapter.base,
+                        max_model_len=directory.models[adapter.base].max_model_len)
+              for adapter in directory.visible_adapters(caller.sees)
+              if adapter.name not in directory.models and (caller.key is None or caller.key.may_use(adapter.name))]
+    return web.Response(body=encode(ModelList(data=cards)), content_type="application/json")
 
 
 # Databricks
@@ -263,7 +269,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     fields = decode(body, dict[str, msgspec.Raw])
     caller_of(request).check_model(name)
-    info = await request.app[GATEWAY].find_model(name)
+    info, _ = await request.app[GATEWAY].find_model(name, caller_of(request).sees)
     body = orjson.dumps({**{k: orjson.Fragment(bytes(v)) for k, v in fields.items()}, "model": name})
     if "messages" in fields:
         return await _planned(request, "chat", body)
@@ -294,7 +300,7 @@ async def compat_generate(request: web.Request) -> web.StreamResponse:
 async def tgi_info(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     caller_of(request).check_model(settings.model)
-    info = await request.app[GATEWAY].require_model(settings.model)
+    info, _ = await request.app[GATEWAY].require_model(settings.model)
     body = tgi.Info(model_id=settings.model, max_concurrent_requests=info.slots,
                     max_input_tokens=info.max_model_len - 1, max_total_tokens=info.max_model_len, version=_version())
     return web.Response(body=encode(body), content_type="application/json")

@@ -27,6 +27,7 @@ from services.edge.state import CHECKER, CONVERSATIONS, GATEWAY, SETTINGS, STORE
 from shared.protocol import bus
 from shared.protocol.errors import NotFound
 from shared.runtime import metrics
+from shared.tenancy.adapters import Adapter
 
 
 class StreamRecord(msgspec.Struct, omit_defaults=True):
@@ -83,14 +84,15 @@ def arrive(app: web.Application, prefix: str, seed: int | None = None) -> Arriva
                    reply_to=app[GATEWAY].relay.channel, created=int(time.time()), seed=seed)
 
 
-async def _answer(app: web.Application, caller: Caller, need: planners.Need, given: Arrival | None) -> object:
-    """What a planner asked for (see services.edge.formats.planners); `given`: a resumed stream's arrival."""
+async def _answer(app: web.Application, caller: Caller, need: planners.Need, given: Arrival | None,
+                  adapters: dict[str, Adapter]) -> object:
+    """What a planner asked for (see services.edge.formats.planners); `given`: a resumed stream's arrival; an
+    adapter a Model need named goes into `adapters`."""
     match need:
         case planners.Ignored(route, count):
             metrics.UNKNOWN_FIELDS.labels(route).inc(count)
-        case planners.Model(name, task):
-            caller.check_model(name)  # a model the caller's key may not use is a 404, as a missing one
-            return await app[GATEWAY].require_model(name, task=task)
+        case planners.Model():
+            return await _model(app, caller, need, adapters)
         case planners.ServedModel():
             return app[SETTINGS].model
         case planners.ConversationItems(conversation_id):
@@ -109,16 +111,34 @@ async def _answer(app: web.Application, caller: Caller, need: planners.Need, giv
     return None
 
 
+async def _model(app: web.Application, caller: Caller, need: planners.Model, adapters: dict[str, Adapter]
+                 ) -> bus.WorkerInfo:
+    caller.check_model(need.name, need.param)  # a model the caller's key may not use is a 404, as a missing one
+    info, adapter = await app[GATEWAY].require_model(need.name, need.task, caller.sees, need.param)
+    if adapter is not None:
+        adapters[need.name] = adapter
+    return info
+
+
 def planned(name: str, route: str, plan: Callable[[bytes], Planning]) -> Planner:
     """Serves a pure planner: answers what it asks for; the plan it returns is named `name` (what a StreamRecord
     keeps) and counted under `route`."""
     async def run(app: web.Application, caller: Caller, body: bytes, given: Arrival | None) -> Plan:
         planning = plan(body)
+        adapters: dict[str, Adapter] = {}
         step = planners.advance(planning)
         while not isinstance(step, planners.Planned):
-            step = planners.advance(planning, await _answer(app, caller, step, given))
-        return Plan(name, step.arrival, step.job, step.renderer, step.stream, route)
+            step = planners.advance(planning, await _answer(app, caller, step, given, adapters))
+        return Plan(name, step.arrival, _on_adapter(step.job, adapters), step.renderer, step.stream, route)
     return run
+
+
+def _on_adapter(job: bus.Job, adapters: dict[str, Adapter]) -> bus.Job:
+    """A job for an adapter goes to its base model's workers, with the adapter to run and where to load it from
+    (its answer still names the adapter: the renderer has the request's `model`)."""
+    if (adapter := adapters.get(job.model)) is None:
+        return job
+    return msgspec.structs.replace(job, model=adapter.base, adapter=adapter.name, adapter_path=adapter.path)
 
 
 def checked(planner: Planner) -> Planner:

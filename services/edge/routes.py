@@ -31,6 +31,7 @@ from services.edge.formats import (
     tgi,
 )
 from services.edge.formats import files as files_shapes
+from services.edge.formats.models import ModelList
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -127,7 +128,8 @@ ROUTES: list[Route] = [
              rerank.RerankResponse, runs_model=True),
     *_openai("post", "/v1/score", handlers.score, "Score text pairs (vLLM)", rerank.ScoreRequest,
              rerank.ScoreResponse, runs_model=True),
-    *_openai("get", "/v1/models", handlers.list_models, "The models the key may use"),
+    *_openai("get", "/v1/models", handlers.list_models, "The models and LoRA adapters the key may use",
+             response=ModelList),
     *_openai("get", "/v1/streams/{stream_id}", handlers.resume_stream,
              "Resume a stream after Last-Event-ID (header or `last_event_id` query)"),
     *_openai("post", "/serving-endpoints/{name}/invocations", handlers.invocations,

@@ -1,6 +1,7 @@
 """The engine adapter: turns a job into vLLM requests and vLLM outputs into bus events.
 
-With services.worker.vllm_terms (the two types' terms), the only module that imports vllm; the edge never does.
+With services.worker.vllm_terms (the two types' terms) and services.worker.loras (adapters), the only module that
+imports vllm; the edge never does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.worker import conversation, template_kwargs
+from services.worker.loras import Loras, LoraSettings
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from services.worker.vllm_terms import engine_gauges, sampling_params, token_logprobs
@@ -24,7 +26,7 @@ from shared.runtime.settings import SlotSettings, engine_seqs
 log = logging.getLogger(__name__)
 
 
-class EngineSettings(SlotSettings, Protocol):
+class EngineSettings(SlotSettings, LoraSettings, Protocol):
     """The settings the vLLM engine reads (Settings has them)."""
 
     @property
@@ -100,6 +102,9 @@ class VllmEngine:
         """The model's chat template writes tools itself (else the worker does, see conversation)."""
         self.template_vars: frozenset[str] = frozenset()
         """What the chat template reads: the `chat_template_kwargs` it may be given."""
+        self.loras = Loras.of(settings)
+        self.max_loras = settings.max_loras if self.loras.enabled else 0
+        """Adapters it runs at once (0: it serves none)."""
 
     def start(self) -> None:
         _configure_environment(self.settings)
@@ -125,6 +130,9 @@ class VllmEngine:
             max_logprobs=20,
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
             enforce_eager=self.settings.enforce_eager or current_platform.is_cpu(),
+            enable_lora=self.loras.enabled,
+            max_loras=self.settings.max_loras,
+            max_lora_rank=self.settings.max_lora_rank,
         )
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_gauges(self.settings.model)])
         self.use_tokenizer(self.llm.get_tokenizer())
@@ -133,6 +141,16 @@ class VllmEngine:
         self.cache_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0)
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
+
+    async def prepare(self) -> None:
+        """Loads the adapters it was started with (--lora), once the engine runs."""
+        await self.loras.preload(self.llm)
+
+    def static_adapters(self) -> list[str]:
+        return sorted(self.loras.modules)
+
+    def held_adapters(self) -> list[str]:
+        return self.loras.held()
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Prompts are made with this tokenizer and its chat template (the engine's, or a test's)."""
@@ -259,11 +277,12 @@ class VllmEngine:
             yield bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0)
             return
         counts = Counts()
+        lora = await self.loras.request(self.llm, job)
         reqs = await self._engine_requests(job, counts)
         request_ids = [job.id] if len(reqs) == 1 else [f"{job.id}-{i}" for i in range(len(reqs))]
         self.requests[job.id] = request_ids
         try:
-            streams = [self._one(job, rid, req, counts, priority)
+            streams = [self._one(job, rid, req, counts, priority, lora)
                        for rid, req in zip(request_ids, reqs, strict=True)]
             async for event in _interleaved(streams):
                 yield event
@@ -293,14 +312,14 @@ class VllmEngine:
         return reqs
 
     async def _one(self, job: bus.Job, request_id: str, req: _EngineRequest, counts: Counts,
-                   priority: int) -> AsyncIterator[bus.Output]:
+                   priority: int, lora: Any) -> AsyncIterator[bus.Output]:
         top = job.params.logprobs
         first = True
         if req.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
             yield bus.Tokens(job=job.id, text="", token_ids=[], choice=req.choice, finish_reason="length")
             return
         outputs = self.llm.generate({"prompt_token_ids": req.ids}, req.params, request_id,
-                                    priority=priority).__aiter__()
+                                    lora_request=lora, priority=priority).__aiter__()
         while True:
             try:
                 out = await outputs.__anext__()

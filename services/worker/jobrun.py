@@ -54,6 +54,16 @@ class Engine(Protocol):
 
     max_model_len: int
     dimensions: int
+    max_loras: int
+    """LoRA adapters it runs at once; 0: it serves none."""
+
+    def static_adapters(self) -> list[str]:
+        """The adapters it was started with (--lora)."""
+        ...
+
+    def held_adapters(self) -> list[str]:
+        """The adapters it holds loaded now."""
+        ...
 
     def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
         """The job's outputs; among requests waiting in the engine, a lower `priority` goes first."""

@@ -41,6 +41,7 @@ async def _serve(settings: Settings, engine: VllmEngine | SimEngine) -> bool:
     async with exposition.serving(settings, metrics.WORKER, "worker"):
         log.info("starting the %s engine", settings.engine)
         engine.start()  # in the loop: vLLM's output handler binds to the running loop
+        await engine.prepare()
         return await _run(Worker(settings, engine), engine)
 
 

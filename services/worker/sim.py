@@ -16,14 +16,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.worker.loras import Loras, LoraSettings
 from services.worker.prefill import PrefillLane
 from services.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
 from shared.protocol import bus
+from shared.protocol.errors import AdapterUnavailable
 from shared.runtime import metrics
 from shared.runtime.settings import SlotSettings, engine_seqs
 
 
-class SimSettings(SlotSettings, Protocol):
+class SimSettings(SlotSettings, LoraSettings, Protocol):
     """The settings the simulated engine reads (Settings has them)."""
 
     @property
@@ -77,6 +79,11 @@ class SimEngine:
         self.max_model_len = settings.max_model_len
         self.cache_tokens = settings.sim_prefix_cache_blocks * BLOCK_TOKENS
         self.dimensions = 0
+        self.loras = Loras.of(settings)
+        self.max_loras = settings.max_loras if self.loras.enabled else 0
+        """With --enable-lora it takes adapters' jobs (their answers are as the base model's: it has no weights),
+        holding the last --max-loras it ran: what placement tests watch."""
+        self.held: dict[str, None] = {}
         self.running: list[_Sequence] = []
         self.slots = engine_seqs(settings)
         self.gauges = (metrics.ENGINE_RUNNING.labels(settings.model), metrics.KV_CACHE_USAGE.labels(settings.model))
@@ -91,6 +98,26 @@ class SimEngine:
 
     def start(self) -> None:
         """Nothing to load."""
+
+    async def prepare(self) -> None:
+        """No adapters to load."""
+
+    def static_adapters(self) -> list[str]:
+        return sorted(self.loras.modules)
+
+    def held_adapters(self) -> list[str]:
+        return sorted(self.held)
+
+    def _hold(self, job: bus.Job) -> None:
+        """The job's adapter is the one held longest from now (the oldest past --max-loras is let go)."""
+        if not job.adapter:
+            return
+        if not self.max_loras:
+            raise AdapterUnavailable(f"The workers of `{job.model}` serve no adapters.", param="model")
+        self.held.pop(job.adapter, None)
+        self.held[job.adapter] = None
+        while len(self.held) > self.max_loras:
+            del self.held[next(iter(self.held))]
 
     def shutdown(self) -> None:
         if self.stepper is not None:
@@ -126,6 +153,7 @@ class SimEngine:
         usage.set(min(1.0, len(self.running) / max(1, self.slots)))
 
     async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+        self._hold(job)
         prompts = len(job.prompts) or 1
         prompt_tokens, dropped = self._prompt(job)
         if job.count_only:

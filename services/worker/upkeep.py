@@ -150,6 +150,8 @@ class Upkeep:
                 worker=self.worker_id, model=self.model, task=self.settings.task,
                 max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
                 slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
+                adapters=self.engine.static_adapters(), max_loras=self.engine.max_loras,
+                held=self.engine.held_adapters(),
             ))
             pipe = self.beats.pipeline()
             with rawpipe.Span(pipe) as beat:

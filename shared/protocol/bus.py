@@ -169,6 +169,11 @@ class Job(Base):
     count_only: bool = False
     """Render and count the prompt, run nothing: the worker answers with a Final of its prompt tokens alone
     (Anthropic's count_tokens)."""
+    adapter: str = ""
+    """The LoRA adapter of `model` the job runs with ("" for the base model): the name the client asked for."""
+    adapter_path: str = ""
+    """Where the worker loads that adapter from (shared.tenancy.adapters' registry); "" for one the worker was
+    started with (--lora)."""
 
     def log_kept_ms(self, default_ms: int) -> int:
         """How long its event log is kept after its end, where the worker keeps logs `default_ms`."""
@@ -342,6 +347,11 @@ class WorkerInfo(Base):
     running: int = 0
     """Slots its jobs hold now (their sequences)."""
     adapters: list[str] = []
+    """The LoRA adapters it was started with (--lora): public adapters of its model, loaded from its own paths."""
+    max_loras: int = 0
+    """Adapters its engine runs at once (--max-loras); 0: it serves no adapters."""
+    held: list[str] = []
+    """The adapters its engine holds now (started with, or loaded for a job since)."""
 
 
 class Route(Base):

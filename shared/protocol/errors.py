@@ -154,6 +154,15 @@ class QueueTimeout(Overloaded):
     code = "queue_timeout"
 
 
+class AdapterUnavailable(TokenbusError):
+    """A LoRA adapter its model's workers cannot run (not served there, or its files would not load): not a load
+    that passes, so no batch line waits for it."""
+
+    status = 503
+    type = "server_error"
+    code = "adapter_unavailable"
+
+
 class TenantQueueFull(TokenbusError):
     status = 429
     type = "rate_limit_error"
@@ -187,7 +196,7 @@ _BY_NAME: dict[str, type[TokenbusError]] = {
     for cls in (TokenbusError, InvalidRequest, Unauthenticated, RateLimited, QuotaExceeded, StorageFull,
                 ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
                 ModelNotFound, NotFound, Overloaded, Unavailable, QueueFull, WaitExceedsDeadline, QueueTimeout,
-                TenantQueueFull, WorkerLost, StreamAbandoned, RequestTimeout,
+                TenantQueueFull, WorkerLost, StreamAbandoned, RequestTimeout, AdapterUnavailable,
                 EngineError)
 }
 

@@ -192,6 +192,11 @@ KEY_CHANGES_CHANNEL = f"{PREFIX}:apikeys:changed"
 """Pub/sub channel naming a key id whose record changed or was revoked: edges drop it from their cache."""
 
 
+ADAPTERS = f"{PREFIX}:adapters"
+"""Hash of the LoRA adapters added at run time (`tokenbus adapters add`): name -> its record (base model, path,
+owning tenant)."""
+
+
 def api_key_by_hash(key_hash: str) -> str:
     """An API key's SHA-256 hash -> its id: what an edge looks a presented key up by. Tagged with API_KEYS's
     name, so that a key's record and its hash change together, in one slot of a Redis Cluster."""

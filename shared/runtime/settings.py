@@ -71,6 +71,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """How the worker finds its model's reasoning in a chat answer: none (the model does not think), qwen3
     (a <think>...</think> block the model opens), deepseek_r1 (the chat template opens the block, the
     model closes it with </think>)."""
+    enable_lora: bool = False
+    """The worker serves LoRA adapters of its model (vLLM's --enable-lora): those of --lora and those added with
+    `tokenbus adapters add`, loaded when a job first needs one. --lora turns it on."""
+    lora: str = ""
+    """Adapters the worker loads at start, `NAME=PATH` comma-separated (vLLM's --lora-modules): public adapters of
+    its model, served by the workers started with them."""
+    max_loras: int = 4
+    """Adapters the worker's engine runs in one batch, and holds loaded (vLLM's --max-loras): a job for another
+    waits for one to finish."""
+    max_lora_rank: int = 16
+    """Largest adapter rank the worker loads (vLLM's --max-lora-rank: 1, 8, 16, 32, 64, ...)."""
     engine: str = "vllm"
     """vllm, or sim: a simulated engine with fixed timings, only for benchmarks and fault tests."""
     sim_ttft_ms: float = 50.0

@@ -62,10 +62,13 @@ class Ignored:
 
 @dataclass(frozen=True)
 class Model:
-    """A model the caller's key may use, with a live worker for the task; answered with its bus.WorkerInfo."""
+    """A model the caller's key may use, with a live worker for the task, or an adapter of one; answered with
+    the model's bus.WorkerInfo (an adapter's job names it: its planner need not know, see plans.planned)."""
 
     name: str
     task: str = "generate"
+    param: str = "model"
+    """Where the request named it (TGI names an adapter in parameters.adapter_id)."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,8 @@ def _decode(body: bytes, kind: type[T], route: str) -> Generator[Need, Any, T]:
     return parsed
 
 
-def _model(name: str, task: str = "generate") -> Generator[Need, Any, bus.WorkerInfo]:
-    return cast(bus.WorkerInfo, (yield Model(name, task)))
+def _model(name: str, task: str = "generate", param: str = "model") -> Generator[Need, Any, bus.WorkerInfo]:
+    return cast(bus.WorkerInfo, (yield Model(name, task, param)))
 
 
 def _arrive(prefix: str, seed: int | None = None) -> Generator[Need, Any, Arrival]:
@@ -250,11 +253,15 @@ def plan_tgi(body: bytes, *, stream: bool | None, array_body: bool = False) -> P
     req = yield from _decode(body, tgi.GenerateRequest, "tgi")
     streaming = req.stream if stream is None else stream
     model = req.model or cast(str, (yield ServedModel()))
-    info = yield from _model(model)
+    if adapter := tgi.adapter_of(req):  # TGI's multi-LoRA: the adapter of the served model
+        info = yield from _model(adapter, param="parameters.adapter_id")
+        tgi.check_adapter(adapter, info.model, model)
+    else:
+        info = yield from _model(model)
     tgi.check_context(req, info.max_model_len)
     arrival = yield from _arrive("gen-", seed=tgi.draw_seed(req))
     seed = arrival.seed if arrival.seed is not None else tgi.draw_seed(req)
-    job = tgi.to_job(req, model=model, seed=seed, stream=streaming, adapters=info.adapters,
+    job = tgi.to_job(req, model=adapter or model, seed=seed, stream=streaming,
                      job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
     renderer = tgi.TgiRenderer(req, seed=seed, array_body=array_body)
     return Planned(job, renderer, streaming, arrival)

@@ -28,6 +28,7 @@ from services.edge.formats.base import (
 )
 from shared.protocol import bus
 from shared.protocol.errors import (
+    AdapterUnavailable,
     ContextLengthExceeded,
     EngineError,
     InvalidRequest,
@@ -88,7 +89,20 @@ def input_text(inputs: str | list[Any]) -> str | None:
     return joined if joined and len(texts) == len(inputs) else None
 
 
-def _refuse_unsupported(req: GenerateRequest, stream: bool, adapters: list[str]) -> None:
+def adapter_of(req: GenerateRequest) -> str | None:
+    """The LoRA adapter the request names (parameters.adapter_id; "None" names the base model)."""
+    adapter = req.parameters.adapter_id
+    return None if adapter in (None, NO_ADAPTER) else adapter
+
+
+def check_adapter(adapter: str, base: str, model: str) -> None:
+    """The adapter must be one of the model the request runs on."""
+    if base != model:
+        raise InvalidRequest(f"The adapter `{adapter}` is not one of `{model}`.", param="parameters.adapter_id",
+                             code="unknown_adapter")
+
+
+def _refuse_unsupported(req: GenerateRequest, stream: bool) -> None:
     p = req.parameters
     if p.seed is not None and p.seed > MAX_SEED:
         raise InvalidRequest(f"`parameters.seed` must be at most {MAX_SEED}.", param="parameters.seed")
@@ -97,9 +111,6 @@ def _refuse_unsupported(req: GenerateRequest, stream: bool, adapters: list[str])
                      "(nothing was fetched)")
     if p.decoder_input_details and stream:
         raise refuse("parameters.decoder_input_details", "prefill details cannot be streamed")
-    if p.adapter_id not in (None, NO_ADAPTER) and p.adapter_id not in adapters:
-        raise InvalidRequest(f"Unknown adapter `{p.adapter_id}`; this model serves: {adapters or 'none'}.",
-                             param="parameters.adapter_id", code="unknown_adapter")
     if p.best_of not in (None, 1):
         raise refuse("parameters.best_of", "only best_of=1 is served")
 
@@ -115,10 +126,9 @@ def draw_seed(req: GenerateRequest) -> int:
 
 
 def to_job(
-    req: GenerateRequest, *, model: str, seed: int, stream: bool, adapters: list[str], job_id: str, reply_to: str,
-    deadline_ms: int,
+    req: GenerateRequest, *, model: str, seed: int, stream: bool, job_id: str, reply_to: str, deadline_ms: int,
 ) -> bus.Job:
-    _refuse_unsupported(req, stream, adapters)
+    _refuse_unsupported(req, stream)
     p = req.parameters
     sampling = p.do_sample if p.do_sample is not None else any(
         v is not None for v in (p.temperature, p.top_k, p.top_p))
@@ -222,7 +232,7 @@ def error_status(error: TokenbusError) -> tuple[int, str]:
         return 400, "validation"
     if isinstance(error, InvalidRequest | ContextLengthExceeded):
         return 422, "validation"
-    if isinstance(error, Unavailable | WorkerLost):
+    if isinstance(error, Unavailable | WorkerLost | AdapterUnavailable):
         return 503, "unavailable"
     if isinstance(error, Overloaded):
         return 429, "overloaded"
