@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from services.supervisor import private_redis
-from tests.adapters import make_adapter
+from tests.made_models import make_adapter, make_cross_encoder
 from tests.processes import (
     EMBEDDING_MODEL,
     GATHERING_MODEL,
@@ -75,6 +75,8 @@ def edge(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     stop_process(started.process)
 
 
+SCORING_MODEL = "minilm-cross-encoder"
+"""The cross-encoder the session's `scorer` serves (tests.made_models.make_cross_encoder)."""
 STATIC_ADAPTER = "smollm2-started-with"
 """The LoRA adapter the default model's worker is started with (--lora; test_adapters adds others at run time)."""
 
@@ -84,6 +86,7 @@ REAL_WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     "worker": (MODEL, {"kv_cache_gib": 2, "reasoning_parser": "qwen3", "enable_lora": True}),
     "embedder": (EMBEDDING_MODEL, {"kv_cache_gib": 1, "task": "embed"}),
     "gathering_worker": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 4, "stream_interval": STREAM_INTERVAL}),
+    "scorer": (SCORING_MODEL, {"kv_cache_gib": 1, "task": "score"}),  # its --model-dir is made at start
 }
 """The real vLLM workers of a session, by fixture name: the model each serves and its settings."""
 
@@ -102,6 +105,8 @@ def real_workers(request: pytest.FixtureRequest, redis_url: str, redis_client: r
             if name == "worker":
                 static = make_adapter(tmp_path_factory.mktemp("adapters") / STATIC_ADAPTER, seed=3)
                 settings = {**settings, "lora": f"{STATIC_ADAPTER}={static}"}
+            if name == "scorer":
+                settings = {**settings, "model_dir": make_cross_encoder(scoring_model_dir(tmp_path_factory))}
             started[name] = spawn_worker(redis_url, tmp_path_factory.mktemp(name) / "worker.log", model, **settings)
         for name, running in started.items():
             wait_serving(running, redis_client, REAL_WORKERS[name][0])
@@ -127,6 +132,17 @@ def embedder(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
 def gathering_worker(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
     """A real vLLM worker on the default model as GATHERING_MODEL, sending STREAM_INTERVAL tokens per event."""
     return real_workers["gathering_worker"]
+
+
+def scoring_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's cross-encoder lies (made once)."""
+    return tmp_path_factory.getbasetemp() / "cross-encoder"
+
+
+@pytest.fixture(scope="session")
+def scorer(real_workers: dict[str, WorkerProcess]) -> WorkerProcess:
+    """A real vLLM worker serving a cross-encoder (the score task) as SCORING_MODEL."""
+    return real_workers["scorer"]
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ import redis
 from huggingface_hub import InferenceClient
 
 from shared.protocol import bus, keys
-from tests.adapters import make_adapter
 from tests.conftest import STATIC_ADAPTER
+from tests.made_models import make_adapter
 from tests.processes import MODEL, ROOT, Edge, process_env, start_edge, stop_process
 
 PROMPT = "The capital of France is"

@@ -1,6 +1,7 @@
 """Rerank and score on the real embedding worker (all-MiniLM-L6-v2): Jina's and vLLM's `/v1/rerank`, Cohere's
 `/v2/rerank`, OVMS's `/v3/rerank` and vLLM's `/v1/score` answer in their shapes, order a relevant document above
-irrelevant ones, and score a pair as the cosine of the two vectors `/v1/embeddings` gives."""
+irrelevant ones, and score a pair as the cosine of the two vectors `/v1/embeddings` gives; on a real cross-encoder
+worker (the score task) each pair is read together and scored as transformers scores it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import openai
 import orjson
 import pytest
 
+from tests.conftest import SCORING_MODEL, scoring_model_dir
+from tests.made_models import cross_encoder_scores
 from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess
 
 pytestmark = pytest.mark.engine
@@ -74,6 +77,35 @@ async def test_a_generation_model_does_not_rerank(http: httpx.AsyncClient) -> No
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "wrong_model_task"
 
 
+async def test_a_cross_encoder_scores_each_pair_read_together_as_transformers_does(
+        served: Edge, scorer: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every route on the cross-encoder: the scores are the model's own for each (query, document) pair (its token
+    types included: the same texts scored apart, as cosines are, would differ), ranked best first."""
+    documents = [d if isinstance(d, str) else d["text"] for d in DOCUMENTS]
+    expected = cross_encoder_scores(scoring_model_dir(tmp_path_factory), [(QUERY, d) for d in documents])
+    assert max(expected) - min(expected) > 0.05  # the head spreads them: an order to check
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        body = {"model": SCORING_MODEL, "query": QUERY, "documents": DOCUMENTS}
+        for path in ("/v1/rerank", "/v2/rerank", "/v3/rerank"):
+            answer = (await http.post(path, json=body)).json()
+            ranked = sorted(range(len(documents)), key=lambda i: -expected[i])
+            assert [r["index"] for r in answer["results"]] == ranked, path
+            assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
+                [expected[i] for i in ranked], abs=1e-4)
+            assert answer["usage"]["total_tokens"] > 3 * len(QUERY.split())  # the query is read with each document
+        scored = (await http.post("/v1/score", json={"model": SCORING_MODEL, "text_1": QUERY,
+                                                     "text_2": documents})).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-4)
+        pairwise = (await http.post("/v1/score", json={"model": SCORING_MODEL, "text_1": documents[::-1],
+                                                       "text_2": [QUERY] * 3})).json()
+        assert [d["score"] for d in pairwise["data"]] == pytest.approx(cross_encoder_scores(
+            scoring_model_dir(tmp_path_factory), [(d, QUERY) for d in documents[::-1]]), abs=1e-4)
+        refused = await http.post("/v1/embeddings", json={"model": SCORING_MODEL, "input": QUERY})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "wrong_model_task"
+        models = {m["id"]: m for m in (await http.get("/v1/models")).json()["data"]}
+        assert models[SCORING_MODEL]["task"] == "score"
+
+
 def test_the_scores_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions() -> None:
     """The edge computes the scores on its loop: 1,000 documents of MiniLM's 384 dimensions are served, 300 of a
     4,096-dimension model are refused (a 400 naming `documents`) before anything is queued."""
@@ -88,7 +120,8 @@ def test_the_scores_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions(
         while not isinstance(step, planners.Planned):
             answer: object = None
             if isinstance(step, planners.Model):
-                answer = bus.WorkerInfo(worker="w", model="m", task="embed", dimensions=dimensions)
+                answer = bus.WorkerInfo(worker="w", model="m", task="embed" if dimensions else "score",
+                                        dimensions=dimensions)
             elif isinstance(step, planners.Arrive):
                 answer = planners.Arrival(job_id="j", started=0.0, deadline_ms=1, reply_to="r", created=0)
             step = planners.advance(planning, answer)
@@ -98,3 +131,32 @@ def test_the_scores_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions(
     with pytest.raises(InvalidRequest) as refused:
         plan(300, 4096)
     assert refused.value.param == "documents" and refused.value.status == 400
+    assert plan(1000, 0).pairs == [(0, 1 + i) for i in range(1000)]  # a cross-encoder's worker reads the pairs
+    assert plan(1000, 0).sequences() == 1000
+
+
+def test_what_a_cross_encoder_reads_is_bounded_before_it_is_queued() -> None:
+    """A long query is read once per document: 1,000 documents under a 16 KiB query would make the worker read
+    16 MiB; refused with a 400 naming `documents`, and the tokens a pair reads are what admission charges."""
+    from services.edge.estimate import estimate
+    from services.edge.formats import planners
+    from shared.protocol import bus
+    from shared.protocol.errors import InvalidRequest
+
+    def plan(query: str, documents: int) -> bus.Job:
+        planning = planners.plan_rerank(orjson.dumps({"model": "m", "query": query, "documents": ["d"] * documents}))
+        step = planners.advance(planning)
+        while not isinstance(step, planners.Planned):
+            answer: object = None
+            if isinstance(step, planners.Model):
+                answer = bus.WorkerInfo(worker="w", model="m", task="score")
+            elif isinstance(step, planners.Arrive):
+                answer = planners.Arrival(job_id="j", started=0.0, deadline_ms=1, reply_to="r", created=0)
+            step = planners.advance(planning, answer)
+        return step.job
+
+    job = plan("q" * 4000, 1000)
+    assert estimate(job, 512)[0] >= 1000 * 1000  # 4,000 ASCII characters are 1,000 tokens, read 1,000 times
+    with pytest.raises(InvalidRequest) as refused:
+        plan("q" * 16384, 1000)
+    assert refused.value.param == "documents"

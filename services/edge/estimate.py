@@ -34,7 +34,8 @@ def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
     framing = TOKENS_PER_MESSAGE * len(job.messages)
     instruction = text_tokens(job.instruction) if job.instruction else 0
     per_prompt = [text_tokens(p) + instruction for p in job.prompts] or [0]
-    prompt = (sum(map(_message_tokens, job.messages)) + sum(per_prompt) + _tools_tokens(job.tool_use)
+    read = [per_prompt[a] + per_prompt[b] for a, b in job.pairs] if job.pairs else per_prompt  # a pair reads both
+    prompt = (sum(map(_message_tokens, job.messages)) + sum(read) + _tools_tokens(job.tool_use)
               + framing)
     if job.kind == "embedding":
         return prompt, 0

@@ -184,10 +184,11 @@ class Gateway:
 
     async def require_model(self, model: str, task: str = "generate", tenant: str | None = None,
                             param: str = "model") -> tuple[bus.WorkerInfo, Adapter | None]:
-        """Like find_model, and a 400 if the model serves another task."""
+        """Like find_model, and a 400 if the model serves another task (`task`: one, or several joined by '|')."""
         info, adapter = await self.find_model(model, tenant, param)
-        if info.task != task:
-            what = {"generate": "text generation", "embed": "embeddings"}
-            raise InvalidRequest(f"The model `{model}` serves {what.get(info.task, info.task)}, not "
-                                 f"{what.get(task, task)}.", param=param, code="wrong_model_task")
+        if info.task not in task.split("|"):
+            what = {"generate": "text generation", "embed": "embeddings", "score": "scoring (a cross-encoder)"}
+            wanted = " or ".join(what.get(t, t) for t in task.split("|"))
+            raise InvalidRequest(f"The model `{model}` serves {what.get(info.task, info.task)}, not {wanted}.",
+                                 param=param, code="wrong_model_task")
         return info, adapter

