@@ -50,7 +50,10 @@ def document(routes: tuple[Any, ...]) -> bytes:
     return msgspec.json.encode({
         "openapi": "3.1.0",
         "info": {"title": "tokenbus", "version": "0.1.0",
-                 "description": "OpenAI, Anthropic, TGI/MindIE, Databricks and OVMS APIs over one event bus."},
+                 "description": "OpenAI, Anthropic, TGI/MindIE, Databricks and OVMS APIs over one event bus. A "
+                                "request's `model` (TGI: `parameters.adapter_id`) may name a LoRA adapter the key "
+                                "may use (GET /v1/models lists them with their `parent`); rerank and score run on "
+                                "a cross-encoder or, by cosine similarity, on an embedding model."},
         "paths": paths,
         "components": {"schemas": components},
     })
