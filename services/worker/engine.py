@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.worker import conversation, template_kwargs
+from services.worker import conversation, pooling, template_kwargs
 from services.worker.loras import Loras, LoraSettings
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
+from services.worker.streams import interleaved
 from services.worker.vllm_terms import engine_gauges, sampling_params, token_logprobs
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
@@ -269,8 +270,8 @@ class VllmEngine:
         """Generates the job's tokens: Tokens events per engine step, then one Final; the engine serves a lower
         `priority` first."""
         if job.kind == "embedding":
-            async for event in (self._score(job, priority) if self.settings.task == "score" else
-                                self._embed(job, priority)):
+            async for event in (pooling.score(self, job, priority) if self.settings.task == "score" else
+                                pooling.embed(self, job, priority)):
                 yield event
             return
         if job.count_only:
@@ -285,7 +286,7 @@ class VllmEngine:
         try:
             streams = [self._one(job, rid, req, counts, priority, lora)
                        for rid, req in zip(request_ids, reqs, strict=True)]
-            async for event in _interleaved(streams):
+            async for event in interleaved(streams):
                 yield event
         finally:
             del self.requests[job.id]
@@ -352,111 +353,7 @@ class VllmEngine:
         return bus.Prompt(job=job.id, index=index, token_ids=ids, logprobs=logprobs,
                           first_token=first_token)
 
-    async def _embed(self, job: bus.Job, priority: int) -> AsyncIterator[bus.Output]:
-        """One vector per input, in input order; inputs longer than the context are an error (or cut)."""
-        from vllm import PoolingParams
-
-        prompts = await self.prompt_ids(job)
-        for i, ids in enumerate(prompts):
-            if len(ids) > self.max_model_len:
-                if not job.truncate:
-                    raise ContextLengthExceeded(
-                        f"Input {i} has {len(ids)} tokens; this model embeds at most {self.max_model_len}.",
-                        param="input",
-                    )
-                prompts[i] = ids[: self.max_model_len]
-        done = set(job.continuation.embedded) if job.continuation else set()  # sent by a former owner
-        request_ids = [f"{job.id}-{i}" for i in range(len(prompts))]
-        self.requests[job.id] = request_ids
-        try:
-            streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="embed"), priority)
-                       for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True)) if i not in done]
-            async for event in _interleaved(streams):
-                yield event
-        finally:
-            del self.requests[job.id]
-        yield bus.Final(job=job.id, prompt_tokens=sum(map(len, prompts)), completion_tokens=0)
-
-    async def _score(self, job: bus.Job, priority: int) -> AsyncIterator[bus.Output]:
-        """A cross-encoder's score of each pair, read together (its texts as the tokenizer pairs them, with their
-        token types), in pair order; a pair longer than the context is an error."""
-        from vllm import PoolingParams
-
-        if not job.pairs:
-            raise InvalidRequest("This model is a cross-encoder: it scores pairs (rerank, score), it does not embed.",
-                                 param="model", code="wrong_model_task")
-        encoded = await asyncio.to_thread(self._pair_encodings, job)
-        done = set(job.continuation.embedded) if job.continuation else set()  # sent by a former owner
-        request_ids = [f"{job.id}-{i}" for i in range(len(encoded))]
-        self.requests[job.id] = request_ids
-        try:
-            streams = [self._embed_one(job, rid, i, ids, PoolingParams(task="classify", extra_kwargs={
-                "compressed_token_type_ids": second}), priority)
-                for i, (rid, (ids, second)) in enumerate(zip(request_ids, encoded, strict=True)) if i not in done]
-            async for event in _interleaved(streams):
-                yield event
-        finally:
-            del self.requests[job.id]
-        yield bus.Final(job=job.id, prompt_tokens=sum(len(ids) for ids, _ in encoded), completion_tokens=0)
-
-    def _pair_encodings(self, job: bus.Job) -> list[tuple[list[int], int]]:
-        """Each pair's token ids, and where its second text starts (its first token of type 1), as vLLM takes a
-        cross-encoder's token types."""
-        firsts, seconds = zip(*((job.prompts[a], job.prompts[b]) for a, b in job.pairs), strict=True)
-        batch = self.tokenizer(text=list(firsts), text_pair=list(seconds))
-        encoded: list[tuple[list[int], int]] = []
-        for i, ids in enumerate(batch["input_ids"]):
-            if len(ids) > self.max_model_len:
-                raise ContextLengthExceeded(f"Pair {i} has {len(ids)} tokens; this model reads at most "
-                                            f"{self.max_model_len}.", param="documents")
-            types = batch.get("token_type_ids", [[]] * len(job.pairs))[i]
-            encoded.append((list(ids), types.index(1) if 1 in types else len(ids)))
-        return encoded
-
-    async def _embed_one(
-        self, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any, priority: int
-    ) -> AsyncIterator[bus.Output]:
-        async for out in self.llm.encode({"prompt_token_ids": ids}, params, request_id, priority=priority):
-            if out.finished:
-                yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(),
-                                    prompt_tokens=len(ids))
-
     async def abort(self, job_id: str) -> None:
         for request_id in self.requests.get(job_id, [job_id]):
             await self.llm.abort(request_id)
 
-
-def _interleaved(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.Output]:
-    """The events of several streams in arrival order; one stream as it is (a generator less on every token's
-    way, which at one stream is a wake of the worker each)."""
-    return streams[0] if len(streams) == 1 else _merge(streams)
-
-
-async def _merge(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.Output]:
-    """Interleaves several event streams in arrival order."""
-    queue: asyncio.Queue[bus.Output | BaseException | None] = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[bus.Output]) -> None:
-        try:
-            async for event in stream:
-                queue.put_nowait(event)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(None)
-
-    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
-    try:
-        open_streams = len(tasks)
-        while open_streams:
-            item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
