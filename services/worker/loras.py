@@ -87,28 +87,32 @@ class Loras:
         return lora
 
     async def _load(self, llm: Any, lora: Any) -> None:
-        """Loads the adapter unless the engine holds it; jobs that come meanwhile wait for the same load."""
-        if pending := self._loading.get(lora.lora_int_id):
-            await asyncio.shield(pending)
-            return
-        self._held_ids = set(await llm.list_loras())
-        if lora.lora_int_id in self._held_ids:
-            return
-        pending = self._loading[lora.lora_int_id] = asyncio.get_running_loop().create_future()
+        """Loads the adapter unless the engine holds it. Jobs that come meanwhile wait for that load and share its
+        outcome; if the job loading it is cancelled, the next one loads it."""
+        lora_id = lora.lora_int_id
+        while (pending := self._loading.get(lora_id)) is not None:
+            await asyncio.wait([pending])  # however it ends; a cancel of this job still raises here
+            if not pending.cancelled():
+                if (error := pending.exception()) is not None:
+                    raise error
+                return
+        pending = self._loading[lora_id] = asyncio.get_running_loop().create_future()
         try:
-            await llm.add_lora(lora)
-        except Exception as exc:  # vLLM wraps the worker's refusal in a bare Exception
-            log.error("loading adapter %s from %s failed: %s", lora.lora_name, lora.lora_path, exc)
-            error = AdapterUnavailable(f"The adapter `{lora.lora_name}` could not be loaded (the worker's log says "
-                                       "why).", param="model")
+            self._held_ids = set(await llm.list_loras())
+            if lora_id not in self._held_ids:
+                await _add(llm, lora)
+                self._held_ids.add(lora_id)
+        except AdapterUnavailable as error:
             pending.set_exception(error)
             pending.exception()  # retrieved: the jobs that waited for it raise it themselves
-            raise error from None
+            raise
+        except BaseException:
+            pending.cancel()
+            raise
         else:
-            self._held_ids.add(lora.lora_int_id)
             pending.set_result(None)
         finally:
-            del self._loading[lora.lora_int_id]
+            del self._loading[lora_id]
 
     def held(self) -> list[str]:
         """The names of the adapters the engine held when last asked."""
@@ -121,3 +125,12 @@ class Loras:
                 await self._loaded(llm, name, path)
             except AdapterUnavailable:
                 raise SystemExit(f"--lora {name}={self.modules[name]}: the engine could not load it") from None
+
+
+async def _add(llm: Any, lora: Any) -> None:
+    try:
+        await llm.add_lora(lora)
+    except Exception as exc:  # vLLM wraps the worker's refusal in a bare Exception
+        log.error("loading adapter %s from %s failed: %s", lora.lora_name, lora.lora_path, exc)
+        raise AdapterUnavailable(f"The adapter `{lora.lora_name}` could not be loaded (the worker's log says why).",
+                                 param="model") from None
