@@ -65,17 +65,12 @@ class ModelDirectory:
         """Whether the worker's heartbeat was alive at the last read (or no read has succeeded yet)."""
         return not self.loaded or worker_id in self.workers
 
-    async def find(self, model: str) -> bus.WorkerInfo | None:
-        """The model's heartbeat; one fresh read first when it is unknown (its worker may have just started)."""
-        if model not in self.models:
+    async def find(self, name: str) -> tuple[bus.WorkerInfo | None, Adapter | None]:
+        """The heartbeat of the model of that name, or the adapter of that name; one fresh read first when neither
+        is known (its worker may have just started, it may have just been added)."""
+        if name not in self.models and name not in self.adapters:
             await self.refresh()
-        return self.models.get(model)
-
-    async def find_adapter(self, name: str) -> Adapter | None:
-        """The adapter of that name; one fresh read first when it is unknown (it may have just been added)."""
-        if name not in self.adapters:
-            await self.refresh()
-        return self.adapters.get(name)
+        return self.models.get(name), self.adapters.get(name)
 
     async def _read(self) -> dict[str, bus.WorkerInfo]:
         """One round trip while the registry keeps its members: their heartbeats are read with it (not MGET: on

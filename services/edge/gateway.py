@@ -169,9 +169,8 @@ class Gateway:
         """The heartbeat of a live worker of the model, or of the model an adapter of that name adapts (with the
         adapter) where a caller of `tenant` may see it (None: serving without keys); a 404 if there is none."""
         with redis_boundary():
-            info = await self.directory.find(model)
-            adapter = None if info is not None else await self.directory.find_adapter(model)
-        if adapter is not None and adapter.visible_to(tenant):
+            info, adapter = await self.directory.find(model)
+        if info is None and adapter is not None and adapter.visible_to(tenant):
             info = self.directory.models.get(adapter.base)
             if info is not None and adapter.base not in self.directory.lora_models:
                 raise AdapterUnavailable(f"The workers of `{adapter.base}` serve no adapters.", param=param)
