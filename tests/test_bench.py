@@ -151,21 +151,24 @@ def test_the_fairness_section_replaces_its_own_and_keeps_the_others(tmp_path: Pa
     assert out.read_text().count(report.KEPT) == 1
 
 
-def _cell(throughput: float, ttft_ms: float, cpu_s: float, vllm: bool = False) -> compare.Cell:
+def _cell(throughput: float, ttft_ms: float, cpu_s: float, vllm: bool = False, front_ttft_ms: float = 10.0
+          ) -> compare.Cell:
     flat = Summary(ttft_ms, ttft_ms, ttft_ms, ttft_ms)
     step = Summary(10.0, 10.0, 10.0, 10.0)
     result = Result("x", 8, 8, 0, 1.0, 8.0, throughput, 8.0, flat, flat, step, step, flat)
     parts = {compare.API_SERVER: cpu_s} if vllm else {compare.EDGE: cpu_s * 0.4, compare.WORKER: cpu_s * 0.4,
                                                        compare.REDIS: cpu_s * 0.2}
-    return compare.Cell(result, tokens=1000, front_cpu_s=cpu_s, engine_cpu_s=1.0, front_cpu_by_part=parts)
+    return compare.Cell(result, tokens=1000, front_cpu_s=cpu_s, engine_cpu_s=1.0, front_cpu_by_part=parts,
+                        engine_ttft_ms=ttft_ms - front_ttft_ms)
 
 
 def _comparison() -> compare.Comparison:
     shape = compare.short_shape(64, 192)
     rounds = range(6)
-    # tokenbus: 20% more throughput and half the front-end CPU in every round, the same TTFT give or take noise
+    # tokenbus: 20% more throughput, half the front-end CPU and 1.5x its share of TTFT in every round, the same
+    # TTFT give or take noise
     return {shape: {
-        compare.TOKENBUS: [_cell(120.0 + r, 50.0 + (r % 2), 0.05) for r in rounds],
+        compare.TOKENBUS: [_cell(120.0 + r, 50.0 + (r % 2), 0.05, front_ttft_ms=15.0) for r in rounds],
         compare.TWO_EDGES: [_cell(100.0 + r, 50.0, 0.1) for r in rounds],
         compare.VLLM_SERVE: [_cell(100.0 + r, 50.5 - (r % 2), 0.1, vllm=True) for r in rounds]}}
 
@@ -181,13 +184,15 @@ def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Pa
     text = out.read_text()
     assert "kept" in text and "stale" not in text and text.count(compare_report.HEADING) == 1
     assert "| short | 64 | vllm serve | 102.5 | 8.00 | 50 ms |" in text
+    assert "| short | 64 | tokenbus | 122.5 | 8.00 | 50 ms | 50 ms | 15 ms |" in text  # TTFT p50, p99, front's share
     rows = {line.split(" | ")[2]: line for line in text.splitlines() if " / vllm serve | " in line}
     assert rows.keys() == {"tokenbus / vllm serve", "tokenbus, 2 edges / vllm serve"}
-    throughput, ttft, _tpot, cpu = rows["tokenbus / vllm serve"].split(" | ")[3:7]
+    throughput, ttft, _tpot, cpu, front_ttft = rows["tokenbus / vllm serve"].split(" | ")[3:8]
     assert throughput.startswith("1.195x [") and throughput.endswith("**lead**")
     assert ttft.endswith("level (within noise)")
     assert cpu.startswith("0.500x [0.500, 0.500] **lead**")
-    assert rows["tokenbus, 2 edges / vllm serve"].count("1.000x [1.000, 1.000] level (within noise)") == 3
+    assert front_ttft.startswith("1.500x [1.500, 1.500] **loss**")
+    assert rows["tokenbus, 2 edges / vllm serve"].count("1.000x [1.000, 1.000] level (within noise)") == 4
     assert "| tokenbus | 4.00 ms/s | 2.000x [" in text and "| vllm serve | 2.00 ms/s |  |" in text
     assert "| tokenbus, 2 edges | 5.00 ms/s | 2.500x [2.500, 2.500] **loss** |" in text
     # the breakdown: per token by process in the shape (0.05 CPU-s over 1000 tokens: 50 us), and while idle

@@ -19,7 +19,10 @@ for shape, systems in data.items():
     if shape == "idle":
         continue
     for key, name, higher_better in (("tok_s", "output tok/s", True), ("ttft_p50", "TTFT p50 ms", False),
-                                      ("tpot_p50", "TPOT p50 ms", False), ("front_us", "front-end CPU us/token", False)):
+                                      ("tpot_p50", "TPOT p50 ms", False), ("front_us", "front-end CPU us/token", False),
+                                      ("front_ttft", "TTFT, front end's share ms", False)):
+        if key not in systems[OLD][0]:
+            continue  # written before the script recorded it
         o, n, s = ([c[key] for c in systems[x]] for x in (OLD, NEW, SERVE))
         r, lo, hi = interval(n, o)
         verdict = "level" if lo <= 1 <= hi else ("better" if (lo > 1) == higher_better else "**worse**")

@@ -48,6 +48,7 @@ with ExitStack() as stack:
 out = {f"{shape.name} c={shape.concurrency}": {
     system: [{"tok_s": c.result.output_throughput, "ttft_p50": c.result.ttft_ms.p50, "tpot_p50": c.result.tpot_ms.p50,
               "front_us": c.front_cpu_us_per_token,
+              "ttft_mean": c.result.ttft_ms.mean, "front_ttft": c.front_ttft_ms,
               "parts": {p: c.part_cpu_us_per_token(p) for p in c.front_cpu_by_part}} for c in cells]
     for system, cells in by_system.items()} for shape, by_system in comparison.items()}
 out["idle"] = idle

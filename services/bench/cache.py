@@ -258,8 +258,8 @@ async def _run(running: systems.Running, shape: load.Load, sessions: list[list[R
     async with httpx.AsyncClient(timeout=10) as http:
         for url in (*running.worker_metrics_urls, *running.metrics_urls):
             text = (await http.get(url)).text
-            queried += sample(text, "tokenbus_worker_prefix_cache_queries_total")
-            hit += sample(text, "tokenbus_worker_prefix_cache_hits_total")
+            queried += systems.sample(text, "tokenbus_worker_prefix_cache_queries_total")
+            hit += systems.sample(text, "tokenbus_worker_prefix_cache_hits_total")
             for line in text.splitlines():
                 if line.startswith("tokenbus_dispatch_decisions_total{"):
                     reason = line.split('reason="', 1)[1].split('"', 1)[0]
@@ -268,11 +268,6 @@ async def _run(running: systems.Running, shape: load.Load, sessions: list[list[R
                 result.output_throughput, hit / queried if queried else 0.0, result.requests, result.failed,
                 result.request_throughput, run.loop)
     return cell, placed
-
-
-def sample(text: str, name: str) -> float:
-    """The sum of a metric's labelled series in a Prometheus text page."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 @dataclass(frozen=True)

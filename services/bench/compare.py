@@ -5,6 +5,7 @@ so that drift of the machine over the run falls on both systems alike and the ro
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
@@ -12,6 +13,8 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 from services.bench import load, systems
 from services.bench.workload import Distribution, requests
@@ -108,6 +111,19 @@ class Cell:
     engine_cpu_s: float
     front_cpu_by_part: dict[str, float] = field(default_factory=dict)
     """The front-end CPU seconds split by process: its part in the system (edge, worker, redis-server...)."""
+    engine_ttft_ms: float = math.nan
+    """The engine's own time to first token, mean over the cell's requests: vLLM's
+    `vllm:time_to_first_token_seconds`, from the request's arrival to its first token out of the engine (`vllm
+    serve` stamps the arrival before it renders and tokenizes the prompt; tokenbus's worker hands AsyncLLM token
+    ids, so its stamp comes after)."""
+
+    @property
+    def front_ttft_ms(self) -> float:
+        """The front end's share of the time to first token (mean): the client's less the engine's. Everything
+        before the engine (HTTP, the bus, the prompt's rendering and tokenization) and after it (detokenizing,
+        the bus back, the SSE frame); the rest is the engine's queue and prefill, which the front end changes
+        only by what CPU it takes from the engine."""
+        return self.result.ttft_ms.mean - self.engine_ttft_ms
 
     @property
     def front_cpu_us_per_token(self) -> float:
@@ -150,6 +166,18 @@ class Deployment:
     front: tuple[tuple[str, int], ...]
     """The front end's processes, each with its part in the system (two edges are two parts)."""
     engine_pids: tuple[int, ...]
+    engine_metrics_url: str = ""
+    """The /metrics where the system's AsyncLLM reports vLLM's own `vllm:` figures: tokenbus's worker's, `vllm
+    serve`'s API server's."""
+
+    def engine_ttft(self) -> tuple[float, float]:
+        """The engine's time-to-first-token histogram so far: its sum (seconds) and count; nothing without a
+        metrics page."""
+        if not self.engine_metrics_url:
+            return 0.0, 0.0
+        text = httpx.get(self.engine_metrics_url, timeout=10).text
+        return (systems.sample(text, "vllm:time_to_first_token_seconds_sum"),
+                systems.sample(text, "vllm:time_to_first_token_seconds_count"))
 
     def engine_cpu(self) -> list[systems.CpuReading]:
         """The engine processes' CPU time so far."""
@@ -173,11 +201,12 @@ def tokenbus_deployments(running: systems.Running) -> dict[str, Deployment]:
     redis_pid = systems.redis_pid(running.redis_url)
     engine = tuple(systems.descendants(worker))
     shared = ((WORKER, worker), (REDIS, redis_pid))
-    found = {TOKENBUS: Deployment(running.base_urls[:1], ((EDGE, edges[0]), *shared), engine)}
+    metrics = running.worker_metrics_urls[0]
+    found = {TOKENBUS: Deployment(running.base_urls[:1], ((EDGE, edges[0]), *shared), engine, metrics)}
     for name, count in ((TWO_EDGES, 2), (FOUR_EDGES, 4)):
         if len(edges) >= count:
             used = tuple((f"{EDGE} {i + 1}", pid) for i, pid in enumerate(edges[:count]))
-            found[name] = Deployment(running.base_urls[:count], (*used, *shared), engine)
+            found[name] = Deployment(running.base_urls[:count], (*used, *shared), engine, metrics)
     return found
 
 
@@ -192,7 +221,8 @@ def vllm_serve_deployment(running: systems.Running) -> Deployment:
     below = systems.descendants(server)
     servers = [pid for pid in below if systems.command_name(pid).startswith(API_SERVER_PROCESS)]
     front = ((API_SERVER, server), *((f"{API_SERVER} {i + 1}", pid) for i, pid in enumerate(servers)))
-    return Deployment((running.base_url,), front, tuple(pid for pid in below if pid not in servers))
+    return Deployment((running.base_url,), front, tuple(pid for pid in below if pid not in servers),
+                      f"{running.base_url}/metrics")
 
 
 def _load(deployment: Deployment, model: str, api: str, concurrency: int) -> load.Load:
@@ -210,13 +240,17 @@ def warm_up(deployment: Deployment, model: str, api: str) -> None:
 def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: str, seed: int) -> Cell:
     work = requests(shape.requests, shape.prompt_len, shape.output_len, seed=seed)
     spec = _load(deployment, model, api, shape.concurrency)
+    ttft_before = deployment.engine_ttft()
     parts_before, engine_before = deployment.cpu_by_part(), deployment.engine_cpu()
     timings, duration_s = asyncio.run(load.collect(spec, work, system=system, quiet=True))
     parts_after, engine_after = deployment.cpu_by_part(), deployment.engine_cpu()
+    (seconds, count), (seconds_before, count_before) = deployment.engine_ttft(), ttft_before
     tokens = sum(t.output_tokens for t in timings if t.ok)
     front = {part: parts_after[part].seconds_since(parts_before[part]) for part in parts_after}
     engine = sum(after.seconds_since(before) for after, before in zip(engine_after, engine_before, strict=True))
-    return Cell(load.summarize(system, spec, timings, duration_s), tokens, sum(front.values()), engine, front)
+    engine_ttft_ms = (seconds - seconds_before) * 1000 / (count - count_before) if count > count_before else math.nan
+    return Cell(load.summarize(system, spec, timings, duration_s), tokens, sum(front.values()), engine, front,
+                engine_ttft_ms)
 
 
 def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:

@@ -49,6 +49,7 @@ RATIO_METRICS = (
     Metric("TTFT p50", lambda c: c.result.ttft_ms.p50, False),
     Metric("TPOT p50", lambda c: c.result.tpot_ms.p50, False),
     Metric("front-end CPU per token", lambda c: c.front_cpu_us_per_token, False),
+    Metric("front end's share of TTFT", lambda c: c.front_ttft_ms, False),
 )
 
 
@@ -97,6 +98,7 @@ MEAN_COLUMNS: tuple[tuple[str, Callable[[Cell], float], str], ...] = (
     ("req/s", lambda c: c.result.request_throughput, "{:.2f}"),
     ("TTFT p50", lambda c: c.result.ttft_ms.p50, "{:.0f} ms"),
     ("TTFT p99", lambda c: c.result.ttft_ms.p99, "{:.0f} ms"),
+    ("TTFT, front end's share", lambda c: c.front_ttft_ms, "{:.0f} ms"),
     ("ITL p50", lambda c: c.result.itl_ms.p50, "{:.1f} ms"),
     ("ITL p99", lambda c: c.result.itl_ms.p99, "{:.1f} ms"),
     ("TPOT p50", lambda c: c.result.tpot_ms.p50, "{:.1f} ms"),
@@ -242,8 +244,14 @@ def section(comparison: Comparison, images: list[str], engine: Engine, made_by: 
         *_shapes_text(comparison), "",
         "Figures are means over the rounds. TTFT is the time to the first content token; ITL the time between "
         "content chunks; TPOT (latency - TTFT) / (tokens - 1), which does not depend on how tokens are grouped into "
-        "chunks; goodput counts requests with TTFT <= 2 s and TPOT <= 200 ms. *Front-end CPU* is the CPU time "
-        "(each process's own, children not included: the scheduler's per-thread nanoseconds from "
+        "chunks; goodput counts requests with TTFT <= 2 s and TPOT <= 200 ms. *TTFT, front end's share* is the mean "
+        "TTFT less the mean of the engine's own (vLLM's `vllm:time_to_first_token_seconds`, read from the "
+        "process that holds AsyncLLM before and after the cell, from a request's arrival to its first token out; "
+        "`vllm serve` stamps the arrival before it renders and tokenizes the prompt, tokenbus's worker, which "
+        "hands AsyncLLM token ids, after): the HTTP, the bus and the first token's way back (and for tokenbus the "
+        "prompt's rendering and tokenization). The rest of a TTFT is the engine's queue and prefill, the same "
+        "work in both systems, which a front end changes only by the CPU it takes from the engine. *Front-end "
+        "CPU* is the CPU time (each process's own, children not included: the scheduler's per-thread nanoseconds from "
         "/proc/<pid>/task/*/schedstat, or the process's 10 ms clock ticks from /proc/<pid>/stat where a thread ended "
         "during the cell) of everything the system "
         "runs beside vLLM's engine core, per output token streamed in the cell: for tokenbus its edge "
