@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from services.worker.loras import Loras, LoraSettings
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from services.worker.streams import interleaved
-from services.worker.vllm_terms import engine_gauges, sampling_params, token_logprobs
+from services.worker.vllm_terms import engine_gauges, engine_prompt, sampling_params, token_logprobs
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
 from shared.runtime.settings import SlotSettings, engine_seqs
@@ -278,13 +279,14 @@ class VllmEngine:
             counted = sum(map(len, await self.prompt_ids(job)))
             yield bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0)
             return
+        arrival = time.time()
         counts = Counts()
         lora = await self.loras.request(self.llm, job)
         reqs = await self._engine_requests(job, counts)
         request_ids = [job.id] if len(reqs) == 1 else [f"{job.id}-{i}" for i in range(len(reqs))]
         self.requests[job.id] = request_ids
         try:
-            streams = [self._one(job, rid, req, counts, priority, lora)
+            streams = [self._one(job, rid, req, counts, priority, lora, arrival)
                        for rid, req in zip(request_ids, reqs, strict=True)]
             async for event in interleaved(streams):
                 yield event
@@ -314,13 +316,13 @@ class VllmEngine:
         return reqs
 
     async def _one(self, job: bus.Job, request_id: str, req: _EngineRequest, counts: Counts,
-                   priority: int, lora: Any) -> AsyncIterator[bus.Output]:
+                   priority: int, lora: Any, arrival: float) -> AsyncIterator[bus.Output]:
         top = job.params.logprobs
         first = True
         if req.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
             yield bus.Tokens(job=job.id, text="", token_ids=[], choice=req.choice, finish_reason="length")
             return
-        outputs = self.llm.generate({"prompt_token_ids": req.ids}, req.params, request_id,
+        outputs = self.llm.generate(engine_prompt(req.ids, arrival), req.params, request_id,
                                     lora_request=lora, priority=priority).__aiter__()
         while True:
             try:

@@ -13,6 +13,18 @@ from shared.protocol.errors import InvalidRequest
 from shared.runtime import metrics
 
 
+def engine_prompt(token_ids: list[int], arrival_time: float) -> Any:
+    """A tokenized prompt as AsyncLLM takes it from its own renderer: no second pass through the renderer, which a
+    bare `{"prompt_token_ids": ...}` gets (and which vLLM deprecates), and an arrival stamped when the worker took
+    the job up (wall clock), as `vllm serve` stamps it when it starts on the request: the engine's `vllm:` queue and
+    latency figures then count the worker's preparation of the prompt, as theirs count the API server's."""
+    from vllm.inputs.engine import tokens_input
+
+    prompt = tokens_input(token_ids)
+    prompt["arrival_time"] = arrival_time
+    return prompt
+
+
 def sampling_params(job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = False,
                     prompt_logprobs: bool = True) -> Any:
     """vLLM's parameters; a choice that continues after `had` tokens runs alone (`one`) for what is left."""
