@@ -113,14 +113,14 @@ class Cell:
     """The front-end CPU seconds split by process: its part in the system (edge, worker, redis-server...)."""
     engine_ttft_ms: float = math.nan
     """The engine's own time to first token, mean over the cell's requests: vLLM's
-    `vllm:time_to_first_token_seconds`, from the request's arrival to its first token out of the engine (`vllm
-    serve` stamps the arrival before it renders and tokenizes the prompt; tokenbus's worker hands AsyncLLM token
-    ids, so its stamp comes after)."""
+    `vllm:time_to_first_token_seconds`, from the request's arrival to its first token out of the engine (both
+    stamp the arrival before they render and tokenize the prompt: `vllm serve` as its API server starts on the
+    request, tokenbus's worker as it takes up the job)."""
 
     @property
     def front_ttft_ms(self) -> float:
         """The front end's share of the time to first token (mean): the client's less the engine's. Everything
-        before the engine (HTTP, the bus, the prompt's rendering and tokenization) and after it (detokenizing,
+        before the engine's arrival stamp (HTTP, the bus to the worker) and after its first token (detokenizing,
         the bus back, the SSE frame); the rest is the engine's queue and prefill, which the front end changes
         only by what CPU it takes from the engine."""
         return self.result.ttft_ms.mean - self.engine_ttft_ms
