@@ -14,7 +14,7 @@ import redis
 
 from shared.protocol import bus, keys
 from tests.channel import listening
-from tests.processes import MODEL, Edge, WorkerProcess, metric_samples, metric_value
+from tests.processes import EMBEDDING_MODEL, MODEL, Edge, WorkerProcess, metric_samples, metric_value
 
 pytestmark = pytest.mark.engine
 
@@ -63,6 +63,28 @@ async def test_the_worker_reports_what_its_engine_holds_and_the_edge_what_stream
         assert len(metric_samples(worker_text, name, {"model": MODEL})) == 1, name
     assert "\ntokenbus_worker_" not in "\n" + edge_text and "\ntokenbus_edge_" not in "\n" + worker_text
     assert "_created" not in edge_text + worker_text
+
+
+VLLM_RAW_PROMPT_WARNING = "Passing raw prompts to InputProcessor is deprecated"
+"""What vLLM 0.32 logs (once) when it is handed a bare `{"prompt_token_ids": ...}`: a path it says it will remove."""
+
+
+async def test_the_engines_take_their_prompts_as_vllm_s_own_inputs(client: openai.AsyncOpenAI, served: Edge,
+                                                                   worker: WorkerProcess,
+                                                                   embedder: WorkerProcess) -> None:
+    """A chat answer, a completion and an embedding reach their engines as vLLM's own token inputs, counted in the
+    engines' own time-to-first-token figures (from the job's take-up on the worker), and vLLM never warns of the
+    deprecated raw-prompt path it will remove."""
+    async with httpx.AsyncClient() as http:
+        before = metric_value((await http.get(worker.metrics_url)).text, "vllm:time_to_first_token_seconds_count")
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=2)
+        embedded = await client.embeddings.create(model=EMBEDDING_MODEL, input="hello world")
+        after = metric_value((await http.get(worker.metrics_url)).text, "vllm:time_to_first_token_seconds_count")
+    assert len(embedded.data[0].embedding) > 0
+    assert after - before >= 2
+    for process in (worker, embedder):
+        assert VLLM_RAW_PROMPT_WARNING not in process.log.read_text(errors="replace"), process.log
 
 
 async def test_the_worker_counts_its_engines_prefix_cache_hits(client: openai.AsyncOpenAI,

@@ -4,10 +4,12 @@ two texts read together). vllm is imported inside each function."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from services.worker.streams import interleaved
+from services.worker.vllm_terms import engine_prompt
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
 
@@ -28,6 +30,7 @@ async def embed(engine: PoolingEngine, job: bus.Job, priority: int) -> AsyncIter
     """One vector per input, in input order; inputs longer than the context are an error (or cut)."""
     from vllm import PoolingParams
 
+    arrival = time.time()
     prompts = await engine.prompt_ids(job)
     for i, ids in enumerate(prompts):
         if len(ids) > engine.max_model_len:
@@ -37,7 +40,8 @@ async def embed(engine: PoolingEngine, job: bus.Job, priority: int) -> AsyncIter
                     param="input",
                 )
             prompts[i] = ids[: engine.max_model_len]
-    async for event in _pooled(engine, job, [(ids, PoolingParams(task="embed")) for ids in prompts], priority):
+    async for event in _pooled(engine, job, [(ids, PoolingParams(task="embed")) for ids in prompts], priority,
+                               arrival):
         yield event
 
 
@@ -49,10 +53,11 @@ async def score(engine: PoolingEngine, job: bus.Job, priority: int) -> AsyncIter
     if not job.pairs:
         raise InvalidRequest("This model is a cross-encoder: it scores pairs (rerank, score), it does not embed.",
                              param="model", code="wrong_model_task")
+    arrival = time.time()
     encoded = await asyncio.to_thread(pair_encodings, engine.tokenizer, engine.max_model_len, job)
     requests = [(ids, PoolingParams(task="classify", extra_kwargs={"compressed_token_type_ids": second}))
                 for ids, second in encoded]
-    async for event in _pooled(engine, job, requests, priority):
+    async for event in _pooled(engine, job, requests, priority, arrival):
         yield event
 
 
@@ -72,14 +77,14 @@ def pair_encodings(tokenizer: Any, max_model_len: int, job: bus.Job) -> list[tup
 
 
 async def _pooled(engine: PoolingEngine, job: bus.Job, requests: list[tuple[list[int], Any]],
-                  priority: int) -> AsyncIterator[bus.Output]:
+                  priority: int, arrival: float) -> AsyncIterator[bus.Output]:
     """One engine request per input (or pair), an Embedding event for each as it finishes, then the Final; the
     inputs a former owner already sent (a job taken over) are not run again."""
     done = set(job.continuation.embedded) if job.continuation else set()
     request_ids = [f"{job.id}-{i}" for i in range(len(requests))]
     engine.requests[job.id] = request_ids
     try:
-        streams = [_one(engine, job, rid, i, ids, params, priority)
+        streams = [_one(engine, job, rid, i, ids, params, priority, arrival)
                    for i, (rid, (ids, params)) in enumerate(zip(request_ids, requests, strict=True)) if i not in done]
         async for event in interleaved(streams):
             yield event
@@ -89,7 +94,7 @@ async def _pooled(engine: PoolingEngine, job: bus.Job, requests: list[tuple[list
 
 
 async def _one(engine: PoolingEngine, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any,
-               priority: int) -> AsyncIterator[bus.Output]:
-    async for out in engine.llm.encode({"prompt_token_ids": ids}, params, request_id, priority=priority):
+               priority: int, arrival: float) -> AsyncIterator[bus.Output]:
+    async for out in engine.llm.encode(engine_prompt(ids, arrival), params, request_id, priority=priority):
         if out.finished:
             yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(), prompt_tokens=len(ids))
