@@ -17,7 +17,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench import compare, load, systems
 from services.bench.cli import _engine
@@ -29,13 +28,8 @@ HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_secon
 
 def engine_sums(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each histogram of HISTOGRAMS, from a worker's /metrics."""
-    found: dict[str, tuple[float, float]] = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        if family.name in HISTOGRAMS:
-            total = sum(s.value for s in family.samples if s.name.endswith("_sum"))
-            count = sum(s.value for s in family.samples if s.name.endswith("_count"))
-            found[family.name] = (total, count)
-    return found
+    text = httpx.get(url, timeout=10).text
+    return {name: (systems.sample(text, name + "_sum"), systems.sample(text, name + "_count")) for name in HISTOGRAMS}
 
 
 def main() -> None:
