@@ -87,6 +87,24 @@ async def test_a_schema_that_is_not_one_is_a_400_naming_it(served: Edge) -> None
     assert regex.status_code == 422 and "regular expression" in regex.json()["error"]
 
 
+async def test_a_grammar_the_engine_cannot_compile_is_the_callers_error_and_the_edge_serves_on(
+        served: Edge) -> None:
+    """A backreference is a valid Python regular expression (the edge's check passes it) that vLLM's grammar
+    backends refuse: the refusal is the caller's 400 / 422, in each API's shape, not the engine failing."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        chat = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 8,
+            "structured_outputs": {"regex": "(a)\\1"}})
+        tgi = await http.post(served.url + "/generate", json={
+            "inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "regex", "value": "(a)\\1"}}})
+        after = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 4})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "invalid_structured_output"
+    assert tgi.status_code == 422 and tgi.json()["error_type"] == "validation", tgi.text
+    assert after.status_code == 200
+
+
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:
     hf = InferenceClient(model=served.url, timeout=60)
     phone = hf.text_generation("My phone number is", max_new_tokens=20, seed=7, temperature=1.0,

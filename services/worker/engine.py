@@ -20,7 +20,7 @@ from services.worker.loras import Loras, LoraSettings
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from services.worker.streams import interleaved
-from services.worker.vllm_terms import engine_gauges, engine_prompt, sampling_params, token_logprobs
+from services.worker.vllm_terms import engine_gauges, engine_prompt, refusals, sampling_params, token_logprobs
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
 from shared.runtime.settings import SlotSettings, engine_seqs
@@ -329,7 +329,7 @@ class VllmEngine:
                 out = await outputs.__anext__()
             except StopAsyncIteration:
                 break
-            except ValueError as exc:  # what vLLM refuses on arrival (a grammar it cannot compile): the caller's
+            except refusals() as exc:  # what vLLM refuses on arrival (a grammar it cannot compile): the caller's
                 if not first:
                     raise
                 raise InvalidRequest(f"The engine cannot serve this request: {exc}",

@@ -4,6 +4,7 @@ inside each function: importing this module costs nothing."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import orjson
@@ -11,6 +12,16 @@ import orjson
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
 from shared.runtime import metrics
+
+
+@functools.cache
+def refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises when it refuses a request, the caller's error (a 400) rather than the engine failing: its
+    parameter and grammar checks raise `ValueError` up to vLLM 0.25 and `VLLMClientError`s, no longer ValueErrors,
+    since (0.32: an uncompilable grammar or a parameter SamplingParams refuses)."""
+    from vllm import exceptions
+
+    return (ValueError, getattr(exceptions, "VLLMClientError", ValueError))
 
 
 def engine_prompt(token_ids: list[int], arrival_time: float) -> Any:
@@ -56,7 +67,7 @@ def sampling_params(job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = 
             output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs(p.constraint),
         )
-    except ValueError as exc:  # vLLM's own parameter checks
+    except refusals() as exc:  # vLLM's own parameter checks
         raise InvalidRequest(str(exc)) from None
 
 
