@@ -173,6 +173,34 @@ def _comparison() -> compare.Comparison:
         compare.VLLM_SERVE: [_cell(100.0 + r, 50.5 - (r % 2), 0.1, vllm=True) for r in rounds]}}
 
 
+def test_a_comparison_writes_its_section_after_every_round_so_a_run_cut_short_leaves_its_rounds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lent GPU machine can be taken back mid-run: the section is written between rounds, saying it is
+    unfinished, and the last write is the whole run's."""
+    out = tmp_path / "benchmarks.md"
+    measured = iter(range(1000))
+
+    def measure(deployment: object, shape: compare.Shape, system: str, *_: object, **__: object) -> compare.Cell:
+        return _cell(100.0 + next(measured), 50.0, 0.1, vllm=system == compare.VLLM_SERVE)
+
+    monkeypatch.setattr(compare, "measure", measure)
+    monkeypatch.setattr(compare, "idle_cpu", lambda deployments, seconds: {name: {"part": 1.0} for name in deployments})
+    plan = compare.Plan((compare.short_shape(64, 192),), rounds=3, pause_s=0.0, idle_s=0.0)
+    seen: list[str] = []
+
+    def after_round(comparison: compare.Comparison, idle: compare.Idle, done: int, planned: int) -> None:
+        assert all(len(cells) == done for by_system in comparison.values() for cells in by_system.values())
+        report.write_comparison(comparison, out, "tokenbus bench compare --rounds 3", CPU_ENGINE, idle, planned)
+        seen.append(out.read_text())
+
+    deployments = dict.fromkeys(plan.systems, None)
+    comparison, _ = compare._rounds(deployments, "m", plan, after_round)
+    assert len(seen) == 3 and "**Unfinished**: 1 of the 3 rounds asked for." in seen[0]
+    assert "then come 2 rounds" in seen[1] and "**Unfinished**: 2 of the 3" in seen[1]
+    assert "Unfinished" not in seen[2] and "then come 3 rounds" in seen[2]
+    assert [len(cells) for cells in comparison[plan.shapes[0]].values()] == [3, 3, 3]
+
+
 def test_the_comparison_section_gives_ratios_intervals_and_verdicts(tmp_path: Path) -> None:
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n\n## Other\n\nkept\n\n## tokenbus against `vllm serve`\n\nstale figures\n")

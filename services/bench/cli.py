@@ -163,15 +163,22 @@ def run(args: argparse.Namespace) -> int:
     return max(_fairness(args), _scale(args), _batch(args), _cache(args))
 
 
-def _comparison(args: argparse.Namespace, engine: systems.Engine,
-                log_dir: Path) -> tuple[compare.Comparison, compare.Idle, systems.Engine]:
-    """The comparison the arguments ask for, and the engine settings it ran with (its engines share the GPU)."""
+def _comparison(args: argparse.Namespace, engine: systems.Engine, log_dir: Path, command: str = "",
+                ) -> tuple[compare.Comparison, compare.Idle, systems.Engine]:
+    """The comparison the arguments ask for, and the engine settings it ran with (its engines share the GPU). With
+    a `command`, its section in `args.out` is written after every round too, saying how many it holds, so that a
+    run cut short (a lent GPU machine taken back) leaves the rounds it made."""
     scale_out = engine.gpu is not None if args.scale_out is None else args.scale_out
     plan = compare.Plan.quick(scale_out=scale_out) if args.quick else compare.Plan.full(scale_out=scale_out)
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
     engine = dataclasses.replace(engine, engines=plan.engines)
-    comparison, idle = compare.compare(engine, plan, log_dir)
+
+    def so_far(comparison: compare.Comparison, idle: compare.Idle, done: int, planned: int) -> None:
+        if done < planned:
+            report.write_comparison(comparison, args.out, command, engine, idle, planned)
+
+    comparison, idle = compare.compare(engine, plan, log_dir, so_far if command else None)
     for system, rounds in idle.items():
         print(f"idle {system}: {statistics.mean(compare.idle_totals(rounds)):.2f} ms of front-end CPU per s")
     for row in compare_report.ratios(comparison):
@@ -185,8 +192,9 @@ def _compare(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="tokenbus-bench-"))
     print(f"compare: logs in {log_dir}", file=sys.stderr)
     engine = dataclasses.replace(_engine(args.model_dir), stream_interval=args.stream_interval)
-    comparison, idle, engine = _comparison(args, engine, log_dir)
-    report.write_comparison(comparison, args.out, "tokenbus bench " + " ".join(sys.argv[2:]), engine, idle)
+    command = "tokenbus bench " + " ".join(sys.argv[2:])
+    comparison, idle, engine = _comparison(args, engine, log_dir, command)
+    report.write_comparison(comparison, args.out, command, engine, idle)
     print(f"wrote the comparison section of {args.out}")
     failed = sum(cell.result.failed for by_system in comparison.values() for cells in by_system.values()
                  for cell in cells)

@@ -10,6 +10,7 @@ import re
 import subprocess  # nosec B404: runs our own programs, never a shell
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,10 +254,16 @@ def measure(deployment: Deployment, shape: Shape, system: str, model: str, api: 
                 engine_ttft_ms)
 
 
-def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparison, Idle]:
+AfterRound = Callable[[Comparison, Idle, int, int], None]
+"""Called after every round with what was measured so far, the rounds it holds and the rounds planned."""
+
+
+def compare(engine: systems.Engine, plan: Plan, log_dir: Path,
+            after_round: AfterRound | None = None) -> tuple[Comparison, Idle]:
     """Starts tokenbus (one worker, two edges or four) and `vllm serve` (with two API servers as well, where a
     shape runs on that), warms them all, then measures `plan.rounds` interleaved rounds; each round's requests
-    are the same for every system (one seed per round and shape)."""
+    are the same for every system (one seed per round and shape). `after_round` sees each round's figures as
+    they are, so that a run cut short (a lent machine taken back) leaves the rounds it made."""
     with ExitStack() as stack:
         bus = stack.enter_context(systems.tokenbus(engine, log_dir / "tokenbus.log", edges=plan.edges))
         deployments = tokenbus_deployments(bus)
@@ -269,7 +276,7 @@ def compare(engine: systems.Engine, plan: Plan, log_dir: Path) -> tuple[Comparis
         for name, deployment in deployments.items():
             print(f"{name}: {deployment.describe()}", file=sys.stderr)
             warm_up(deployment, engine.model, plan.api)
-        return _rounds(deployments, engine.model, plan)
+        return _rounds(deployments, engine.model, plan, after_round)
 
 
 def idle_cpu(deployments: dict[str, Deployment], seconds: float) -> dict[str, dict[str, float]]:
@@ -282,7 +289,8 @@ def idle_cpu(deployments: dict[str, Deployment], seconds: float) -> dict[str, di
             for name, d in deployments.items()}
 
 
-def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> tuple[Comparison, Idle]:
+def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan,
+            after_round: AfterRound | None = None) -> tuple[Comparison, Idle]:
     cells = [(number, shape, system) for number, shape in enumerate(plan.shapes) for system in shape.systems]
     out: Comparison = {shape: {system: [] for system in shape.systems} for shape in plan.shapes}
     idle: Idle = {name: [] for name in deployments}
@@ -300,6 +308,8 @@ def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan) -> tuple
                   f"{r.output_throughput:.1f} tok/s, TTFT p50 {r.ttft_ms.p50:.0f} ms, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
                   f"front-end CPU {cell.front_cpu_us_per_token:.0f} us/token, failed {r.failed}", file=sys.stderr)
             out[shape][system].append(cell)
+        if after_round is not None:
+            after_round(out, idle, round_no + 1, plan.rounds)
     return out, idle
 
 

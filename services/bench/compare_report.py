@@ -217,10 +217,14 @@ def _shapes_text(comparison: Comparison) -> list[str]:
 
 
 def section(comparison: Comparison, images: list[str], engine: Engine, made_by: str = "", idle: Idle | None = None,
-            machine: str = "") -> list[str]:
+            machine: str = "", planned: int = 0) -> list[str]:
     """The whole section; `made_by` names the command when the section is written on its own; `idle` adds the
-    systems' CPU while idle; `machine` describes the machine where it is not the document's."""
+    systems' CPU while idle; `machine` describes the machine where it is not the document's; `planned`, the rounds
+    the run asked for, where it holds fewer (written between rounds)."""
     rounds = len(next(iter(next(iter(comparison.values())).values())))
+    unfinished = (f"**Unfinished**: {rounds} of the {planned} rounds asked for. The harness writes this section "
+                  "after every round, and the run stopped after this one (or had not ended when it was read)."
+                  if planned > rounds else "")
     gathering = f", stream interval {engine.stream_interval}: a stream gathers that many tokens per event" \
         if engine.stream_interval > 1 else ""
     where = f"on this machine: {machine}" if machine else "on the machine above"
@@ -229,6 +233,7 @@ def section(comparison: Comparison, images: list[str], engine: Engine, made_by: 
     return [
         heading(engine), "",
         *([f"Made by `{made_by}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {where}.", ""] if made_by else []),
+        *([unfinished, ""] if unfinished else []),
         f"Both systems run SmolLM2-135M-Instruct with the same engine settings ({engine.describe()}{gathering}"
         + (f", on one {engine.gpu} that {'both' if engine.engines == 2 else f'the {engine.engines}'} engines share"
            if engine.gpu else "") +

@@ -257,13 +257,15 @@ def _dated(section: list[str]) -> list[str]:
 
 
 def write_comparison(comparison: Comparison, path: Path, command: str, engine: systems.Engine,
-                     idle: Idle | None = None) -> None:
+                     idle: Idle | None = None, planned: int = 0) -> None:
     """Puts only the comparison with `vllm serve` (and its plots) into the document; the rest stays. Made on a
-    GPU, it is a section of its own, which names the machine."""
+    GPU, it is a section of its own, which names the machine. `planned`: the rounds asked for, where the
+    comparison holds fewer (a section written between rounds says it is unfinished)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     images = compare_report.plots(comparison, path.parent, engine)
     splice(path, compare_report.heading(engine), compare_report.section(
-        comparison, images, engine, made_by=command, idle=idle, machine=machine() if engine.gpu else ""))
+        comparison, images, engine, made_by=command, idle=idle, machine=machine() if engine.gpu else "",
+        planned=planned))
     if engine.gpu:
         note_gpu_measured(path)
 
