@@ -14,7 +14,7 @@ from collections import defaultdict
 from services.bench.stats import paired_bootstrap_ratio, verdict
 
 CELL = re.compile(r"round (\d+)/\d+ (\S+) c=(\d+) ([^:]+): ([\d.]+) tok/s, TTFT p50 (\d+) ms, TPOT p50 ([\d.]+) ms, "
-                  r"front-end CPU (\d+) us/token, failed (\d+)")
+                  r"front-end CPU (\d+) us/token, failed (\d+)(?:, front end's share of TTFT ([\d.na-]+) ms)?")
 IDLE = re.compile(r"round (\d+)/\d+ idle ([^:]+): ([\d.]+) ms")
 METRICS = (("throughput", 0, True), ("TTFT p50", 1, False), ("TPOT p50", 2, False), ("front-end CPU/token", 3, False))
 BASELINES = ("vllm serve", "vllm serve, 2 API servers")

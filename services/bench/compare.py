@@ -306,7 +306,8 @@ def _rounds(deployments: dict[str, Deployment], model: str, plan: Plan,
             r = cell.result
             print(f"  round {round_no + 1}/{plan.rounds} {shape.name} c={shape.concurrency} {system}: "
                   f"{r.output_throughput:.1f} tok/s, TTFT p50 {r.ttft_ms.p50:.0f} ms, TPOT p50 {r.tpot_ms.p50:.1f} ms, "
-                  f"front-end CPU {cell.front_cpu_us_per_token:.0f} us/token, failed {r.failed}", file=sys.stderr)
+                  f"front-end CPU {cell.front_cpu_us_per_token:.0f} us/token, failed {r.failed}, "
+                  f"front end's share of TTFT {cell.front_ttft_ms:.1f} ms", file=sys.stderr)
             out[shape][system].append(cell)
         if after_round is not None:
             after_round(out, idle, round_no + 1, plan.rounds)

