@@ -135,6 +135,43 @@ def test_a_pattern_re_cannot_compile_is_a_400_naming_it(pattern: str) -> None:
     assert caught.value.param == "structured_outputs.regex"
 
 
+def _items_tool(name: str, max_items: int) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "maxItems": max_items}}}}}
+
+
+HI = [{"role": "user", "content": "hi"}]
+NO_ITEMS = {"type": "array", "minItems": 1}
+"""An array without `items`: XGrammar refuses it, so vLLM's llguidance fallback counts out its items."""
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "minItems": 100_000_000}}}}, "response_format.json_schema.schema"),  # held a worker 18 s
+    ({"structured_outputs": {"json": {"anyOf": [{**NO_ITEMS, "maxItems": 5000.0}] * 2}}}, "structured_outputs.json"),
+    ({"tool_choice": "required", "tools": [_items_tool(f"f{i}", 4000) for i in range(3)]}, "tools"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [
+        {"begin": f"<f{i}>", "end": "</f>", "schema": {**NO_ITEMS, "maxItems": 6000}} for i in range(2)]}},
+     "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
+        **NO_ITEMS, "maxItems": 10**7}}}}, "response_format"),
+])
+def test_a_constraint_counting_out_too_many_array_items_is_refused(fields: dict[str, Any], param: str) -> None:
+    """However its items are spread: one count, alternatives, the functions a forced call may take, the
+    structures of a structural tag, a tag's `format` (which no schema check reads)."""
+    with pytest.raises(InvalidRequest, match="array items") as caught:
+        chat_job(messages=HI, **fields)
+    assert caught.value.param == param
+
+
+def test_a_constraint_within_the_items_bound_is_taken() -> None:
+    job = chat_job(messages=HI, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"maxItems": {**NO_ITEMS, "maxItems": 9_998}},
+        "const": {"note": "minItems"}}}})
+    assert job.params.constraint is not None and job.params.constraint.kind == "json"
+    chat_job(messages=HI, tool_choice="required", tools=[_items_tool(f"f{i}", 3000) for i in range(3)])
+
+
 def test_a_forced_choice_of_a_function_whose_defs_are_no_object_is_a_400() -> None:
     """`$defs` is no keyword of draft 4, so `5` is valid there; lifting it to the combined schema was a 500."""
     draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "$defs": 5}

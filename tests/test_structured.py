@@ -105,6 +105,30 @@ async def test_a_grammar_the_engine_cannot_compile_is_the_callers_error_and_the_
     assert after.status_code == 200
 
 
+async def test_an_array_xgrammar_cannot_take_is_served_within_the_items_bound_and_refused_past_it(
+        served: Edge) -> None:
+    """An array without `items` goes to vLLM's llguidance fallback, which counts out every item on the worker's
+    loop: one `minItems` of 10^8 held it 18 s and the worker was taken for dead. Within the bound the fallback
+    answers; past it the edge refuses, and the engine serves on."""
+    def asking(schema: dict[str, object]) -> dict[str, object]:
+        return {"model": MODEL, "messages": ASK, "max_tokens": 16, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "list", "schema": schema}}}
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        within = await http.post(served.url + "/v1/chat/completions",
+                                 json=asking({"type": "array", "minItems": 1, "maxItems": 9_000}))
+        past = await http.post(served.url + "/v1/chat/completions",
+                               json=asking({"type": "array", "minItems": 1, "maxItems": 300_000}))
+        after = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 4})
+    assert within.status_code == 200, within.text
+    assert within.json()["choices"][0]["message"]["content"].lstrip().startswith("[")
+    assert past.status_code == 400, past.text
+    assert past.json()["error"]["param"] == "response_format.json_schema.schema"
+    assert "array items" in past.json()["error"]["message"]
+    assert after.status_code == 200
+
+
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:
     hf = InferenceClient(model=served.url, timeout=60)
     phone = hf.text_generation("My phone number is", max_new_tokens=20, seed=7, temperature=1.0,

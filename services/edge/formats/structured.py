@@ -8,6 +8,7 @@ meta-schema, a pattern's compile) are services.edge.schema_checks', which a plan
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -20,6 +21,15 @@ from shared.protocol.errors import InvalidRequest
 
 SchemaName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 MAX_SPEC_BYTES = 64 * 1024
+MAX_SCHEMA_ITEMS = 10_000
+"""Array items a constraint may ask for, all told: the sum of its schemas' `minItems`, `maxItems`, `minContains`
+and `maxContains`. Where vLLM's XGrammar backend cannot take a schema (an array without `items` and with a
+minimum, `uniqueItems`...), vLLM falls back to llguidance, which spells every counted item out on the worker's
+event loop while it checks the request (and again in the engine when it compiles it): `maxItems` 10^5 took 0.2 s
+there, 10^6 2.4 s and 1 GiB, 10^7 over a minute and 12 GiB, and one `minItems` of 10^8 held the loop 18 s, so
+long that the worker, its heartbeats stopped, was taken for dead and left. The cost adds up over a schema (nested
+arrays and alternatives are rules that refer to each other, not copies): 10^4 items all told cost it ~14 ms."""
+_ITEM_COUNTS = re.compile(rb'"(?:minItems|maxItems|minContains|maxContains)":(\d+(?:\.\d+)?(?:[eE]\+?\d+)?)')
 
 
 class JsonSchemaSpec(Request):
@@ -93,9 +103,19 @@ def checked_schema(schema: Any, param: str) -> dict[str, Any]:
         raise InvalidRequest(f"`{param}` cannot be used: {exc}.", param=param) from None
     if len(encoded) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
+    check_items(encoded, param)
     if not schema_checks.defer("schema", param, encoded):
         schema_checks.check_schema(schema, param)
     return schema
+
+
+def check_items(encoded: bytes, param: str) -> None:
+    """Refuses a constraint (its JSON) that asks for more than MAX_SCHEMA_ITEMS array items all told. Read from
+    the JSON's bytes in one scan, on the loop: a key of that name in a `const` or `enum` value counts too."""
+    asked = sum(float(count) for count in _ITEM_COUNTS.findall(encoded))
+    if asked > MAX_SCHEMA_ITEMS:
+        raise InvalidRequest(f"`{param}` counts {asked:.0f} array items in its minItems, maxItems, minContains and "
+                             f"maxContains, all told; at most {MAX_SCHEMA_ITEMS} are served.", param=param)
 
 
 def json_schema(schema: Any, param: str) -> bus.Constraint:
@@ -150,10 +170,11 @@ def structural_tag(fmt: ResponseFormat) -> bus.Constraint:
             {"begin": tag.begin, "end": tag.end,
              "schema": checked_schema(tag.schema if tag.schema is not None else {}, f"{param}.structures[{i}].schema")}
             for i, tag in enumerate(fmt.structures)]}
-    text = orjson.dumps(spec).decode()
-    if len(text) > MAX_SPEC_BYTES:
+    encoded = orjson.dumps(spec)
+    if len(encoded) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
-    return bus.Constraint(kind="structural_tag", spec=text)
+    check_items(encoded, param)  # its structures' schemas together, or the schemas in its `format`
+    return bus.Constraint(kind="structural_tag", spec=encoded.decode())
 
 
 def of_text_format(kind: str, schema: dict[str, Any] | None) -> bus.Constraint | None:
