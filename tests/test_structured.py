@@ -108,7 +108,7 @@ async def test_a_grammar_the_engine_cannot_compile_is_the_callers_error_and_the_
 async def test_an_array_xgrammar_cannot_take_is_served_within_the_items_bound_and_refused_past_it(
         served: Edge) -> None:
     """An array without `items` goes to vLLM's llguidance fallback, which counts out every item on the worker's
-    loop: one `minItems` of 10^8 held it 18 s and the worker was taken for dead. Within the bound the fallback
+    loop: one `minItems` of 10^8 held it 18 s, and the edges took the worker for dead. Within the bound the fallback
     answers; past it the edge refuses, and the engine serves on."""
     def asking(schema: dict[str, object]) -> dict[str, object]:
         return {"model": MODEL, "messages": ASK, "max_tokens": 16, "temperature": 0,

@@ -23,11 +23,12 @@ SchemaName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"
 MAX_SPEC_BYTES = 64 * 1024
 MAX_SCHEMA_ITEMS = 10_000
 """Array items a constraint may ask for, all told: the sum of its schemas' `minItems`, `maxItems`, `minContains`
-and `maxContains`. Where vLLM's XGrammar backend cannot take a schema (an array without `items` and with a
-minimum, `uniqueItems`...), vLLM falls back to llguidance, which spells every counted item out on the worker's
+and `maxContains`. Where vLLM's XGrammar backend cannot take a schema (an array with a minimum and no `items`,
+say), vLLM falls back to llguidance, which spells every counted item out on the worker's
 event loop while it checks the request (and again in the engine when it compiles it): `maxItems` 10^5 took 0.2 s
-there, 10^6 2.4 s and 1 GiB, 10^7 over a minute and 12 GiB, and one `minItems` of 10^8 held the loop 18 s, so
-long that the worker, its heartbeats stopped, was taken for dead and left. The cost adds up over a schema (nested
+there, 10^6 2.4 s and 1 GiB, 10^7 over a minute and 12 GiB; one `minItems` of 10^8 held the loop 18 s (10 GiB):
+every stream of that worker stalled, its heartbeats stopped and the edges took it for dead (new requests a 404,
+no live worker; the request itself a 503, worker_lost). The cost adds up over a schema (nested
 arrays and alternatives are rules that refer to each other, not copies): 10^4 items all told cost it ~14 ms."""
 _ITEM_COUNTS = re.compile(rb'"(?:minItems|maxItems|minContains|maxContains)":(\d+(?:\.\d+)?(?:[eE]\+?\d+)?)')
 
