@@ -226,3 +226,39 @@ def test_a_continued_conversation_is_bounded_with_its_history() -> None:
     with pytest.raises(InvalidRequest) as caught:
         responses.check_length(req, Conversation(history=[*history, history[0]]), added)
     assert caught.value.param == "previous_response_id"
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"a": 1}
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+def test_an_object_json_cannot_carry_on_is_a_400_naming_it_wherever_it_is_sent() -> None:
+    """Beyond 254 levels (orjson's limit) a call's arguments, a call's result given as an object, or a structural
+    tag's `format` could not be written out again: the edge answered 500."""
+    from services.edge.formats import responses
+
+    deep = _nested(300)
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]}
+    with pytest.raises(InvalidRequest) as caught:
+        chat_job(messages=[*HI, call, {"role": "tool", "tool_call_id": "c1", "content": "x"}])
+    assert caught.value.param == "messages[1].tool_calls[0].function.arguments"
+    with pytest.raises(InvalidRequest) as caught:
+        chat_job(messages=HI, response_format={"type": "structural_tag", "format": deep})
+    assert caught.value.param == "response_format"
+    for items, param in (
+            ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+              {"type": "function_call_output", "call_id": "c1", "output": "x"}], "input[0].arguments"),
+            ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"a": 2**70}},
+              {"type": "function_call_output", "call_id": "c1", "output": "x"}], "input[0].arguments"),
+            ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": "c1", "output": deep}], "input[1].output")):
+        req = decode(json.dumps({"model": "m", "input": items}).encode(), responses.ResponsesRequest)
+        with pytest.raises(InvalidRequest) as caught:
+            responses.input_messages(req)
+        assert caught.value.param == param
+    assert chat_job(messages=[*HI, {**call, "tool_calls": [{**call["tool_calls"][0], "function": {
+        "name": "f", "arguments": _nested(200)}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]).messages

@@ -215,9 +215,16 @@ def forced_constraint(use: bus.ToolUse | None) -> bus.Constraint | None:
     return structured.json_schema(array, "tools")
 
 
-def arguments_text(arguments: str | dict[str, Any]) -> str:
-    """A call's arguments as JSON text (Databricks documents them as an object, OpenAI as its text)."""
-    return arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
+def arguments_text(arguments: str | dict[str, Any], param: str) -> str:
+    """A call's arguments (or a result given as an object) as JSON text: Databricks documents them as an object,
+    OpenAI as its text. An object JSON cannot carry on is a 400 naming `param` (it was a 500)."""
+    if isinstance(arguments, str):
+        return arguments
+    try:
+        return orjson.dumps(arguments).decode()
+    except orjson.JSONEncodeError:  # beyond 254 levels of nesting, or an integer beyond 64 bits
+        raise InvalidRequest(f"`{param}` cannot be used (nested too deeply, or an integer beyond 64 bits).",
+                             param=param) from None
 
 
 def check_results(messages: list[bus.Message], first: int, params: list[str]) -> None:

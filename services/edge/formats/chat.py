@@ -134,8 +134,9 @@ def _calls(message: ChatMessage, index: int) -> list[bus.ToolCall]:
     for j, call in enumerate(message.tool_calls):
         if call.type != "function":
             raise refuse(f"messages[{index}].tool_calls[{j}].type", "only function calls are served")
-    return [bus.ToolCall(id=c.id, name=c.function.name, arguments=calling.arguments_text(c.function.arguments))
-            for c in message.tool_calls]
+    return [bus.ToolCall(id=c.id, name=c.function.name, arguments=calling.arguments_text(
+        c.function.arguments, f"messages[{index}].tool_calls[{j}].function.arguments"))
+            for j, c in enumerate(message.tool_calls)]
 
 
 def _message(message: ChatMessage, index: int) -> bus.Message:

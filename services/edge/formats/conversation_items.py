@@ -76,10 +76,11 @@ def kept(item: InputItem) -> dict[str, Any]:
     """An input item as a conversation keeps it (and lists it): with an id (its own, or a new one) and a status."""
     if item.type == "function_call":
         return {"type": "function_call", "id": item.id or _id("fc"), "call_id": item.call_id, "name": item.name,
-                "arguments": calling.arguments_text(item.arguments or ""), "status": "completed"}
+                "arguments": calling.arguments_text(item.arguments or "", "arguments"),
+                "status": "completed"}
     if item.type == "function_call_output":
         output = item.output
-        text = calling.arguments_text(output) if isinstance(output, dict) else (
+        text = calling.arguments_text(output, "output") if isinstance(output, dict) else (
             output if isinstance(output, str) else "".join(part.text or "" for part in output or []))
         return {"type": "function_call_output", "id": item.id or _id("fco"), "call_id": item.call_id,
                 "output": text, "status": "completed"}

@@ -184,7 +184,8 @@ def _call(item: InputItem, i: int) -> bus.ToolCall:
         if getattr(item, name) is None:
             raise InvalidRequest(f"A function_call item needs its `{name}`.", param=f"input[{i}].{name}")
     assert item.call_id is not None and item.name is not None and item.arguments is not None  # nosec B101: an invariant (tokenbus never runs with -O)
-    return bus.ToolCall(id=item.call_id, name=item.name, arguments=calling.arguments_text(item.arguments))
+    return bus.ToolCall(id=item.call_id, name=item.name,
+                        arguments=calling.arguments_text(item.arguments, f"input[{i}].arguments"))
 
 
 def _result(item: InputItem, i: int) -> bus.Message:
@@ -193,7 +194,8 @@ def _result(item: InputItem, i: int) -> bus.Message:
     if item.output is None:
         raise InvalidRequest("A function_call_output item needs its `output`.", param=f"input[{i}].output")
     output = item.output
-    text = calling.arguments_text(output) if isinstance(output, dict) else _content_text(output, f"input[{i}].output")
+    text = (calling.arguments_text(output, f"input[{i}].output") if isinstance(output, dict)
+            else _content_text(output, f"input[{i}].output"))
     return bus.Message(role="tool", content=text, tool_call_id=item.call_id)
 
 

@@ -171,7 +171,11 @@ def structural_tag(fmt: ResponseFormat) -> bus.Constraint:
             {"begin": tag.begin, "end": tag.end,
              "schema": checked_schema(tag.schema if tag.schema is not None else {}, f"{param}.structures[{i}].schema")}
             for i, tag in enumerate(fmt.structures)]}
-    encoded = orjson.dumps(spec)
+    try:
+        encoded = orjson.dumps(spec)
+    except orjson.JSONEncodeError:  # a `format` beyond 254 levels of nesting: it was a 500
+        raise InvalidRequest(f"`{param}` cannot be used (nested too deeply, or an integer beyond 64 bits).",
+                             param=param) from None
     if len(encoded) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
     check_items(encoded, param)  # its structures' schemas together, or the schemas in its `format`
