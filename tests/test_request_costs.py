@@ -260,5 +260,6 @@ def test_an_object_json_cannot_carry_on_is_a_400_naming_it_wherever_it_is_sent()
         with pytest.raises(InvalidRequest) as caught:
             responses.input_messages(req)
         assert caught.value.param == param
-    assert chat_job(messages=[*HI, {**call, "tool_calls": [{**call["tool_calls"][0], "function": {
-        "name": "f", "arguments": _nested(200)}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"}]).messages
+    within = {**call, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f",
+                                                                               "arguments": _nested(200)}}]}
+    assert chat_job(messages=[*HI, within, {"role": "tool", "tool_call_id": "c1", "content": "x"}]).messages
