@@ -130,6 +130,26 @@ async def test_an_array_xgrammar_cannot_take_is_served_within_the_items_bound_an
     assert after.status_code == 200
 
 
+async def test_a_constraint_the_engine_fails_to_compile_is_an_error_not_an_empty_answer(served: Edge) -> None:
+    """XGrammar (as deploy/locks pins it) passes this schema at vLLM's check, then fails to compile it in the
+    engine ("Check failed"): vLLM finishes the request with reason `error`, which read as an empty answer that
+    had stopped (200). It is the caller's 400 / 422, and the engine serves on."""
+    schema = {"type": "object", "required": [f"p{i}" for i in range(10)],
+              "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{1000 + i}}}$"} for i in range(10)}}
+    async with httpx.AsyncClient(timeout=60) as http:
+        chat = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+        tgi = await http.post(served.url + "/generate", json={
+            "inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "json", "value": schema}}})
+        after = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 4})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "invalid_structured_output"
+    assert tgi.status_code == 422 and tgi.json()["error_type"] == "validation", tgi.text
+    assert after.status_code == 200
+
+
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:
     hf = InferenceClient(model=served.url, timeout=60)
     phone = hf.text_generation("My phone number is", max_new_tokens=20, seed=7, temperature=1.0,

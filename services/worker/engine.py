@@ -22,7 +22,7 @@ from services.worker.prompt_encoder import PromptEncoder
 from services.worker.streams import interleaved
 from services.worker.vllm_terms import engine_gauges, engine_prompt, refusals, sampling_params, token_logprobs
 from shared.protocol import bus
-from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
+from shared.protocol.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from shared.runtime.settings import SlotSettings, engine_seqs
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ def _configure_environment(settings: EngineSettings) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+FAILED = "error"
+"""The finish reason of a request vLLM's engine failed itself (a grammar it could not compile, or, past its first
+token, one that refused a sampled token; vllm serve answers it with a 500). Passed on, it read as an empty answer
+that had stopped."""
+
 _INLINE_RENDER_MESSAGES = 32
 """Conversations up to this many messages are rendered on the loop: a thread's round trip costs more."""
 
@@ -80,6 +85,16 @@ class _EngineRequest:
     params: Any
     echo_ids: list[int] | None = None
     """The prompt alone, when `ids` continues it with tokens generated before (for echo logprobs)."""
+
+
+
+def _failed(req: _EngineRequest, generated: int) -> InvalidRequest | EngineError:
+    """What a request the engine failed is to its caller: before any token of a constrained request, a constraint
+    the engine could not compile (its error is in the worker's log), else the engine's own failure."""
+    if not generated and req.params.structured_outputs is not None:
+        return InvalidRequest("The engine could not compile this request's constraint; make it smaller or simpler.",
+                              code="invalid_structured_output")
+    return EngineError("The engine failed this request.")
 
 
 class VllmEngine:
@@ -318,7 +333,7 @@ class VllmEngine:
     async def _one(self, job: bus.Job, request_id: str, req: _EngineRequest, counts: Counts,
                    priority: int, lora: Any, arrival: float) -> AsyncIterator[bus.Output]:
         top = job.params.logprobs
-        first = True
+        first, generated = True, 0
         if req.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
             yield bus.Tokens(job=job.id, text="", token_ids=[], choice=req.choice, finish_reason="length")
             return
@@ -340,6 +355,9 @@ class VllmEngine:
             first = False
             for choice in out.outputs:
                 token_ids = list(choice.token_ids)
+                if choice.finish_reason == FAILED:
+                    raise _failed(req, generated)
+                generated += len(token_ids)
                 counts.completion_tokens += len(token_ids)
                 yield bus.Tokens(
                     job=job.id, text=choice.text, token_ids=token_ids, choice=req.choice + choice.index,
