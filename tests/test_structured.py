@@ -91,12 +91,19 @@ async def test_a_grammar_the_engine_cannot_compile_is_the_callers_error_and_the_
         served: Edge) -> None:
     """A backreference is a valid Python regular expression (the edge's check passes it) that vLLM's grammar
     backends refuse: the refusal is the caller's 400 / 422, in each API's shape, not the engine failing."""
+    await _refused_by_the_engine(served, {"structured_outputs": {"regex": "(a)\\1"}},
+                                 {"type": "regex", "value": "(a)\\1"})
+
+
+async def _refused_by_the_engine(served: Edge, chat_constraint: dict[str, object],
+                                 tgi_grammar: dict[str, object]) -> None:
+    """The constraint is the caller's 400 on Chat and 422 on TGI, each in its API's shape, and the engine serves
+    the next request."""
     async with httpx.AsyncClient(timeout=60) as http:
         chat = await http.post(served.url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": ASK, "max_tokens": 8,
-            "structured_outputs": {"regex": "(a)\\1"}})
+            "model": MODEL, "messages": ASK, "max_tokens": 8, **chat_constraint})
         tgi = await http.post(served.url + "/generate", json={
-            "inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "regex", "value": "(a)\\1"}}})
+            "inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": tgi_grammar}})
         after = await http.post(served.url + "/v1/chat/completions", json={
             "model": MODEL, "messages": ASK, "max_tokens": 4})
     assert chat.status_code == 400, chat.text
@@ -136,18 +143,9 @@ async def test_a_constraint_the_engine_fails_to_compile_is_an_error_not_an_empty
     had stopped (200). It is the caller's 400 / 422, and the engine serves on."""
     schema = {"type": "object", "required": [f"p{i}" for i in range(10)],
               "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{1000 + i}}}$"} for i in range(10)}}
-    async with httpx.AsyncClient(timeout=60) as http:
-        chat = await http.post(served.url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": ASK, "max_tokens": 8,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
-        tgi = await http.post(served.url + "/generate", json={
-            "inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "json", "value": schema}}})
-        after = await http.post(served.url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": ASK, "max_tokens": 4})
-    assert chat.status_code == 400, chat.text
-    assert chat.json()["error"]["code"] == "invalid_structured_output"
-    assert tgi.status_code == 422 and tgi.json()["error_type"] == "validation", tgi.text
-    assert after.status_code == 200
+    await _refused_by_the_engine(
+        served, {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
+        {"type": "json", "value": schema})
 
 
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:
