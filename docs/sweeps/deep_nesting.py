@@ -4,6 +4,7 @@ Found, on 2026-11-28, four 500s (calling.arguments_text, structured.structural_t
     .venv/bin/python docs/sweeps/deep_nesting.py
 """
 import json
+import tempfile
 from pathlib import Path
 import httpx
 from services.bench import systems
@@ -44,7 +45,7 @@ CASES = [
  ("embeddings", "/v1/embeddings", {"input": "hi", "extra": D}),
  ("completions prompt deep list", "/v1/completions", {"prompt": json.loads("[" * 300 + "]" * 300)}),
 ]
-with systems.tokenbus(eng, Path("/tmp/sweep/deep.log"), sim=(50, 20)) as run:
+with systems.tokenbus(eng, Path(tempfile.mkdtemp(prefix="sweep-")) / "deep.log", sim=(50, 20)) as run:
     with httpx.Client(base_url=run.base_url, timeout=30) as c:
         for name, path, body in CASES:
             r = c.post(path, json={"model": M, **body})

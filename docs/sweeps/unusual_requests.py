@@ -4,7 +4,7 @@ that froze a worker (structured.MAX_SCHEMA_ITEMS). Not a test: read what it prin
 
     .venv/bin/python docs/sweeps/unusual_requests.py [SUBSTRING ...]   (only the cases whose name has one)
 """
-import sys, time, json
+import sys, tempfile, time, json
 from pathlib import Path
 import httpx
 from services.bench import systems
@@ -100,7 +100,7 @@ CASES = [
 ]
 eng = _engine(None)
 only = sys.argv[1:] 
-with systems.tokenbus(eng, Path("/tmp/sweep/sys.log")) as run:
+with systems.tokenbus(eng, Path(tempfile.mkdtemp(prefix="sweep-")) / "sys.log") as run:
     with httpx.Client(base_url=run.base_url, timeout=120) as c:
         for name, path, body in CASES:
             if only and not any(o in name for o in only):
