@@ -18,8 +18,10 @@ from tests.processes import (
     STREAM_INTERVAL,
     Edge,
     WorkerProcess,
+    lost_its_port,
     spawn_worker,
     start_edge,
+    started_worker,
     stop_process,
     wait_serving,
 )
@@ -99,6 +101,7 @@ def real_workers(request: pytest.FixtureRequest, redis_url: str, redis_client: r
     three starts together take about as long as two one after the other."""
     needed = [name for name in REAL_WORKERS if any(name in item.fixturenames for item in request.session.items)]
     started: dict[str, WorkerProcess] = {}
+    spawned: dict[str, dict[str, object]] = {}
     try:
         for name in needed or REAL_WORKERS:
             model, settings = REAL_WORKERS[name]
@@ -107,9 +110,17 @@ def real_workers(request: pytest.FixtureRequest, redis_url: str, redis_client: r
                 settings = {**settings, "lora": f"{STATIC_ADAPTER}={static}"}
             if name == "scorer":
                 settings = {**settings, "model_dir": make_cross_encoder(scoring_model_dir(tmp_path_factory))}
+            spawned[name] = settings
             started[name] = spawn_worker(redis_url, tmp_path_factory.mktemp(name) / "worker.log", model, **settings)
         for name, running in started.items():
-            wait_serving(running, redis_client, REAL_WORKERS[name][0])
+            model = REAL_WORKERS[name][0]
+            try:
+                wait_serving(running, redis_client, model)
+            except RuntimeError:
+                if not lost_its_port(running.process, running.log):
+                    raise
+                stop_process(running.process)  # once more, alone, on other ports
+                started[name] = started_worker(redis_url, redis_client, running.log, model, **spawned[name])
         yield started
     finally:
         for running in started.values():

@@ -18,7 +18,7 @@ import redis
 
 from services.supervisor import DEPLOY_REDIS, RedisServer, TlsFiles
 from shared.protocol import keys
-from tests.processes import Edge, WorkerProcess, metric_value, spawn_worker, start_edge, stop_process, wait_serving
+from tests.processes import Edge, WorkerProcess, metric_value, start_edge, started_worker, stop_process
 
 FAST_BEATS = {"heartbeat_ttl_s": 2, "heartbeat_interval_s": 0.5}
 """Faults are noticed within two seconds: a test need not wait the production TTL."""
@@ -91,9 +91,8 @@ class Stack:
     def worker(self, **settings: Any) -> WorkerProcess:
         """A simulated worker, returned once its own heartbeat shows."""
         settings = self._logged_in("worker", settings)
-        worker = spawn_worker(self.url, self.root / f"worker{len(self.workers)}.log", self.model, engine="sim",
-                              **{**FAST_BEATS, **settings})
-        wait_serving(worker, self.client, self.model, timeout_s=60)
+        worker = started_worker(self.url, self.client, self.root / f"worker{len(self.workers)}.log", self.model,
+                                timeout_s=60, engine="sim", **{**FAST_BEATS, **settings})
         self.workers.append(worker)
         return worker
 
