@@ -87,7 +87,6 @@ class _EngineRequest:
     """The prompt alone, when `ids` continues it with tokens generated before (for echo logprobs)."""
 
 
-
 def _failed(req: _EngineRequest, generated: int) -> InvalidRequest | EngineError:
     """What a request the engine failed is to its caller: before any token of a constrained request, a constraint
     the engine could not compile (its error is in the worker's log), else the engine's own failure."""

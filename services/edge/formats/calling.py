@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeAlias
 
-import orjson
 from msgspec import Meta
 
 from services.edge.formats import structured
@@ -122,11 +121,7 @@ def _check_size(functions: list[tuple[FunctionDef, str]]) -> None:
     total = 0
     for function, param in functions:
         if function.parameters is not None:
-            try:
-                total += len(orjson.dumps(function.parameters))
-            except orjson.JSONEncodeError:
-                raise InvalidRequest(f"`{param}.parameters` cannot be used (nested too deeply, or an integer "
-                                     "beyond 64 bits).", param=f"{param}.parameters") from None
+            total += len(structured.json_bytes(function.parameters, f"{param}.parameters"))
     if total > MAX_TOOLS_BYTES:
         raise InvalidRequest(f"The functions' parameters take {total} bytes of JSON; at most {MAX_TOOLS_BYTES} "
                              "are served in one request.", param="tools")
@@ -218,13 +213,7 @@ def forced_constraint(use: bus.ToolUse | None) -> bus.Constraint | None:
 def arguments_text(arguments: str | dict[str, Any], param: str) -> str:
     """A call's arguments (or a result given as an object) as JSON text: Databricks documents them as an object,
     OpenAI as its text. An object JSON cannot carry on is a 400 naming `param` (it was a 500)."""
-    if isinstance(arguments, str):
-        return arguments
-    try:
-        return orjson.dumps(arguments).decode()
-    except orjson.JSONEncodeError:  # beyond 254 levels of nesting, or an integer beyond 64 bits
-        raise InvalidRequest(f"`{param}` cannot be used (nested too deeply, or an integer beyond 64 bits).",
-                             param=param) from None
+    return arguments if isinstance(arguments, str) else structured.json_bytes(arguments, param).decode()
 
 
 def check_results(messages: list[bus.Message], first: int, params: list[str]) -> None:

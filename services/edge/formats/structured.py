@@ -98,16 +98,23 @@ def checked_schema(schema: Any, param: str) -> dict[str, Any]:
             raise InvalidRequest(f"`{param}` is not valid JSON: {exc}", param=param) from None
     if not isinstance(schema, dict):
         raise InvalidRequest(f"`{param}` must be a JSON schema object.", param=param)
-    try:
-        encoded = orjson.dumps(schema)
-    except orjson.JSONEncodeError as exc:  # beyond 254 levels of nesting, or an integer beyond 64 bits
-        raise InvalidRequest(f"`{param}` cannot be used: {exc}.", param=param) from None
+    encoded = json_bytes(schema, param)
     if len(encoded) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
     check_items(encoded, param)
     if not schema_checks.defer("schema", param, encoded):
         schema_checks.check_schema(schema, param)
     return schema
+
+
+def json_bytes(value: Any, param: str) -> bytes:
+    """A request's object as JSON again, or a 400 naming `param` where JSON cannot carry it on: nested beyond
+    orjson's 254 levels, or holding an integer beyond 64 bits (both decode, and were 500s where written out)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        raise InvalidRequest(f"`{param}` cannot be used (nested too deeply, or an integer beyond 64 bits).",
+                             param=param) from None
 
 
 def check_items(encoded: bytes, param: str) -> None:
@@ -171,11 +178,7 @@ def structural_tag(fmt: ResponseFormat) -> bus.Constraint:
             {"begin": tag.begin, "end": tag.end,
              "schema": checked_schema(tag.schema if tag.schema is not None else {}, f"{param}.structures[{i}].schema")}
             for i, tag in enumerate(fmt.structures)]}
-    try:
-        encoded = orjson.dumps(spec)
-    except orjson.JSONEncodeError:  # a `format` beyond 254 levels of nesting: it was a 500
-        raise InvalidRequest(f"`{param}` cannot be used (nested too deeply, or an integer beyond 64 bits).",
-                             param=param) from None
+    encoded = json_bytes(spec, param)  # a `format` is any object (beyond 254 levels it was a 500)
     if len(encoded) > MAX_SPEC_BYTES:
         raise InvalidRequest(f"`{param}` is larger than {MAX_SPEC_BYTES} bytes.", param=param)
     check_items(encoded, param)  # its structures' schemas together, or the schemas in its `format`
