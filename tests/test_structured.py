@@ -4,6 +4,7 @@ grammars. A 135M model does not write valid JSON by itself: only the engine's co
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -148,6 +149,36 @@ async def test_a_constraint_the_engine_fails_to_compile_is_an_error_not_an_empty
     await _refused_by_the_engine(
         served, {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
         {"type": "json", "value": schema})
+
+
+async def test_a_constraint_too_slow_to_compile_is_refused_in_time_and_others_are_served_beside_it(
+        served: Edge) -> None:
+    """40 strings of distinct bounded lengths: XGrammar's compile costs 0.3-0.6 s of a core for each here. vLLM's
+    engine compiled it with no deadline (12 s on this machine's one compile thread), every other constrained
+    request waiting, then served it (200). The worker compiles it first in its helper, refuses it past
+    --grammar-compile-s (5 s), and the engine never sees it. Another schema beside it is served (this edge has no
+    keys: one tenant, whose constraints compile one at a time; another tenant's would not wait, see
+    tests/test_grammar_gate.py and docs/sweeps/slow_grammar.py)."""
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 3000 + i} for i in range(40)}}
+    chat_slow = {"model": MODEL, "messages": ASK, "max_tokens": 8,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow}}}
+    tgi_slow = {"inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "json", "value": slow}}}
+    async with httpx.AsyncClient(timeout=120) as http:
+        started = asyncio.get_running_loop().time()
+        refused = asyncio.gather(http.post(served.url + "/v1/chat/completions", json=chat_slow),
+                                 http.post(served.url + "/generate", json=tgi_slow))
+        await asyncio.sleep(0.5)
+        beside = await http.post(served.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+        chat, tgi = await refused
+        took = asyncio.get_running_loop().time() - started
+    assert beside.status_code == 200 and '"finish_reason"' in beside.text, beside.text
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "invalid_structured_output"
+    assert "too long to compile" in chat.json()["error"]["message"]
+    assert tgi.status_code == 422 and tgi.json()["error_type"] == "validation", tgi.text
+    assert took < 60, took
 
 
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:

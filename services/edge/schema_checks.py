@@ -14,32 +14,28 @@ all but small schemas inline would, and adds its latency to the request. A reque
 CHECK_DEADLINE_S, or it is refused with a 400 naming the field being checked, and the process is replaced, so that
 no check holds the next one. Without a collector (unit tests, other callers) the checks run inline, as they did.
 
-The checking process is a fresh interpreter (`python -m services.edge.schema_checks`: it imports `orjson`,
-`jsonschema_rs` and this module, nothing else of the edge, so it starts quickly), started on first use: it
-reads a request's checks per line on its stdin, answers on its stdout with the first that failed (or null),
-and shows the index of the check it is making in 4 bytes of shared memory (read when it takes too long)."""
+The checking process is a helper (shared.runtime.helpers), a fresh interpreter (`python -m
+services.edge.schema_checks`: it imports `orjson`, `jsonschema_rs` and this module, nothing else of the edge, so it
+starts quickly), started on first use: it reads a request's checks per line on its stdin, answers on its stdout
+with the first that failed (or null), and marks the index of the check it is making (read when it takes too
+long)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import logging
-import mmap
-import os
 import re
-import sys
-import tempfile
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jsonschema_rs
 import orjson
 
 from shared.protocol.errors import InvalidRequest, Overloaded
+from shared.runtime import helpers
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +53,6 @@ slowest requests within the bounds take (a 64 KiB literal pattern, a 64 KiB sche
 the bounds cannot catch (a pattern slow to compile) reaches it."""
 START_TIMEOUT_S = 30.0
 """How long the checking process may take to start (an interpreter, orjson and jsonschema-rs)."""
-NICENESS = 10
-"""The checking process yields the CPU to the edge's loop when both want it."""
-ROOT = str(Path(__file__).resolve().parents[2])
-"""Where the `services` package is (installed or not): the checking process imports this module from there."""
 READ_LIMIT = 1 << 20
 """The longest answer line read back (an error message quotes part of the schema)."""
 
@@ -184,160 +176,59 @@ def defer(kind: str, param: str, spec: bytes) -> bool:
 # The checking process
 
 
-@dataclass
-class _Line:
-    """A tenant's requests waiting for the checking process, one at a time."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0
-
-
-@dataclass(frozen=True)
-class _Process:
-    process: asyncio.subprocess.Process
-    at: mmap.mmap
-    """Shared with the process: the index of the check it is making (read only when it took too long)."""
-
-    @property
-    def alive(self) -> bool:
-        return self.process.returncode is None
-
-
 class Checker:
-    """The edge's checking process: one request's checks at a time, and at most one request of each tenant
-    waiting for it (asyncio's locks serve in arrival order), so a tenant's flood of slow checks makes another
-    tenant's request wait for one of them, not for all."""
+    """The edge's checking process (shared.runtime.helpers): one request's checks at a time, and at most one
+    request of each tenant waiting for it, so a tenant's flood of slow checks makes another tenant's request wait for
+    one of them, not for all."""
 
     def __init__(self, deadline_s: float = CHECK_DEADLINE_S) -> None:
         self.deadline_s = deadline_s
-        self._running: _Process | None = None
-        self._lock = asyncio.Lock()
-        self._lines: dict[str, _Line] = {}
+        self._helpers = helpers.Helpers("services.edge.schema_checks", deadline_s=deadline_s,
+                                        start_timeout_s=START_TIMEOUT_S, read_limit=READ_LIMIT)
 
     async def run(self, pending: list[Deferred], tenant: str) -> None:
-        """Makes the checks; the first to fail, in their order, is raised (InvalidRequest, naming its field)."""
+        """Makes the checks; the first to fail, in their order, is raised (InvalidRequest, naming its field).
+        Sent on one line, answered on one line: the first that failed (its index and message), or null."""
         if not pending:
             return
-        async with self._turn(tenant):
-            failed = await self._ask(await self._started(), pending)
+        line = orjson.dumps([[c.kind, c.param, orjson.Fragment(c.spec)] for c in pending])
+        try:
+            answer = await self._helpers.ask(line, tenant)
+        except helpers.TookTooLong as exc:
+            param = pending[min(exc.progress, len(pending) - 1)].param
+            log.warning("the checking process took over %g s to check %s; it is replaced", self.deadline_s, param)
+            raise InvalidRequest(f"`{param}` took too long to check (over {self.deadline_s:g} s); make it smaller "
+                                 "or simpler.", param=param) from None
+        except helpers.Ended as exc:
+            param = pending[min(exc.progress, len(pending) - 1)].param
+            log.warning("the checking process ended while it checked %s", param)
+            raise InvalidRequest(f"`{param}` could not be checked.", param=param) from None
+        except helpers.NotStarted:
+            log.warning("the schema checking process did not start")
+            raise Overloaded("The edge cannot check schemas now; try again shortly.") from None
+        failed: tuple[int, str] | None = orjson.loads(answer)
         if failed is not None:
             index, message = failed
             raise InvalidRequest(message, param=pending[index].param)
 
-    @contextlib.asynccontextmanager
-    async def _turn(self, tenant: str) -> AsyncIterator[None]:
-        line = self._lines.setdefault(tenant, _Line())
-        line.users += 1
-        try:
-            async with line.lock, self._lock:
-                yield
-        finally:
-            line.users -= 1
-            if not line.users:
-                del self._lines[tenant]
-
-    async def _ask(self, running: _Process, pending: list[Deferred]) -> tuple[int, str] | None:
-        """Sends the checks on one line, and reads on one line the first that failed (its index and message),
-        or null; within the deadline, else the process is replaced and the check it was making refused."""
-        stdin, stdout = running.process.stdin, running.process.stdout
-        assert stdin is not None and stdout is not None  # nosec B101: an invariant (tokenbus never runs with -O)
-        answer = b""
-        running.at[:4] = bytes(4)
-        try:
-            stdin.write(orjson.dumps([[c.kind, c.param, orjson.Fragment(c.spec)] for c in pending]) + b"\n")
-            async with asyncio.timeout(self.deadline_s):
-                await stdin.drain()
-                answer = await stdout.readline()
-        except TimeoutError:
-            param = pending[min(int.from_bytes(running.at[:4], "little"), len(pending) - 1)].param
-            log.warning("the checking process took over %g s to check %s; it is replaced", self.deadline_s, param)
-            raise InvalidRequest(f"`{param}` took too long to check (over {self.deadline_s:g} s); make it smaller "
-                                 "or simpler.", param=param) from None
-        except ConnectionError:  # the process is gone
-            pass
-        finally:
-            if not answer:
-                await self._replace()
-        if not answer:
-            param = pending[min(int.from_bytes(running.at[:4], "little"), len(pending) - 1)].param
-            log.warning("the checking process ended while it checked %s", param)
-            raise InvalidRequest(f"`{param}` could not be checked.", param=param)
-        failed: tuple[int, str] | None = orjson.loads(answer)
-        return failed
-
-    async def _started(self) -> _Process:
-        if self._running is not None and self._running.alive:
-            return self._running
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        with tempfile.TemporaryFile() as shared:  # unnamed; the two mappings keep it
-            shared.truncate(4)
-            at = mmap.mmap(shared.fileno(), 4)
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.edge.schema_checks", str(shared.fileno()),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-                env=env, limit=READ_LIMIT, pass_fds=(shared.fileno(),))
-        assert process.stdout is not None  # nosec B101: an invariant (tokenbus never runs with -O)
-        ready = b""
-        try:
-            async with asyncio.timeout(START_TIMEOUT_S):
-                ready = await process.stdout.readline()
-        except TimeoutError:
-            pass
-        finally:
-            if ready != b"ready\n":  # it failed, or the request was cancelled while it started
-                await _ended(process)
-        if ready != b"ready\n":
-            log.warning("the schema checking process did not start")
-            raise Overloaded("The edge cannot check schemas now; try again shortly.")
-        self._running = _Process(process, at)
-        return self._running
-
-    async def _replace(self) -> None:
-        """Ends the process (a fresh one starts on the next check)."""
-        running, self._running = self._running, None
-        if running is not None:
-            await _ended(running.process)
-
     async def close(self) -> None:
-        running, self._running = self._running, None
-        if running is not None and running.alive:
-            assert running.process.stdin is not None  # nosec B101: an invariant (tokenbus never runs with -O)
-            running.process.stdin.close()  # it exits at the end of its input
-            try:
-                async with asyncio.timeout(2):
-                    await running.process.wait()
-            except TimeoutError:
-                await _ended(running.process)
+        await self._helpers.close()
 
 
-async def _ended(process: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it may have exited already
-        process.kill()
-    await process.wait()
-
-
-def serve(at_fd: int) -> None:
-    """The checking process: a request's checks per line in (`[[kind, param, spec], ...]`), the first that
-    failed out (`[index, message]`, or null), the index of the check it makes in the shared `at`."""
-    with contextlib.suppress(OSError):
-        os.nice(NICENESS)
-    at = mmap.mmap(at_fd, 4)
-    out = sys.stdout.buffer
-    out.write(b"ready\n")
-    out.flush()
-    for line in sys.stdin.buffer:
-        failed = None
-        for index, (kind, param, spec) in enumerate(orjson.loads(line)):
-            at[:4] = index.to_bytes(4, "little")
-            try:
-                CHECKS[kind](spec, param)
-            except InvalidRequest as exc:
-                failed = [index, exc.message]
-                break
-        re.purge()  # patterns are not used twice: keep none of them
-        out.write(orjson.dumps(failed) + b"\n")
-        out.flush()
+def _answer(line: bytes, progress: helpers.Progress) -> bytes:
+    """The checking process's answer to a request's checks (`[[kind, param, spec], ...]`): the first that failed
+    (`[index, message]`), or null."""
+    failed = None
+    for index, (kind, param, spec) in enumerate(orjson.loads(line)):
+        progress.mark(index)
+        try:
+            CHECKS[kind](spec, param)
+        except InvalidRequest as exc:
+            failed = [index, exc.message]
+            break
+    re.purge()  # patterns are not used twice: keep none of them
+    return orjson.dumps(failed)
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    helpers.serve(_answer)

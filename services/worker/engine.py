@@ -16,11 +16,20 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.worker import conversation, pooling, template_kwargs
+from services.worker.grammar_gate import GrammarGate
 from services.worker.loras import Loras, LoraSettings
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from services.worker.streams import interleaved
-from services.worker.vllm_terms import engine_gauges, engine_prompt, refusals, sampling_params, token_logprobs
+from services.worker.vllm_terms import (
+    compiled_spec,
+    engine_gauges,
+    engine_prompt,
+    refusals,
+    sampling_params,
+    token_logprobs,
+    xgrammar_vocabulary,
+)
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from shared.runtime.settings import SlotSettings, engine_seqs
@@ -37,6 +46,8 @@ class EngineSettings(SlotSettings, LoraSettings, Protocol):
     def enforce_eager(self) -> bool: ...
     @property
     def gpu_memory_utilization(self) -> float: ...
+    @property
+    def grammar_compile_s(self) -> float: ...
     @property
     def kv_cache_gib(self) -> float: ...
     @property
@@ -121,6 +132,8 @@ class VllmEngine:
         self.loras = Loras.of(settings)
         self.max_loras = settings.max_loras if self.loras.enabled else 0
         """Adapters it runs at once (0: it serves none)."""
+        self.grammars: GrammarGate | None = None
+        """Where each constraint compiles first, within --grammar-compile-s (None: it does not)."""
 
     def start(self) -> None:
         _configure_environment(self.settings)
@@ -157,10 +170,16 @@ class VllmEngine:
         self.cache_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0)
         if self.settings.task == "embed":
             self.dimensions = self.llm.model_config.get_hidden_size()
+        if self.settings.task == "generate" and self.settings.grammar_compile_s > 0:
+            vocabulary = xgrammar_vocabulary(self.tokenizer, self.llm.model_config.get_vocab_size())
+            self.grammars = GrammarGate(vocabulary, self.settings.grammar_compile_s, compiled_spec)
 
     async def prepare(self) -> None:
-        """Loads the adapters it was started with (--lora), once the engine runs."""
+        """Loads the adapters it was started with (--lora), once the engine runs, and starts the grammar
+        compilers."""
         await self.loras.preload(self.llm)
+        if self.grammars is not None:
+            await self.grammars.start()
 
     def static_adapters(self) -> list[str]:
         return sorted(self.loras.modules)
@@ -175,6 +194,11 @@ class VllmEngine:
         self.special_ids = frozenset(tokenizer.all_special_ids)
         self.native_tools = conversation.template_uses_tools(getattr(tokenizer, "chat_template", None))
         self.template_vars = template_kwargs.template_variables(getattr(tokenizer, "chat_template", None))
+
+    async def close(self) -> None:
+        if self.grammars is not None:
+            await self.grammars.close()
+        self.shutdown()
 
     def shutdown(self) -> None:
         if self.encoder is not None:
@@ -294,6 +318,8 @@ class VllmEngine:
             yield bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0)
             return
         arrival = time.time()
+        if job.params.constraint is not None and self.grammars is not None:
+            await self.grammars.check(job.params.constraint, job.tenant)
         counts = Counts()
         lora = await self.loras.request(self.llm, job)
         reqs = await self._engine_requests(job, counts)

@@ -62,5 +62,5 @@ async def _run(worker: Worker, engine: VllmEngine | SimEngine) -> bool:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await worker.stop()
-        engine.shutdown()
+        await engine.close()
     return not worker.crashed.is_set()

@@ -119,6 +119,9 @@ class SimEngine:
         while len(self.held) > self.max_loras:
             del self.held[next(iter(self.held))]
 
+    async def close(self) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         if self.stepper is not None:
             self.stepper.cancel()

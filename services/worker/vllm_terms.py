@@ -108,6 +108,40 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
     raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")
 
 
+def compiled_spec(constraint: bus.Constraint) -> tuple[str, str] | None:
+    """What vLLM's engine will compile with XGrammar for a constraint, as (kind, spec) for
+    services.worker.grammar_compile: a JSON schema, a regex, a choice as the EBNF grammar vLLM makes of it, a
+    structural tag. None: nothing it compiles per request (a JSON object), or a schema vLLM gives its llguidance
+    fallback (whose cost the edge bounds: structured.MAX_SCHEMA_ITEMS)."""
+    from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+    from vllm.v1.structured_output.utils import choice_as_grammar
+
+    if constraint.kind == "json":
+        try:
+            schema = orjson.loads(constraint.spec)
+        except orjson.JSONDecodeError:
+            return None  # vLLM refuses it
+        if not isinstance(schema, dict) or has_xgrammar_unsupported_json_features(schema):
+            return None
+        return "json", constraint.spec
+    if constraint.kind == "regex":
+        return "regex", constraint.spec
+    if constraint.kind == "choice":
+        return "grammar", choice_as_grammar(orjson.loads(constraint.spec))
+    if constraint.kind == "structural_tag":
+        return "structural_tag", constraint.spec
+    return None
+
+
+def xgrammar_vocabulary(tokenizer: Any, vocab_size: int) -> bytes:
+    """The engine's tokenizer as XGrammar sees it (serialized), built as vLLM's XGrammar backend builds it (with the
+    model's vocabulary size)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    return info.serialize_json().encode()
+
+
 def engine_gauges(model: str) -> Any:
     """A vLLM stat logger that keeps the worker's engine gauges (running and waiting sequences, KV-cache use) and
     its prefix cache counters from the scheduler's own figures, each time the engine reports them."""

@@ -118,6 +118,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     """Run the engine without CUDA graphs or torch.compile (vLLM's --enforce-eager): it starts sooner, takes
     less GPU memory and decodes slower. The CPU engine always runs eager (compiling there costs minutes)."""
+    grammar_compile_s: float = 5.0
+    """How long the worker gives a request's constraint (a JSON schema, regex, choice or structural tag) to compile
+    with XGrammar, in a helper process, before its engine compiles it: past it the request is a 400
+    (invalid_structured_output) and the engine never sees it. 0: no such check (the engine compiles every
+    constraint, however long it takes, while other constrained requests wait). The vLLM engine only."""
     request_timeout_s: float = 600.0
     """Deadline of one request from arrival to its last token."""
     response_ttl_s: float = 30 * 24 * 3600.0
