@@ -90,6 +90,19 @@ async def test_one_tenants_slow_constraints_hold_none_of_anothers_back(gate: Gra
     await asyncio.gather(*flood)
 
 
+async def test_a_compile_whose_helper_ends_is_refused_and_the_next_one_compiles(gate: GrammarGate) -> None:
+    """A helper ends when a compile passes its memory bound (grammar_compile.MEMORY_BYTES); here it is killed."""
+    refused = asyncio.create_task(gate.check(schema(slow_schema(4000)), "a"))
+    await asyncio.sleep(0.3)
+    for slot in gate._helpers._slots:
+        if slot.running is not None:
+            slot.running.process.kill()
+    with pytest.raises(InvalidRequest, match="ended before it finished") as caught:
+        await refused
+    assert caught.value.code == "invalid_structured_output"
+    await gate.check(schema({**TOOL, "description": "after the end"}), "a")
+
+
 async def test_what_xgrammar_refuses_goes_on_to_the_engines_own_check(gate: GrammarGate) -> None:
     """vLLM refuses these itself (a 400 of its own, tests/test_structured.py) or gives them to llguidance."""
     for constraint in (bus.Constraint(kind="regex", spec="(a)\\1"),

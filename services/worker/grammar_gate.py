@@ -82,8 +82,9 @@ class GrammarGate:
                                      "it smaller or simpler.", code="invalid_structured_output") from None
             except helpers.Ended:
                 log.warning("the grammar compiler ended while it compiled a %s constraint; refused", constraint.kind)
-                raise InvalidRequest("The constraint takes too much memory to compile; make it smaller or simpler.",
-                                     code="invalid_structured_output") from None
+                raise InvalidRequest("The constraint's compile ended before it finished (past its memory bound, or "
+                                     "stopped); make it smaller or simpler.", code="invalid_structured_output",
+                                     ) from None
             except helpers.NotStarted:
                 log.warning("the grammar compiler did not start")
                 raise Overloaded("The worker cannot compile constraints now; try again shortly.") from None
