@@ -104,8 +104,7 @@ class Helpers:
 
     async def start(self) -> None:
         """Starts every process now rather than on first use."""
-        for slot in self._slots:
-            await self._started(slot)
+        await asyncio.gather(*(self._started(slot) for slot in self._slots))
 
     @contextlib.asynccontextmanager
     async def _turn(self, tenant: str) -> AsyncIterator[_Slot]:
