@@ -17,7 +17,7 @@ from services.worker.grammar_gate import GrammarGate
 from services.worker.models import default_chat_model_dir
 from services.worker.vllm_terms import compiled_spec, xgrammar_vocabulary
 from shared.protocol import bus
-from shared.protocol.errors import InvalidRequest
+from shared.protocol.errors import InvalidRequest, Overloaded
 
 DEADLINE_S = 1.0
 TOOL = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 14}},
@@ -101,6 +101,19 @@ async def test_a_compile_whose_helper_ends_is_refused_and_the_next_one_compiles(
         await refused
     assert caught.value.code == "invalid_structured_output"
     await gate.check(schema({**TOOL, "description": "after the end"}), "a")
+
+
+async def test_a_gate_whose_helpers_cannot_start_refuses_for_now_and_serves_what_it_knows() -> None:
+    """A helper that cannot start (here: a vocabulary XGrammar cannot read) leaves constraints unchecked for
+    the engine: refused as overloaded (503, to be tried again), never passed on unchecked."""
+    broken = GrammarGate(b"not a vocabulary", DEADLINE_S, compiled_spec)
+    try:
+        await broken.start()  # logged, not raised: the worker serves what needs no constraint
+        with pytest.raises(Overloaded, match="cannot compile constraints now"):
+            await broken.check(schema(TOOL), "a")
+        await broken.check(bus.Constraint(kind="json_object"), "a")  # nothing to compile
+    finally:
+        await broken.close()
 
 
 async def test_what_xgrammar_refuses_goes_on_to_the_engines_own_check(gate: GrammarGate) -> None:
