@@ -36,7 +36,9 @@ KNOWN = 4096
 """Constraints remembered as compiled in time (their digests), the least recently used forgotten first."""
 START_TIMEOUT_S = 120.0
 """How long a helper may take to start: an interpreter, xgrammar and torch, the vocabulary."""
-SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+HELPER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+              "CUDA_VISIBLE_DEVICES": ""}
+"""A helper runs on one core, and never touches a GPU (xgrammar imports torch)."""
 
 
 class GrammarGate:
@@ -49,7 +51,7 @@ class GrammarGate:
         self._compiled_spec = compiled_spec
         self._helpers = helpers.Helpers("services.worker.grammar_compile", deadline_s=deadline_s,
                                         start_timeout_s=START_TIMEOUT_S, size=HELPERS, greeting=vocabulary + b"\n",
-                                        env=SINGLE_THREADED)
+                                        env=HELPER_ENV)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._compiling: dict[bytes, asyncio.Task[None]] = {}
 
