@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from transformers import AutoTokenizer
 
 from services.worker.grammar_gate import GrammarGate
@@ -20,6 +21,7 @@ from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest, Overloaded
 
 DEADLINE_S = 1.0
+MODEL = "gated"
 TOOL = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 14}},
         "required": ["city"]}
 
@@ -38,10 +40,16 @@ def schema(value: dict[str, Any]) -> bus.Constraint:
 @pytest.fixture(scope="module")
 async def gate() -> AsyncIterator[GrammarGate]:
     tokenizer = AutoTokenizer.from_pretrained(default_chat_model_dir())
-    made = GrammarGate(xgrammar_vocabulary(tokenizer, len(tokenizer)), DEADLINE_S, compiled_spec)
+    made = GrammarGate(xgrammar_vocabulary(tokenizer, len(tokenizer)), DEADLINE_S, compiled_spec, MODEL)
     await made.start()
     yield made
     await made.close()
+
+
+def checks(outcome: str) -> float:
+    """What the worker's metrics say of the gate's checks (tokenbus_worker_constraint_checks_total)."""
+    return REGISTRY.get_sample_value("tokenbus_worker_constraint_checks_total",
+                                     {"model": MODEL, "outcome": outcome}) or 0.0
 
 
 @pytest.fixture
@@ -61,8 +69,10 @@ def asked(gate: GrammarGate, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 async def test_a_constraint_that_compiles_in_time_goes_on_and_is_compiled_once(gate: GrammarGate,
                                                                                  asked: list[bytes]) -> None:
     tool = schema({**TOOL, "description": "once"})
+    compiled, known = checks("compiled"), checks("known")
     await asyncio.gather(*(gate.check(tool, tenant) for tenant in ("a", "a", "b")))  # sent together: one compile
     await gate.check(tool, "c")  # sent again: remembered
+    assert (checks("compiled") - compiled, checks("known") - known) == (1, 1)
     for constraint in (bus.Constraint(kind="regex", spec="[0-9]{3}-[0-9]{4}"),
                        bus.Constraint(kind="choice", spec=json.dumps(["yes", "no"]))):
         await gate.check(constraint, "a")
@@ -70,10 +80,11 @@ async def test_a_constraint_that_compiles_in_time_goes_on_and_is_compiled_once(g
 
 
 async def test_a_constraint_past_the_deadline_is_refused_and_the_next_one_compiles(gate: GrammarGate) -> None:
-    started = time.monotonic()
+    started, too_slow = time.monotonic(), checks("too_slow")
     with pytest.raises(InvalidRequest, match="takes too long to compile") as caught:
         await gate.check(schema(slow_schema()), "a")
     assert caught.value.code == "invalid_structured_output"
+    assert checks("too_slow") == too_slow + 1
     assert time.monotonic() - started < 30  # the compile alone takes 6-12 s here; a fresh helper starts in ~2 s
     await gate.check(schema({**TOOL, "description": "after"}), "a")
 

@@ -172,7 +172,7 @@ class VllmEngine:
             self.dimensions = self.llm.model_config.get_hidden_size()
         if self.settings.task == "generate" and self.settings.grammar_compile_s > 0:
             vocabulary = xgrammar_vocabulary(self.tokenizer, self.llm.model_config.get_vocab_size())
-            self.grammars = GrammarGate(vocabulary, self.settings.grammar_compile_s, compiled_spec)
+            self.grammars = GrammarGate(vocabulary, self.settings.grammar_compile_s, compiled_spec, self.settings.model)
 
     async def prepare(self) -> None:
         """Loads the adapters it was started with (--lora), once the engine runs, and starts the grammar

@@ -27,7 +27,7 @@ import orjson
 
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest, Overloaded
-from shared.runtime import helpers
+from shared.runtime import helpers, metrics
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ class GrammarGate:
     `deadline_s`, with `vocabulary` (vllm_terms.xgrammar_vocabulary)."""
 
     def __init__(self, vocabulary: bytes, deadline_s: float,
-                 compiled_spec: Callable[[bus.Constraint], tuple[str, str] | None]) -> None:
+                 compiled_spec: Callable[[bus.Constraint], tuple[str, str] | None], model: str = "") -> None:
         self.deadline_s = deadline_s
+        self._checks = functools.partial(metrics.CONSTRAINT_CHECKS.labels, model)
         self._compiled_spec = compiled_spec
         self._helpers = helpers.Helpers("services.worker.grammar_compile", deadline_s=deadline_s,
                                         start_timeout_s=START_TIMEOUT_S, size=HELPERS, greeting=vocabulary + b"\n",
@@ -61,6 +62,7 @@ class GrammarGate:
         key = hashlib.blake2b(f"{constraint.kind}\0{constraint.spec}".encode(), digest_size=16).digest()
         if key in self._known:
             self._known.move_to_end(key)
+            self._checks("known").inc()
             return
         compiling = self._compiling.get(key)
         if compiling is None:  # the same constraint sent again meanwhile waits for this compile
@@ -79,20 +81,25 @@ class GrammarGate:
             try:
                 refusal = orjson.loads(await self._helpers.ask(orjson.dumps(spec), tenant))
             except helpers.TookTooLong:
+                self._checks("too_slow").inc()
                 log.warning("a %s constraint took over %g s to compile; refused", constraint.kind, self.deadline_s)
                 raise InvalidRequest(f"The constraint takes too long to compile (over {self.deadline_s:g} s); make "
                                      "it smaller or simpler.", code="invalid_structured_output") from None
             except helpers.Ended:
+                self._checks("ended").inc()
                 log.warning("the grammar compiler ended while it compiled a %s constraint; refused", constraint.kind)
                 raise InvalidRequest("The constraint's compile ended before it finished (past its memory bound, or "
                                      "stopped); make it smaller or simpler.", code="invalid_structured_output",
                                      ) from None
             except helpers.NotStarted:
+                self._checks("unavailable").inc()
                 log.warning("the grammar compiler did not start")
                 raise Overloaded("The worker cannot compile constraints now; try again shortly.") from None
             if refusal is not None:  # vLLM's own check answers it (the refusal may quote the request: not logged)
                 log.debug("XGrammar refused a %s constraint; vLLM's check answers it", constraint.kind)
+                self._checks("refused_by_xgrammar").inc()
                 return
+        self._checks("compiled" if spec is not None else "skipped").inc()
         self._known[key] = None
         if len(self._known) > KNOWN:
             self._known.popitem(last=False)
