@@ -159,10 +159,14 @@ async def test_a_constraint_too_slow_to_compile_is_refused_in_time_and_others_ar
     --grammar-compile-s (5 s), and the engine never sees it. Another schema beside it is served (this edge has no
     keys: one tenant, whose constraints compile one at a time; another tenant's would not wait, see
     tests/test_grammar_gate.py and docs/sweeps/slow_grammar.py)."""
-    slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 3000 + i} for i in range(40)}}
+    strings: dict[str, object] = {f"p{i}": {"type": "string", "maxLength": 3000 + i} for i in range(40)}
+    slow = {"type": "object", "properties": strings}
     chat_slow = {"model": MODEL, "messages": ASK, "max_tokens": 8,
                  "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow}}}
-    tgi_slow = {"inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "json", "value": slow}}}
+    # `multipleOf` sends it to vLLM's llguidance fallback at its check, but the engine compiles it with the backend
+    # its first constraint chose, XGrammar (which ignores `multipleOf`): as slowly
+    fallback = {"type": "object", "properties": {**strings, "n": {"type": "integer", "multipleOf": 3}}}
+    tgi_slow = {"inputs": "Say:", "parameters": {"max_new_tokens": 8, "grammar": {"type": "json", "value": fallback}}}
     async with httpx.AsyncClient(timeout=120) as http:
         started = asyncio.get_running_loop().time()
         refused = asyncio.gather(http.post(served.url + "/v1/chat/completions", json=chat_slow),

@@ -10,9 +10,11 @@ So before a job's constraint reaches the engine, the worker compiles it the same
 (services.worker.grammar_compile, shared.runtime.helpers: one core, niced), within `grammar_compile_s`. One that
 compiles in time goes on (the engine compiles it again, about as fast); one past the deadline, or whose compile
 ran out of memory, is refused with a 400 and the helper replaced. What XGrammar refuses goes on too: vLLM refuses
-it, or gives it to its llguidance fallback. Constraints that compiled in time are remembered (the KNOWN most
-recent): a tool schema sent with every request is compiled here once. Two helpers, at most one of each tenant's
-constraints waiting for them: one tenant's slow constraints hold none of another's back."""
+it, or gives it to its llguidance fallback. Schemas that vLLM's check gives llguidance are compiled here too: once
+the engine's first constraint chose XGrammar, the engine compiles them with XGrammar. Constraints that compiled in
+time are remembered (the KNOWN most recent): a tool schema sent with every request is compiled here once. Two
+helpers, at most one of each tenant's constraints waiting for them: one tenant's slow constraints hold none of
+another's back."""
 
 from __future__ import annotations
 

@@ -111,25 +111,17 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
 def compiled_spec(constraint: bus.Constraint) -> tuple[str, str] | None:
     """What vLLM's engine will compile with XGrammar for a constraint, as (kind, spec) for
     services.worker.grammar_compile: a JSON schema, a regex, a choice as the EBNF grammar vLLM makes of it, a
-    structural tag. None: nothing it compiles per request (a JSON object), or a schema vLLM gives its llguidance
-    fallback (whose cost the edge bounds: structured.MAX_SCHEMA_ITEMS)."""
-    from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+    structural tag. None: nothing it compiles per request (a JSON object).
+
+    Every schema counts, those vLLM's check gives its llguidance fallback too (`multipleOf`, `uniqueItems`, ...):
+    the engine compiles each constraint with the backend its first one chose (vLLM 0.32's StructuredOutputManager),
+    XGrammar as a rule, which compiles most of those as well (ignoring what it does not support), as slowly."""
     from vllm.v1.structured_output.utils import choice_as_grammar
 
-    if constraint.kind == "json":
-        try:
-            schema = orjson.loads(constraint.spec)
-        except orjson.JSONDecodeError:
-            return None  # vLLM refuses it
-        if not isinstance(schema, dict) or has_xgrammar_unsupported_json_features(schema):
-            return None
-        return "json", constraint.spec
-    if constraint.kind == "regex":
-        return "regex", constraint.spec
+    if constraint.kind in ("json", "regex", "structural_tag"):
+        return constraint.kind, constraint.spec
     if constraint.kind == "choice":
         return "grammar", choice_as_grammar(orjson.loads(constraint.spec))
-    if constraint.kind == "structural_tag":
-        return "structural_tag", constraint.spec
     return None
 
 

@@ -229,8 +229,8 @@ PREFIX_CACHE_HITS = Counter("tokenbus_worker_prefix_cache_hits", "Of those, the 
                             "prefill skipped): hits / queries is the model's prefix cache hit rate", ["model"])
 CONSTRAINT_CHECKS = Counter("tokenbus_worker_constraint_checks", "Constraints the worker compiled before its engine, "
                             "by outcome", ["model", "outcome"])
-"""outcome: known (checked before) | compiled | skipped (nothing XGrammar compiles: a JSON object, a schema vLLM gives
-llguidance) | refused_by_xgrammar (vLLM's check answers it) | too_slow | ended (past its memory bound) | unavailable
+"""outcome: known (checked before) | compiled | skipped (nothing XGrammar compiles per request: a JSON
+object) | refused_by_xgrammar (vLLM's check answers it) | too_slow | ended (past its memory bound) | unavailable
 (no helper could start); too_slow, ended and unavailable are refused (services.worker.grammar_gate)"""
 KV_CACHE_USAGE = Gauge("tokenbus_worker_kv_cache_usage_ratio", "Share of the engine's KV cache in use (0-1)",
                        ["model"])
