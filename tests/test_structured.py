@@ -153,10 +153,10 @@ async def test_a_constraint_the_engine_fails_to_compile_is_an_error_not_an_empty
 
 async def test_a_constraint_too_slow_to_compile_is_refused_in_time_and_others_are_served_beside_it(
         served: Edge) -> None:
-    """40 strings of distinct bounded lengths: XGrammar's compile costs 0.3-0.6 s of a core for each here. vLLM's
-    engine compiled it with no deadline (12 s on this machine's one compile thread), every other constrained
-    request waiting, then served it (200). The worker compiles it first in its helper, refuses it past
-    --grammar-compile-s (5 s), and the engine never sees it. Another schema beside it is served (this edge has no
+    """40 strings of distinct bounded lengths: XGrammar's compile costs ~1.4 s of CPU time for each here. vLLM's
+    engine compiled it with no deadline (12 s on this machine's cores), every other constrained request waiting,
+    then served it (200). The worker compiles it first in its helper, refuses it past --grammar-compile-s (5 s of
+    each core: 10 s of CPU time), and the engine never sees it. Another schema beside it is served (this edge has no
     keys: one tenant, whose constraints compile one at a time; another tenant's would not wait, see
     tests/test_grammar_gate.py and docs/sweeps/slow_grammar.py)."""
     strings: dict[str, object] = {f"p{i}": {"type": "string", "maxLength": 3000 + i} for i in range(40)}

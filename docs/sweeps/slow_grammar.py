@@ -5,7 +5,7 @@ bounded string lengths (new each round), then 0.5 s later, together: another ten
 and its plain stream of 64 tokens. Prints per round: the slow request's status and seconds, the small schema's seconds, the plain stream's
 median and longest gap between tokens. Not a test: read what it prints (docs/benchmarks.md has a run).
 
-    .venv/bin/python docs/sweeps/slow_grammar.py [ROUNDS]
+    .venv/bin/python docs/sweeps/slow_grammar.py [ROUNDS [GRAMMAR_COMPILE_S ...]]
 """
 import asyncio
 import statistics
@@ -76,7 +76,7 @@ async def rounds(run: systems.Running, label: str) -> None:
                   f"longest {1000 * max(plain):6.1f} ms", flush=True)
 
 
-for deadline in (0.0, 5.0):
+for deadline in [float(d) for d in sys.argv[2:]] or (0.0, 5.0):
     log = Path(tempfile.mkdtemp(prefix="slow-grammar-")) / "sys.log"
     with systems.tokenbus(_engine(None), log, edge_settings={"auth": "keys"},
                           worker_settings={"grammar_compile_s": deadline}) as run:

@@ -29,11 +29,13 @@ READY = b"ready\n"
 
 
 class HelperError(Exception):
-    """A line a helper did not answer: `progress` is what it marked last (0 if nothing)."""
+    """A line a helper did not answer: `progress` is what it marked last (0 if nothing), `returncode` how the
+    process ended (negative: the signal that ended it)."""
 
-    def __init__(self, progress: int) -> None:
-        super().__init__(progress)
+    def __init__(self, progress: int, returncode: int | None = None) -> None:
+        super().__init__(progress, returncode)
         self.progress = progress
+        self.returncode = returncode
 
 
 class TookTooLong(HelperError):
@@ -142,7 +144,7 @@ class Helpers:
                 progress = running.progress
                 await self._replace(slot)
         if not answer:
-            raise failure(progress)
+            raise failure(progress, running.process.returncode)
         return answer.rstrip(b"\n")
 
     async def _replace(self, slot: _Slot) -> None:

@@ -119,10 +119,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Run the engine without CUDA graphs or torch.compile (vLLM's --enforce-eager): it starts sooner, takes
     less GPU memory and decodes slower. The CPU engine always runs eager (compiling there costs minutes)."""
     grammar_compile_s: float = 5.0
-    """How long the worker gives a request's constraint (a JSON schema, regex, choice or structural tag) to compile
-    with XGrammar, in a helper process, before its engine compiles it: past it the request is a 400
-    (invalid_structured_output) and the engine never sees it. 0: no such check (the engine compiles every
-    constraint, however long it takes, while other constrained requests wait). The vLLM engine only."""
+    """How long a request's constraint (a JSON schema, regex, choice or structural tag) may take to compile, as the
+    engine's XGrammar would take it on this host (its 8 threads, on as many cores as there are): the worker compiles
+    it first in a helper process and allows it that many seconds of CPU time per such core. Past them the request is
+    a 400 (invalid_structured_output) and the engine never sees it; a compile the busy host does not let finish within
+    6 times as long in wall time is a 503. 0: no such check (the engine compiles every constraint, however long it
+    takes, while other constrained requests wait). The vLLM engine only."""
     request_timeout_s: float = 600.0
     """Deadline of one request from arrival to its last token."""
     response_ttl_s: float = 30 * 24 * 3600.0
