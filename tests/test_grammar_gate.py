@@ -89,7 +89,9 @@ async def test_a_constraint_past_the_deadline_is_refused_and_the_next_one_compil
         await gate.check(schema(slow_schema()), "a")
     assert caught.value.code == "invalid_structured_output"
     assert checks("too_slow") == too_slow + 1
-    assert time.monotonic() - started < 30  # the compile alone takes ~28 s of CPU here; a fresh helper starts in ~2 s
+    # the compile alone takes ~28 s of CPU here; refused at 2-3 s of it, in wall time as the host's load allows, within
+    # the wait's bound at worst; a fresh helper starts in ~2 s
+    assert time.monotonic() - started < gate.busy_s + 10
     await gate.check(schema({**TOOL, "description": "after"}), "a")
     again, known_too_slow = time.monotonic(), checks("known_too_slow")
     with pytest.raises(InvalidRequest, match="takes too long to compile"):  # its cost is what it was: no new compile
@@ -138,8 +140,8 @@ async def test_a_compile_the_host_gives_little_cpu_is_judged_by_the_cpu_it_takes
 
 async def test_a_compile_the_host_starves_past_its_wall_bound_is_refused_for_now(gate: GrammarGate,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stopped past the wall bound (BUSY_FACTOR times what its CPU budget takes; set to 2.5 s here): a 503 to try
-    again, not the constraint's fault, and the next constraint compiles on a fresh helper."""
+    """Stopped past the wall bound (BUSY_FACTOR times the bound; set to 2.5 s here): a 503 to try again, not the
+    constraint's fault, and the next constraint compiles on a fresh helper."""
     monkeypatch.setattr(gate._helpers, "deadline_s", 2.5)
     pids = helper_pids(gate)
     busy = checks("busy")

@@ -11,8 +11,9 @@ would not free the loop. So while a planner builds its job (`deferring()`), the 
 and every schema beyond the request's first INLINE_SCHEMA_BYTES, and the planner awaits them in the edge's
 checking process (`Checker`), all of a request's on one line: the round trip costs the loop less than checking
 all but small schemas inline would, and adds its latency to the request. A request's checks must all end within
-CHECK_DEADLINE_S, or it is refused with a 400 naming the field being checked, and the process is replaced, so that
-no check holds the next one. Without a collector (unit tests, other callers) the checks run inline, as they did.
+CHECK_DEADLINE_S of CPU time, or it is refused with a 400 naming the field being checked, and the process is
+replaced, so that no check holds the next one (a host too busy to let them finish within BUSY_S: a 503). Without
+a collector (unit tests, other callers) the checks run inline, as they did.
 
 The checking process is a helper (shared.runtime.helpers), a fresh interpreter (`python -m
 services.edge.schema_checks`: it imports `orjson`, `jsonschema_rs` and this module, nothing else of the edge, so it
@@ -48,9 +49,12 @@ INLINE_SCHEMA_BYTES = 2048
 schemas (all `{}`) hold it only briefly, and typical ones, cheaper to check than a round trip to the checking
 process, pay no round trip."""
 CHECK_DEADLINE_S = 1.0
-"""How long one request's deferred checks may take in the checking process, all told: well above what the
-slowest requests within the bounds take (a 64 KiB literal pattern, a 64 KiB schema of `{}`), so that only a check
-the bounds cannot catch (a pattern slow to compile) reaches it."""
+"""The CPU time one request's deferred checks may take in the checking process, all told (counted in whole seconds,
+so 1 to 2): well above what the slowest requests within the bounds take (a 64 KiB literal pattern, a 64 KiB schema of
+`{}`), so that only a check the bounds cannot catch (a pattern slow to compile) reaches it."""
+BUSY_S = 10.0
+"""How long a request waits for its checks when the host gives the checking process too little CPU to finish
+them (a 503, to be tried again): CPU time decides a check, not how busy the host is."""
 START_TIMEOUT_S = 30.0
 """How long the checking process may take to start (an interpreter, orjson and jsonschema-rs)."""
 READ_LIMIT = 1 << 20
@@ -181,9 +185,9 @@ class Checker:
     request of each tenant waiting for it, so a tenant's flood of slow checks makes another tenant's request wait for
     one of them, not for all."""
 
-    def __init__(self, deadline_s: float = CHECK_DEADLINE_S) -> None:
+    def __init__(self, deadline_s: float = CHECK_DEADLINE_S, busy_s: float = BUSY_S) -> None:
         self.deadline_s = deadline_s
-        self._helpers = helpers.Helpers("services.edge.schema_checks", deadline_s=deadline_s,
+        self._helpers = helpers.Helpers("services.edge.schema_checks", deadline_s=busy_s, cpu_s=deadline_s,
                                         start_timeout_s=START_TIMEOUT_S, read_limit=READ_LIMIT)
 
     async def run(self, pending: list[Deferred], tenant: str) -> None:
@@ -203,6 +207,10 @@ class Checker:
             param = pending[min(exc.progress, len(pending) - 1)].param
             log.warning("the checking process ended while it checked %s", param)
             raise InvalidRequest(f"`{param}` could not be checked.", param=param) from None
+        except helpers.Busy:
+            log.warning("the checking process was given too little CPU to finish a request's checks; replaced")
+            raise Overloaded("The edge is too busy to check this request's schemas now; try again shortly.",
+                             ) from None
         except helpers.NotStarted:
             log.warning("the schema checking process did not start")
             raise Overloaded("The edge cannot check schemas now; try again shortly.") from None

@@ -1,22 +1,19 @@
 """The worker's grammar compiler: a helper process (shared.runtime.helpers) that compiles each constraint with
-XGrammar as vLLM's engine will, so that the worker knows within a deadline whether the engine can (see
-services.worker.grammar_gate). `python -m services.worker.grammar_compile <progress fd> <cpu seconds> <threads>`: the
-engine's vocabulary (XGrammar's serialized TokenizerInfo) on its first line in, then a `[kind, spec]` per line (kinds of
+XGrammar as vLLM's engine will, so that the worker knows within a bound whether the engine can (see
+services.worker.grammar_gate). `python -m services.worker.grammar_compile <progress fd> <threads>`: the engine's
+vocabulary (XGrammar's serialized TokenizerInfo) on its first line in, then a `[kind, spec]` per line (kinds of
 vllm_terms.compiled_spec), each answered with null (compiled) or XGrammar's refusal (which vLLM makes its own).
 
 It imports xgrammar (and with it torch), not vLLM; it compiles on `threads` threads (grammar_gate.helper_threads)
-and keeps nothing. A compile may take `cpu seconds` of CPU time over all its threads (the kernel ends the process
-with SIGXCPU past them: RLIMIT_CPU) and MEMORY_BYTES beyond what the process started with (past them it fails and
-the process ends)."""
+and keeps nothing. A compile may take the pool's CPU time over all its threads (shared.runtime.helpers) and
+MEMORY_BYTES beyond what the process started with (past them it fails and the process ends)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import resource
-import signal
 import sys
 from typing import Any
 
@@ -60,26 +57,14 @@ def _limit_memory() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _limit_cpu(seconds: float) -> None:
-    """The next compile may take `seconds` of CPU time from now; past them the kernel ends the process (SIGXCPU,
-    whose default action ends it, with no core file: RLIMIT_CORE is 0). The limit counts whole seconds."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    limit = math.ceil(usage.ru_utime + usage.ru_stime + seconds)
-    resource.setrlimit(resource.RLIMIT_CPU, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-
-
 def main() -> None:
-    cpu_seconds, threads = float(sys.argv[2]), int(sys.argv[3])
+    threads = int(sys.argv[2])
     vocabulary = xgr.TokenizerInfo.deserialize_json(sys.stdin.buffer.readline().decode())
     compiler = xgr.GrammarCompiler(vocabulary, max_threads=threads, cache_enabled=False)
     _limit_memory()
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
 
     def answer(line: bytes, progress: helpers.Progress) -> bytes:
         kind, spec = orjson.loads(line)
-        _limit_cpu(cpu_seconds)
         try:
             compile_spec(compiler, kind, spec)
         except MemoryError:

@@ -10,12 +10,11 @@ while every other constrained request on the engine waits.
 So before a job's constraint reaches the engine, the worker compiles it the same way in a helper process
 (services.worker.grammar_compile, shared.runtime.helpers: niced, on `helper_threads`). Its bound is
 `grammar_compile_s` as the engine's compile would take it on this host, idle: that many seconds of each of the cores
-the engine's 8 threads can have, counted as the CPU time the compile takes (the kernel ends the helper past it: what
-the constraint costs decides, not how busy the host is, nor how many threads the helper has). One that compiles
+the engine's 8 threads can have, counted as the CPU time the compile takes (the helper is ended past it: what the
+constraint costs decides, not how busy the host is, nor how many threads the helper has). One that compiles
 within it goes on (the engine compiles it again); one past it, or whose compile ran out of memory, is refused with a
 400 and the helper replaced, and remembered (the REFUSED most recent: the same constraint again is refused at once).
-A compile the host gives too little CPU to finish within BUSY_FACTOR times what its budget takes is a 503, to be
-tried again. What
+A compile the host gives too little CPU to finish within BUSY_FACTOR times the bound is a 503, to be tried again. What
 XGrammar refuses goes on too: vLLM refuses it, or gives it to its llguidance fallback. Schemas that vLLM's check gives
 llguidance are compiled here too: once the engine's first constraint chose XGrammar, the engine compiles them with
 XGrammar. Constraints that compiled in time are remembered (the KNOWN most recent): a tool schema sent with every
@@ -29,7 +28,6 @@ import functools
 import hashlib
 import logging
 import os
-import signal
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -54,9 +52,10 @@ HELPER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 ENGINE_THREADS = 8
 """Threads of one compile in the engine: vLLM's XgrammarBackend makes its GrammarCompiler with max_threads=8 (vLLM
 0.32)."""
-BUSY_FACTOR = 3.0
-"""A compile still running after this many times the wall time its whole CPU budget takes on its threads: the host
-gives the helper too little CPU (a 503), whatever the constraint costs."""
+BUSY_FACTOR = 20.0
+"""A compile still running after this many times the bound in wall time (10 times what its whole CPU budget takes on
+a helper's threads, on two cores or sixteen): the host gives the helper too little CPU (a 503), whatever the
+constraint costs. A niced helper beside busy processes gets ~10% of a core."""
 
 
 def cores() -> int:
@@ -106,10 +105,10 @@ class GrammarGate:
         self._checks = functools.partial(metrics.CONSTRAINT_CHECKS.labels, model)
         self._compiled_spec = compiled_spec
         budget_s, threads = cpu_budget_s(bound_s), helper_threads()
-        self.busy_s = BUSY_FACTOR * budget_s / threads
-        self._helpers = helpers.Helpers("services.worker.grammar_compile", deadline_s=self.busy_s,
+        self.busy_s = BUSY_FACTOR * bound_s
+        self._helpers = helpers.Helpers("services.worker.grammar_compile", deadline_s=self.busy_s, cpu_s=budget_s,
                                         start_timeout_s=START_TIMEOUT_S, size=HELPERS, greeting=vocabulary + b"\n",
-                                        args=[f"{budget_s:g}", str(threads)], env=HELPER_ENV)
+                                        args=[str(threads)], env=HELPER_ENV)
         self._known, self._refused = _Digests(KNOWN), _Digests(REFUSED)
         self._compiling: dict[bytes, asyncio.Task[None]] = {}
 
@@ -140,17 +139,17 @@ class GrammarGate:
             try:
                 refusal = orjson.loads(await self._helpers.ask(orjson.dumps(spec), tenant))
             except helpers.TookTooLong:
+                self._checks("too_slow").inc()
+                log.warning("a %s constraint took over %g s to compile; refused", constraint.kind, self.bound_s)
+                self._refused.add(key)
+                raise self._too_slow() from None
+            except helpers.Busy:
                 self._checks("busy").inc()
                 log.warning("a %s constraint was still compiling after %g s: the host is too busy; refused for now",
                             constraint.kind, self.busy_s)
                 raise Overloaded("The worker is too busy to compile this constraint now; try again shortly.",
                                  ) from None
-            except helpers.Ended as ended:
-                if ended.returncode == -signal.SIGXCPU:
-                    self._checks("too_slow").inc()
-                    log.warning("a %s constraint took over %g s to compile; refused", constraint.kind, self.bound_s)
-                    self._refused.add(key)
-                    raise self._too_slow() from None
+            except helpers.Ended:
                 self._checks("ended").inc()
                 log.warning("the grammar compiler ended while it compiled a %s constraint; refused", constraint.kind)
                 raise InvalidRequest("The constraint's compile ended before it finished (past its memory bound, or "

@@ -1,9 +1,12 @@
-"""Helper processes that answer a line for each line, within a deadline: the work a request brings that may cost
-without bound and holds the GIL (the edge's schema and pattern checks, the worker's grammar compiles), kept off the
-event loop and stopped when it takes too long.
+"""Helper processes that answer a line for each line, within a bound: the work a request brings that may cost without
+bound and holds the GIL (the edge's schema and pattern checks, the worker's grammar compiles), kept off the event
+loop and stopped when it costs too much.
 
 A `Helpers` pool starts its processes on first use (`python -m <module> <progress fd> [args]`, niced, with
-`greeting` written first). Each answers one line at a time; past the deadline, or when it ended, it is replaced
+`greeting` written first). Each answers one line at a time. A line may take `cpu_s` of CPU time (over all the
+process's threads; the kernel ends the process past it, RLIMIT_CPU, in whole seconds), so that what a line costs
+decides, not how busy the host is; the wall-time deadline then only bounds the wait (Busy: the host gave the process
+too little CPU). Without `cpu_s` the deadline alone decides. Past either, or when it ended, the process is replaced
 before its turn is given back (the request that took too long waits for that, not the next one). Tenants take turns:
 at most one line of each tenant waits for a process, in arrival order, so a tenant's flood of slow lines holds
 another's back by one line at most with one process, and not at all with two. A process may show how far it got
@@ -13,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import mmap
 import os
+import resource
+import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -26,20 +32,27 @@ NICENESS = 10
 ROOT = str(Path(__file__).resolve().parents[2])
 """Where the `services` and `shared` packages are (installed or not): a helper imports its module from there."""
 READY = b"ready\n"
+ENDING_S = 1.0
+"""How long a process whose output closed is given to end by itself before it is killed."""
+CPU_ENV = "TOKENBUS_HELPER_CPU_S"
+"""How a process learns the CPU time each line may take (see Helpers)."""
 
 
 class HelperError(Exception):
-    """A line a helper did not answer: `progress` is what it marked last (0 if nothing), `returncode` how the
-    process ended (negative: the signal that ended it)."""
+    """A line a helper did not answer: `progress` is what it marked last (0 if nothing)."""
 
-    def __init__(self, progress: int, returncode: int | None = None) -> None:
-        super().__init__(progress, returncode)
+    def __init__(self, progress: int) -> None:
+        super().__init__(progress)
         self.progress = progress
-        self.returncode = returncode
 
 
 class TookTooLong(HelperError):
-    """The helper did not answer within the deadline; it was replaced."""
+    """The line cost the helper more than its CPU time (or, without one, the deadline); it was replaced."""
+
+
+class Busy(HelperError):
+    """The helper did not answer within the deadline while still within its CPU time: the host gave it too little
+    CPU, whatever the line costs; it was replaced."""
 
 
 class Ended(HelperError):
@@ -83,9 +96,10 @@ class Helpers:
 
     def __init__(self, module: str, *, deadline_s: float, start_timeout_s: float, size: int = 1,
                  args: Sequence[str] = (), greeting: bytes = b"", read_limit: int = 1 << 16,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, cpu_s: float = 0.0) -> None:
         self.module = module
         self.deadline_s = deadline_s
+        self.cpu_s = cpu_s
         self.start_timeout_s = start_timeout_s
         self.args = list(args)
         self.greeting = greeting
@@ -136,29 +150,32 @@ class Helpers:
                 await stdin.drain()
                 answer = await stdout.readline()
         except TimeoutError:
-            failure = TookTooLong
+            failure = Busy if self.cpu_s else TookTooLong
         except ConnectionError:  # it is gone
             pass
         finally:
             if not answer:
                 progress = running.progress
-                await self._replace(slot)
+                await self._replace(slot, ENDING_S if failure is Ended else 0.0)
         if not answer:
-            raise failure(progress, running.process.returncode)
+            if failure is Ended and running.process.returncode == -signal.SIGXCPU:
+                failure = TookTooLong
+            raise failure(progress)
         return answer.rstrip(b"\n")
 
-    async def _replace(self, slot: _Slot) -> None:
-        """Ends the slot's process and starts the next one now (if it cannot, the next turn tries again)."""
+    async def _replace(self, slot: _Slot, ending_s: float = 0.0) -> None:
+        """Ends the slot's process (after `ending_s` for it to end by itself) and starts the next one now (if it
+        cannot, the next turn tries again)."""
         running, slot.running = slot.running, None
         if running is not None:
-            await _ended(running.process)
+            await _ended(running.process, ending_s)
         with contextlib.suppress(NotStarted):
             await self._started(slot)
 
     async def _started(self, slot: _Slot) -> _Process:
         if slot.running is not None and slot.running.alive:
             return slot.running
-        env = dict(os.environ, **self.env,
+        env = dict(os.environ, **self.env, **{CPU_ENV: f"{self.cpu_s:g}"},
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         with tempfile.TemporaryFile() as shared:  # unnamed; the two mappings keep it
             shared.truncate(4)
@@ -201,7 +218,13 @@ class Helpers:
                 await _ended(running.process)
 
 
-async def _ended(process: asyncio.subprocess.Process) -> None:
+async def _ended(process: asyncio.subprocess.Process, ending_s: float = 0.0) -> None:
+    """Kills the process, unless it ends by itself within `ending_s`: killing one that has just ended would reap it
+    before asyncio does (Popen.send_signal polls first), and lose how it ended."""
+    if ending_s:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ending_s):
+                await process.wait()
     with contextlib.suppress(ProcessLookupError):  # it may have exited already
         process.kill()
     await process.wait()
@@ -217,13 +240,28 @@ class Progress:
         self._at[:4] = index.to_bytes(4, "little")
 
 
+def _limit_cpu(seconds: float) -> None:
+    """The next line may take `seconds` of CPU time from now (rounded up to whole seconds); past them the kernel
+    ends the process (SIGXCPU, whose default action ends it; no core file: RLIMIT_CORE is 0)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    limit = math.ceil(usage.ru_utime + usage.ru_stime + seconds)
+    resource.setrlimit(resource.RLIMIT_CPU, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
 def serve(answer: Callable[[bytes, Progress], bytes]) -> None:
     """A helper's main loop (after whatever greeting it reads from stdin): ready, then one answer line for each
-    line in, until its input ends."""
+    line in, each within the pool's CPU time, until its input ends."""
     progress = Progress(int(sys.argv[1]))
+    cpu_s = float(os.environ.get(CPU_ENV) or 0)
+    if cpu_s:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(signal.SIGXCPU, signal.SIG_DFL)
     out = sys.stdout.buffer
     out.write(READY)
     out.flush()
     for line in sys.stdin.buffer:
+        if cpu_s:
+            _limit_cpu(cpu_s)
         out.write(answer(line, progress) + b"\n")
         out.flush()

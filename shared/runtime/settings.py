@@ -123,7 +123,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     engine's XGrammar would take it on this host (its 8 threads, on as many cores as there are): the worker compiles
     it first in a helper process and allows it that many seconds of CPU time per such core. Past them the request is
     a 400 (invalid_structured_output) and the engine never sees it; a compile the busy host does not let finish within
-    6 times as long in wall time is a 503. 0: no such check (the engine compiles every constraint, however long it
+    20 times as long in wall time is a 503. 0: no such check (the engine compiles every constraint, however long it
     takes, while other constrained requests wait). The vLLM engine only."""
     request_timeout_s: float = 600.0
     """Deadline of one request from arrival to its last token."""
