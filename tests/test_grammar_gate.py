@@ -44,7 +44,8 @@ def schema(value: dict[str, Any]) -> bus.Constraint:
 @pytest.fixture(scope="module")
 async def gate() -> AsyncIterator[GrammarGate]:
     tokenizer = AutoTokenizer.from_pretrained(default_chat_model_dir())
-    made = GrammarGate(xgrammar_vocabulary(tokenizer, len(tokenizer)), DEADLINE_S, compiled_spec, MODEL)
+    # a wait bound far past what a loaded test machine (pytest -n 2) needs: CPU time decides here
+    made = GrammarGate(xgrammar_vocabulary(tokenizer, len(tokenizer)), DEADLINE_S, compiled_spec, MODEL, busy_s=120)
     await made.start()
     yield made
     await made.close()

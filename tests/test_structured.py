@@ -182,7 +182,7 @@ async def test_a_constraint_too_slow_to_compile_is_refused_in_time_and_others_ar
     assert chat.json()["error"]["code"] == "invalid_structured_output"
     assert "too long to compile" in chat.json()["error"]["message"]
     assert tgi.status_code == 422 and tgi.json()["error_type"] == "validation", tgi.text
-    assert took < 60, took
+    assert took < 90, took  # 13 s on an idle machine: 10 s of CPU for the niced helper, then a new one; 25 s in CI
 
 
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:

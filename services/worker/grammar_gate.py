@@ -97,15 +97,17 @@ class _Digests:
 class GrammarGate:
     """Compiles each constraint the engine will compile (`compiled_spec`: vllm_terms.compiled_spec) first, within
     `bound_s` as the engine would take it here (see the module's doc), with `vocabulary`
-    (vllm_terms.xgrammar_vocabulary)."""
+    (vllm_terms.xgrammar_vocabulary); a compile still running after `busy_s` (BUSY_FACTOR times the bound unless
+    given) is a 503."""
 
     def __init__(self, vocabulary: bytes, bound_s: float,
-                 compiled_spec: Callable[[bus.Constraint], tuple[str, str] | None], model: str = "") -> None:
+                 compiled_spec: Callable[[bus.Constraint], tuple[str, str] | None], model: str = "",
+                 busy_s: float | None = None) -> None:
         self.bound_s = bound_s
         self._checks = functools.partial(metrics.CONSTRAINT_CHECKS.labels, model)
         self._compiled_spec = compiled_spec
         budget_s, threads = cpu_budget_s(bound_s), helper_threads()
-        self.busy_s = BUSY_FACTOR * bound_s
+        self.busy_s = BUSY_FACTOR * bound_s if busy_s is None else busy_s
         self._helpers = helpers.Helpers("services.worker.grammar_compile", deadline_s=self.busy_s, cpu_s=budget_s,
                                         start_timeout_s=START_TIMEOUT_S, size=HELPERS, greeting=vocabulary + b"\n",
                                         args=[str(threads)], env=HELPER_ENV)
