@@ -54,7 +54,7 @@ def chat_job(**fields: Any) -> bus.Job:
 
 @pytest.fixture
 async def checker() -> AsyncIterator[Checker]:
-    made = Checker(deadline_s=0.3)
+    made = Checker(deadline_s=0.3, busy_s=60)  # a wait bound far past what a loaded CI machine needs
     yield made
     await made.close()
 
@@ -107,9 +107,8 @@ async def test_a_check_past_the_deadline_is_a_400_and_its_process_is_replaced(ch
         await checker.run([Deferred("regex", "a", b'"x"'), Deferred("regex", "b", orjson.dumps(SLOW_PATTERN)),
                            Deferred("schema", "c", b"{}")], "t")
     assert caught.value.param == "b"
-    # the compile alone takes ~7 s of CPU; refused at 1-2 s of it, in wall time as the host's load allows, within the
-    # wait's bound (BUSY_S) at worst
-    assert time.monotonic() - started < schema_checks.BUSY_S + 5
+    # the compile alone takes ~7 s of CPU; refused at ~1 s of it, in wall time as the host's load allows
+    assert time.monotonic() - started < 30
     await checker.run([Deferred("regex", "c", b'"[0-9]+"')], "t")  # a fresh process, in step
 
 
