@@ -87,6 +87,7 @@ REAL_WORKERS: dict[str, tuple[str, dict[str, object]]] = {
     # and test_reasoning_engine makes it write one; serving adapters (--lora is added at start, see real_workers)
     "worker": (MODEL, {"kv_cache_gib": 2, "reasoning_parser": "qwen3", "enable_lora": True}),
     "embedder": (EMBEDDING_MODEL, {"kv_cache_gib": 1, "task": "embed"}),
+    # its first constrained request is test_structured's (the backend test needs it: send it no other constraint)
     "gathering_worker": (GATHERING_MODEL, {"kv_cache_gib": 1, "max_num_seqs": 4, "stream_interval": STREAM_INTERVAL}),
     "scorer": (SCORING_MODEL, {"kv_cache_gib": 1, "task": "score"}),  # its --model-dir is made at start
 }

@@ -16,7 +16,7 @@ from huggingface_hub import InferenceClient
 from pydantic import BaseModel
 
 from tests.openapi import validate
-from tests.processes import MODEL, Edge
+from tests.processes import GATHERING_MODEL, MODEL, Edge, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -183,6 +183,27 @@ async def test_a_constraint_too_slow_to_compile_is_refused_in_time_and_others_ar
     assert "too long to compile" in chat.json()["error"]["message"]
     assert tgi.status_code == 422 and tgi.json()["error_type"] == "validation", tgi.text
     assert took < 90, took  # 13 s on an idle machine: 10 s of CPU for the niced helper, then a new one; 25 s in CI
+
+
+async def test_a_workers_first_constraint_does_not_decide_how_it_serves_every_other(
+        served: Edge, gathering_worker: WorkerProcess) -> None:
+    """vLLM's engine takes one structured-output backend, the one its first constrained request was given, and its
+    check gives a schema with `multipleOf` llguidance. On a fresh worker whose first constraint was such a schema
+    (one tenant's request), every later one was compiled with llguidance: a structural tag was a 400 there and a 200
+    on every other worker. The worker now makes XGrammar the backend before it serves. The gathering worker sees no
+    other constraint than these (keep it so: the test needs its first)."""
+    multiple = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7}}, "required": ["n"]}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<person>", "end": "</person>",
+                                                "content": {"type": "json_schema", "json_schema": PERSON}}}
+    async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
+        first = await http.post("/v1/chat/completions", json={
+            "model": GATHERING_MODEL, "messages": ASK, "max_tokens": 12,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": multiple}}})
+        tagged = await http.post("/v1/chat/completions", json={
+            "model": GATHERING_MODEL, "messages": ASK, "response_format": tag, "max_tokens": 80, "temperature": 0})
+    assert first.status_code == 200, first.text
+    assert tagged.status_code == 200, tagged.text
+    assert re.fullmatch(r"<person>(.*)</person>", tagged.json()["choices"][0]["message"]["content"], re.DOTALL)
 
 
 def test_tgi_grammars_shape_the_text(served: Edge) -> None:

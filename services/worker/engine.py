@@ -22,6 +22,7 @@ from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
 from services.worker.streams import interleaved
 from services.worker.vllm_terms import (
+    choose_xgrammar,
     compiled_spec,
     engine_gauges,
     engine_prompt,
@@ -175,9 +176,11 @@ class VllmEngine:
             self.grammars = GrammarGate(vocabulary, self.settings.grammar_compile_s, compiled_spec, self.settings.model)
 
     async def prepare(self) -> None:
-        """Loads the adapters it was started with (--lora), once the engine runs, and starts the grammar
-        compilers."""
+        """Loads the adapters it was started with (--lora), once the engine runs, makes XGrammar its
+        structured-output backend (vllm_terms.choose_xgrammar) and starts the grammar compilers."""
         await self.loras.preload(self.llm)
+        if self.settings.task == "generate":
+            await choose_xgrammar(self.llm, self.tokenizer.eos_token_id or 0)
         if self.grammars is not None:
             await self.grammars.start()
 

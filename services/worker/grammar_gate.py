@@ -15,11 +15,11 @@ constraint costs decides, not how busy the host is, nor how many threads the hel
 within it goes on (the engine compiles it again); one past it, or whose compile ran out of memory, is refused with a
 400 and the helper replaced, and remembered (the REFUSED most recent: the same constraint again is refused at once).
 A compile the host gives too little CPU to finish within BUSY_FACTOR times the bound is a 503, to be tried again. What
-XGrammar refuses goes on too: vLLM refuses it, or gives it to its llguidance fallback. Schemas that vLLM's check gives
-llguidance are compiled here too: once the engine's first constraint chose XGrammar, the engine compiles them with
-XGrammar. Constraints that compiled in time are remembered (the KNOWN most recent): a tool schema sent with every
-request is compiled here once. Two helpers, at most one of each tenant's constraints waiting for them: one tenant's
-slow constraints hold none of another's back."""
+XGrammar refuses goes on too, to be refused by vLLM's check or by the engine's compile (a 400 either way). Schemas
+that vLLM's check gives llguidance are compiled here too: the engine compiles them with XGrammar, the backend the
+worker makes it take first (vllm_terms.choose_xgrammar). Constraints that compiled in time are remembered (the KNOWN
+most recent): a tool schema sent with every request is compiled here once. Two helpers, at most one of each tenant's
+constraints waiting for them: one tenant's slow constraints hold none of another's back."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ inside each function: importing this module costs nothing."""
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import orjson
@@ -108,6 +109,28 @@ def structured_outputs(constraint: bus.Constraint | None) -> Any:
     raise InvalidRequest(f"Unknown structured output kind `{constraint.kind}`.")
 
 
+GRAMMAR_BACKEND_REQUEST = "tokenbus-grammar-backend"
+
+
+async def choose_xgrammar(llm: Any, token_id: int) -> None:
+    """Makes XGrammar the engine's structured-output backend for good, before any request's constraint can choose.
+
+    vLLM 0.32's engine core takes ONE backend, the one its first constrained request was given
+    (StructuredOutputManager.grammar_init, `if self.backend is None`), while its "auto" check gives each request
+    XGrammar or, for schemas with features XGrammar lacks (`multipleOf`, `uniqueItems`, ...), llguidance. So a fresh
+    engine whose first constraint had `multipleOf` compiled everything with llguidance from then on: structural tags
+    failed there, objects grew properties that elsewhere they did not, and one tenant's first request decided what
+    every other got. With XGrammar chosen first, every worker answers a constraint alike, as an engine does whose
+    first constraint was an ordinary schema (vllm serve's usual case), and the grammar gate compiles what the
+    engine compiles. A one-token request under the smallest schema."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))
+    async for _ in llm.generate(engine_prompt([token_id], time.time()), params, GRAMMAR_BACKEND_REQUEST):
+        pass
+
+
 def compiled_spec(constraint: bus.Constraint) -> tuple[str, str] | None:
     """What vLLM's engine will compile with XGrammar for a constraint, as (kind, spec) for
     services.worker.grammar_compile: a JSON schema, a regex, a choice as the EBNF grammar vLLM makes of it, a
@@ -115,7 +138,8 @@ def compiled_spec(constraint: bus.Constraint) -> tuple[str, str] | None:
 
     Every schema counts, those vLLM's check gives its llguidance fallback too (`multipleOf`, `uniqueItems`, ...):
     the engine compiles each constraint with the backend its first one chose (vLLM 0.32's StructuredOutputManager),
-    XGrammar as a rule, which compiles most of those as well (ignoring what it does not support), as slowly."""
+    XGrammar (see choose_xgrammar), which compiles most of those as well (ignoring what it does not support), as
+    slowly."""
     from vllm.v1.structured_output.utils import choice_as_grammar
 
     if constraint.kind in ("json", "regex", "structural_tag"):
