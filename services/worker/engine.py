@@ -180,7 +180,10 @@ class VllmEngine:
         structured-output backend (vllm_terms.choose_xgrammar) and starts the grammar compilers."""
         await self.loras.preload(self.llm)
         if self.settings.task == "generate":
-            await choose_xgrammar(self.llm, self.tokenizer.eos_token_id or 0)
+            try:
+                await choose_xgrammar(self.llm, self.tokenizer.eos_token_id or 0)
+            except Exception:  # the worker still serves; its backend is then its first constraint's, as vLLM's
+                log.exception("could not make XGrammar the engine's structured-output backend")
         if self.grammars is not None:
             await self.grammars.start()
 
