@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -175,6 +177,38 @@ async def test_a_disconnect_aborts_the_engine_request_within_a_second(served: Ed
     while await _aborts(worker) == before:
         assert time.monotonic() - gone < 1.0, "the engine did not abort within 1 s"
         await asyncio.sleep(0.02)
+
+
+async def test_a_stream_stopped_while_its_constraint_compiles_never_reaches_the_engine(
+        served: Edge, worker: WorkerProcess) -> None:
+    """Stop means stop before the engine too: a schema new to the worker, one `maxLength` (~1.4 s of CPU for the
+    grammar gate to compile here), and the client gone while the worker compiles it (before any answer). The job
+    ends aborted once the compile is done, and the engine never prefills its prompt (it did, then stopped at the
+    first token)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 200 + uuid.uuid4().int % 10_000}}}
+
+    async def metric(name: str, labels: dict[str, str] | None = None) -> float:
+        async with httpx.AsyncClient() as http:
+            return metric_value((await http.get(worker.metrics_url)).text, name, labels)
+
+    prompted, aborted = await metric("vllm:prompt_tokens_total"), await metric("tokenbus_worker_jobs_total",
+                                                                              {"outcome": "aborted"})
+    body = {"model": MODEL, "messages": STORY, "stream": True, "max_tokens": 20,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    async with aiohttp.ClientSession() as session:
+        asking = asyncio.create_task(session.post(served.url + "/v1/chat/completions", json=body))
+        deadline = time.monotonic() + 10
+        while await metric("tokenbus_worker_running_jobs") < 1:  # taken up: on its way to the engine, compiling
+            assert time.monotonic() < deadline and not asking.done()
+            await asyncio.sleep(0.02)
+        asking.cancel()  # the client vanishes before its stream opened (that takes the first token)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+    deadline = time.monotonic() + 30
+    while await metric("tokenbus_worker_jobs_total", {"outcome": "aborted"}) == aborted:
+        assert time.monotonic() < deadline, "the job did not end aborted"
+        await asyncio.sleep(0.1)
+    assert await metric("vllm:prompt_tokens_total") == prompted
 
 
 async def test_closing_a_plain_sdk_stream_stops_the_engine_within_a_second_even_with_a_resume_window(

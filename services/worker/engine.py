@@ -125,6 +125,9 @@ class VllmEngine:
         """Tokens its KV cache holds (0: unknown until it started)."""
         self.requests: dict[str, list[str]] = {}
         """Engine request ids of each running job (a completion batch has one per prompt)."""
+        self.preparing: dict[str, bool] = {}
+        """Jobs on their way to the engine (their constraint compiling, their adapter loading, their prompt being
+        rendered), each with whether it was stopped meanwhile: one that was never reaches the engine."""
         self.tool_format = tool_format(settings.tool_parser)
         self.native_tools = False
         """The model's chat template writes tools itself (else the worker does, see conversation)."""
@@ -324,11 +327,17 @@ class VllmEngine:
             yield bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0)
             return
         arrival = time.time()
-        if job.params.constraint is not None and self.grammars is not None:
-            await self.grammars.check(job.params.constraint, job.tenant)
-        counts = Counts()
-        lora = await self.loras.request(self.llm, job)
-        reqs = await self._engine_requests(job, counts)
+        self.preparing[job.id] = False
+        try:
+            if job.params.constraint is not None and self.grammars is not None:
+                await self.grammars.check(job.params.constraint, job.tenant)
+            counts = Counts()
+            lora = await self.loras.request(self.llm, job)
+            reqs = await self._engine_requests(job, counts)
+        finally:
+            stopped = self.preparing.pop(job.id)
+        if stopped:
+            return
         request_ids = [job.id] if len(reqs) == 1 else [f"{job.id}-{i}" for i in range(len(reqs))]
         self.requests[job.id] = request_ids
         try:
@@ -405,6 +414,9 @@ class VllmEngine:
                           first_token=first_token)
 
     async def abort(self, job_id: str) -> None:
+        if job_id in self.preparing:  # not in the engine yet: it never will be
+            self.preparing[job_id] = True
+            return
         for request_id in self.requests.get(job_id, [job_id]):
             await self.llm.abort(request_id)
 
