@@ -50,8 +50,10 @@ class _Engine:
 
     def __init__(self, fail: bool = False, endless: bool = False) -> None:
         self.fail, self.endless, self.aborted = fail, endless, asyncio.Event()
+        self.ran: list[str] = []
 
     async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+        self.ran.append(job.id)
         if self.fail:
             raise RuntimeError("the engine broke")
         for i in range(10_000 if self.endless else 2):
@@ -117,6 +119,30 @@ async def test_an_aborted_job_stops_and_its_log_ends_with_why(abandoned: bool) -
     last = publisher.events[-1]
     assert isinstance(last, bus.Error) and last.kind == "StreamAbandoned", last
     assert ("Nobody resumed" in last.message) is abandoned and engine.aborted.is_set()
+    assert _jobs(model, "aborted") == 1
+
+
+async def test_a_job_stopped_while_it_waits_for_its_slots_never_reaches_the_engine() -> None:
+    """Its client left while the worker's slots were all taken: once they free, it ends with why, unrun (it ran: the
+    engine's abort, made before the engine knew it, did nothing)."""
+    engine = _Engine()
+    runner, publisher, run, model = _runner(engine)
+    taken, freed = asyncio.Event(), asyncio.Event()
+
+    async def hold_every_slot() -> None:
+        async with runner.jobs.slots.held(runner.jobs.slots.total):
+            taken.set()
+            await freed.wait()
+
+    holder = asyncio.create_task(hold_every_slot())
+    await taken.wait()
+    task = _start(runner, run)
+    await asyncio.sleep(0.01)  # waiting for its slot
+    await runner.abort(run.job.id)
+    freed.set()
+    await asyncio.gather(holder, task)
+    last = publisher.events[-1]
+    assert engine.ran == [] and isinstance(last, bus.Error) and last.kind == "StreamAbandoned", last
     assert _jobs(model, "aborted") == 1
 
 
