@@ -23,6 +23,7 @@ from services.edge.formats.base import decode
 from services.edge.schema_checks import Checker, Deferred
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest, Overloaded
+from tests.processes import metric_value
 from tests.stack import Stack
 
 USER = [{"role": "user", "content": "hi"}]
@@ -202,6 +203,29 @@ async def test_the_edge_keeps_answering_while_a_pathological_pattern_is_checked(
     assert answer.json()["error"]["param"] == "structured_outputs.regex"
     assert "took too long" in answer.json()["error"]["message"]
     assert served.status_code == 200, served.text
+
+
+async def test_a_client_gone_while_its_pattern_is_checked_has_nothing_queued(stack: Stack) -> None:
+    """A valid pattern slow to compile (~0.7 s of CPU here), its client gone meanwhile: the edge answers nobody and
+    queues nothing (it queued the job, which a worker then took up, only for the edge to cancel it)."""
+    worker = stack.workers[0]
+
+    async def jobs() -> float:
+        async with httpx.AsyncClient() as http:
+            return metric_value((await http.get(worker.metrics_url)).text, "tokenbus_worker_jobs_total")
+
+    pattern = "[\x00-\U0010ffff]" * 200
+    body = {"model": stack.model, "messages": USER, "max_tokens": 2, "structured_outputs": {"regex": pattern}}
+    async with httpx.AsyncClient(base_url=stack.edges[0].url, timeout=30) as http:
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200  # valid, and served
+        before = await jobs()
+        asking = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+        await asyncio.sleep(0.2)  # its pattern is being compiled
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+        await asyncio.sleep(3)  # the check is done; a job queued would have been taken up and ended by now
+    assert await jobs() == before
 
 
 @pytest.mark.parametrize(("field", "value", "param"), [

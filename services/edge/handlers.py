@@ -34,6 +34,8 @@ Responses stream differs from OpenAI's in the small ways its page documents."""
 
 
 async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.StreamResponse:
+    if not plan.job.background and sse.SSEWriter.client_gone(request):
+        raise sse.ClientGone  # it left while its request was read, planned and checked: nothing is charged or queued
     settings, gateway, admitter = request.app[SETTINGS], request.app[GATEWAY], request.app[ADMITTER]
     arrival, caller = plan.arrival, caller_of(request)
     deadline = arrival.started + settings.request_timeout_s
