@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY
 from services.worker.jobrun import JobRunner
 from services.worker.jobtable import JobTable, Run
 from services.worker.publisher import EventPublisher
+from services.worker.streams import take_each
 from shared.protocol import bus
 from shared.runtime.settings import Settings
 
@@ -52,7 +53,10 @@ class _Engine:
         self.fail, self.endless, self.aborted = fail, endless, asyncio.Event()
         self.ran: list[str] = []
 
-    async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+    async def run_into(self, job: bus.Job, priority: int, take: Callable[[bus.Output], None]) -> None:
+        await take_each(self.run(job), take)
+
+    async def run(self, job: bus.Job) -> AsyncIterator[bus.Output]:
         self.ran.append(job.id)
         if self.fail:
             raise RuntimeError("the engine broke")

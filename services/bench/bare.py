@@ -40,7 +40,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     created, first = int(time.time()), True
-    async for event in engine.run(job):
+    events: asyncio.Queue[bus.Output | None] = asyncio.Queue()
+    running = asyncio.create_task(engine.run_into(job, 0, events.put_nowait))
+    running.add_done_callback(lambda _running: events.put_nowait(None))
+    while (event := await events.get()) is not None:
         if isinstance(event, bus.Tokens):
             delta = {"role": "assistant", "content": event.text} if first else {"content": event.text}
             await response.write(_chunk(job.id, created, delta, event.finish_reason))
@@ -50,6 +53,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                      "total_tokens": event.prompt_tokens + event.completion_tokens}
             await response.write(b"data: " + orjson.dumps({"id": job.id, "object": "chat.completion.chunk",
                                                            "choices": [], "usage": usage}) + b"\n\n")
+    await running
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -10,17 +10,17 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from services.worker import conversation, pooling, template_kwargs
+from services.worker.engine_feed import JobFeed, Take
 from services.worker.grammar_gate import GrammarGate
 from services.worker.loras import Loras, LoraSettings
 from services.worker.parsing.formats import tool_format
 from services.worker.prompt_encoder import PromptEncoder
-from services.worker.streams import interleaved
+from services.worker.streams import take_each
 from services.worker.vllm_terms import (
     choose_xgrammar,
     compiled_spec,
@@ -106,6 +106,36 @@ def _failed(req: _EngineRequest, generated: int) -> InvalidRequest | EngineError
         return InvalidRequest("The engine could not compile this request's constraint; make it smaller or simpler.",
                               code="invalid_structured_output")
     return EngineError("The engine failed this request.")
+
+
+class _Outputs:
+    """One engine request's outputs as the job's events: its prompt's logprobs first (when asked), then the tokens of
+    each step; a choice the engine failed raises."""
+
+    def __init__(self, engine: VllmEngine, job: bus.Job, req: _EngineRequest, counts: Counts) -> None:
+        self.engine, self.job, self.req, self.counts = engine, job, req, counts
+        self.first, self.generated = True, 0
+
+    def __call__(self, out: Any) -> list[bus.Output]:
+        job, req = self.job, self.req
+        events: list[bus.Output] = []
+        if self.first and req.params.prompt_logprobs is not None:
+            events.append(self.engine.prompt_event(job, req.index, req.echo_ids or req.ids, out.prompt_logprobs))
+        self.first = False
+        top = job.params.logprobs
+        for choice in out.outputs:
+            token_ids = list(choice.token_ids)
+            if choice.finish_reason == FAILED:
+                raise _failed(req, self.generated)
+            self.generated += len(token_ids)
+            self.counts.completion_tokens += len(token_ids)
+            events.append(bus.Tokens(
+                job=job.id, text=choice.text, token_ids=token_ids, choice=req.choice + choice.index,
+                logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
+                                                                 self.engine.special_ids),
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+            ))
+        return events
 
 
 class VllmEngine:
@@ -314,17 +344,16 @@ class VllmEngine:
 
     # generation
 
-    async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
-        """Generates the job's tokens: Tokens events per engine step, then one Final; the engine serves a lower
-        `priority` first."""
+    async def run_into(self, job: bus.Job, priority: int, take: Take) -> None:
+        """Generates the job's events into `take` (services.worker.engine_feed): Tokens per engine step, then one
+        Final; the engine serves a lower `priority` first."""
         if job.kind == "embedding":
-            async for event in (pooling.score(self, job, priority) if self.settings.task == "score" else
-                                pooling.embed(self, job, priority)):
-                yield event
+            await take_each(pooling.score(self, job, priority) if self.settings.task == "score" else
+                            pooling.embed(self, job, priority), take)
             return
         if job.count_only:
             counted = sum(map(len, await self.prompt_ids(job)))
-            yield bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0)
+            take(bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0))
             return
         arrival = time.time()
         self.preparing[job.id] = False
@@ -341,14 +370,37 @@ class VllmEngine:
         request_ids = [job.id] if len(reqs) == 1 else [f"{job.id}-{i}" for i in range(len(reqs))]
         self.requests[job.id] = request_ids
         try:
-            streams = [self._one(job, rid, req, counts, priority, lora, arrival)
-                       for rid, req in zip(request_ids, reqs, strict=True)]
-            async for event in interleaved(streams):
-                yield event
+            await self._feed(job, list(zip(request_ids, reqs, strict=True)), counts, take, priority, lora, arrival)
         finally:
             del self.requests[job.id]
-        yield bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
-                        completion_tokens=counts.completion_tokens, dropped_messages=counts.dropped_messages)
+        take(bus.Final(job=job.id, prompt_tokens=counts.prompt_tokens,
+                       completion_tokens=counts.completion_tokens, dropped_messages=counts.dropped_messages))
+
+    async def _feed(self, job: bus.Job, reqs: list[tuple[str, _EngineRequest]], counts: Counts, take: Take,
+                    priority: int, lora: Any, arrival: float) -> None:
+        """Adds the job's requests to the engine, their outputs handed to `take` as the engine makes them, and waits
+        until they have ended; a request left unfinished (the job failed, or was cancelled) is aborted."""
+        for _request_id, req in reqs:
+            if req.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
+                take(bus.Tokens(job=job.id, text="", token_ids=[], choice=req.choice, finish_reason="length"))
+        running = [(request_id, req) for request_id, req in reqs if req.params.max_tokens > 0]
+        feed, finished = JobFeed(take, len(running)), False
+        try:
+            for request_id, req in running:
+                try:
+                    collector = await self.llm.add_request(request_id, engine_prompt(req.ids, arrival), req.params,
+                                                           lora_request=lora, priority=priority)
+                except refusals() as exc:  # what vLLM refuses on arrival (a grammar it cannot compile): the caller's
+                    raise InvalidRequest(f"The engine cannot serve this request: {exc}",
+                                         code="invalid_structured_output" if req.params.structured_outputs else None,
+                                         ) from None
+                feed.attach(collector, _Outputs(self, job, req, counts))
+            await feed.wait()
+            finished = True
+        finally:
+            if not finished:
+                feed.close()
+                await self.llm.abort([request_id for request_id, _req in running])
 
     async def _engine_requests(self, job: bus.Job, counts: Counts) -> list[_EngineRequest]:
         """One engine request per prompt; a job continued from another worker runs each unfinished choice
@@ -370,43 +422,7 @@ class VllmEngine:
                 reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
         return reqs
 
-    async def _one(self, job: bus.Job, request_id: str, req: _EngineRequest, counts: Counts,
-                   priority: int, lora: Any, arrival: float) -> AsyncIterator[bus.Output]:
-        top = job.params.logprobs
-        first, generated = True, 0
-        if req.params.max_tokens <= 0:  # it had all its tokens; only its ending was lost
-            yield bus.Tokens(job=job.id, text="", token_ids=[], choice=req.choice, finish_reason="length")
-            return
-        outputs = self.llm.generate(engine_prompt(req.ids, arrival), req.params, request_id,
-                                    lora_request=lora, priority=priority).__aiter__()
-        while True:
-            try:
-                out = await outputs.__anext__()
-            except StopAsyncIteration:
-                break
-            except refusals() as exc:  # what vLLM refuses on arrival (a grammar it cannot compile): the caller's
-                if not first:
-                    raise
-                raise InvalidRequest(f"The engine cannot serve this request: {exc}",
-                                     code="invalid_structured_output" if req.params.structured_outputs else None,
-                                     ) from None
-            if first and req.params.prompt_logprobs is not None:
-                yield self._prompt_event(job, req.index, req.echo_ids or req.ids, out.prompt_logprobs)
-            first = False
-            for choice in out.outputs:
-                token_ids = list(choice.token_ids)
-                if choice.finish_reason == FAILED:
-                    raise _failed(req, generated)
-                generated += len(token_ids)
-                counts.completion_tokens += len(token_ids)
-                yield bus.Tokens(
-                    job=job.id, text=choice.text, token_ids=token_ids, choice=req.choice + choice.index,
-                    logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
-                                                                     self.special_ids),
-                    finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-                )
-
-    def _prompt_event(self, job: bus.Job, index: int, ids: list[int], entries: list[Any] | None) -> bus.Prompt:
+    def prompt_event(self, job: bus.Job, index: int, ids: list[int], entries: list[Any] | None) -> bus.Prompt:
         top = job.params.prompt_logprobs or 0
         logprobs = token_logprobs(ids[1:], list((entries or [None])[1:]), top)
         first_token = self.tokenizer.decode(ids[:1]) if ids else ""

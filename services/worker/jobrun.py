@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -65,8 +65,10 @@ class Engine(Protocol):
         """The adapters it holds loaded now."""
         ...
 
-    def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
-        """The job's outputs; among requests waiting in the engine, a lower `priority` goes first."""
+    async def run_into(self, job: bus.Job, priority: int, take: Callable[[bus.Output], None]) -> None:
+        """Hands the job's outputs to `take` as they come (it never waits; what it raises ends the run and is
+        raised here, the job's engine requests aborted); among requests waiting in the engine, a lower
+        `priority` goes first."""
         ...
 
     async def abort(self, job_id: str) -> None: ...
@@ -74,6 +76,10 @@ class Engine(Protocol):
     def decode(self, job: bus.Job, token_ids: list[int]) -> str:
         """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
         ...
+
+
+class _Stopped(Exception):
+    """A job's output came after it was stopped (its client went, or another worker took it over)."""
 
 
 def error_event(job_id: str, error: TokenbusError) -> bus.Error:
@@ -183,22 +189,14 @@ class JobRunner:
         summary = self.prefixes
         if summary is not None and summary.started(job):
             self._publish_prefixes(summary)
-        prefilled = summary is None
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
         run.began = time.monotonic()
         try:
             async with asyncio.timeout(remaining_s):
-                async for event in self.engine.run(job, self.jobs.standing(job)):
-                    if run.aborted or not run.publishes:
-                        # the cancel may have come before the engine knew the request: abort again
-                        await self.engine.abort(job.id)
-                        break
-                    if not prefilled:  # the engine's first output: the prompt is in its cache
-                        prefilled = True
-                        if summary is not None and summary.prefilled(job.id):
-                            self._publish_prefixes(summary)
-                    self._pass_on(run, event, carried, replay_ms)
+                await self.engine.run_into(job, self.jobs.standing(job), self._taker(run, carried, replay_ms))
+        except _Stopped:
+            await self.engine.abort(job.id)
         except TimeoutError:
             await self.engine.abort(job.id)
             raise RequestTimeout("The request did not finish before its deadline.") from None
@@ -207,6 +205,24 @@ class JobRunner:
             if summary is not None and summary.ended(job.id, run.usage[0] if run.usage else 0):
                 self._publish_prefixes(summary)
         return "aborted" if run.aborted else "finished"
+
+    def _taker(self, run: Run, carried: int, replay_ms: int) -> Callable[[bus.Output], None]:
+        """Where the engine hands the job's outputs, as it makes them: through its parsers to its client (an output
+        after it was stopped ends its run: the cancel may have come before the engine knew the request)."""
+        summary = self.prefixes
+        prefilled = summary is None
+
+        def take(event: bus.Output) -> None:
+            nonlocal prefilled
+            if run.aborted or not run.publishes:
+                raise _Stopped
+            if not prefilled:  # the engine's first output: the prompt is in its cache
+                prefilled = True
+                if summary is not None and summary.prefilled(run.job.id):
+                    self._publish_prefixes(summary)
+            self._pass_on(run, event, carried, replay_ms)
+
+        return take
 
     def _pass_on(self, run: Run, event: bus.Output, carried: int, replay_ms: int) -> None:
         """One event of the engine, through the job's parsers, to its client."""

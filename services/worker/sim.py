@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from services.worker.engine_feed import JobFeed, Take
 from services.worker.loras import Loras, LoraSettings
 from services.worker.prefill import PrefillLane
 from services.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
@@ -66,8 +66,14 @@ class _Sequence:
     job: bus.Job
     choice: int
     left: int
-    queue: asyncio.Queue[bus.Tokens | None] = field(default_factory=asyncio.Queue)
     produced: int = 0
+    feed: JobFeed | None = None
+    """Where its tokens go as each step makes them (set once the job's sequences are known)."""
+
+    def give(self, finish: str | None) -> None:
+        """Its latest token, to its job."""
+        assert self.feed is not None  # nosec B101: an invariant (tokenbus never runs with -O)
+        self.feed.give([token(self.job, self.choice, self.produced, finish)], finished=finish is not None)
 
 
 class SimEngine:
@@ -89,6 +95,8 @@ class SimEngine:
         self.gauges = (metrics.ENGINE_RUNNING.labels(settings.model), metrics.KV_CACHE_USAGE.labels(settings.model))
         """Running sequences, and the share of the slots they fill (the simulated engine's cache); nothing waits
         in the simulated engine (the worker never gives it more than its slots)."""
+        self.live: set[str] = set()
+        """Jobs it runs now (an abort of another is a no-op, as vLLM's of an unknown request)."""
         self.aborted: set[str] = set()
         self.stepper: asyncio.Task[None] | None = None
         self.prefills = PrefillLane(settings.sim_prefill_us_per_token / 1e6)
@@ -138,10 +146,9 @@ class SimEngine:
                 seq.left -= 1
                 seq.produced += 1
                 finish = "abort" if aborted else ("length" if seq.left <= 0 else None)
-                seq.queue.put_nowait(token(seq.job, seq.choice, seq.produced, finish))
+                seq.give(finish)
                 if finish is not None:
                     self.running.remove(seq)
-                    seq.queue.put_nowait(None)
             self._gauge()
         self.stepper = None
 
@@ -155,12 +162,21 @@ class SimEngine:
         running.set(len(self.running))
         usage.set(min(1.0, len(self.running) / max(1, self.slots)))
 
-    async def run(self, job: bus.Job, priority: int = 0) -> AsyncIterator[bus.Output]:
+    async def run_into(self, job: bus.Job, priority: int, take: Take) -> None:
+        """Hands the job's tokens to `take` as each step makes them (services.worker.engine_feed), then its Final."""
         self._hold(job)
+        self.live.add(job.id)
+        try:
+            await self._run_into(job, priority, take)
+        finally:
+            self.live.discard(job.id)
+            self.aborted.discard(job.id)
+
+    async def _run_into(self, job: bus.Job, priority: int, take: Take) -> None:
         prompts = len(job.prompts) or 1
         prompt_tokens, dropped = self._prompt(job)
         if job.count_only:
-            yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=0)
+            take(bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=0))
             return
         hashes = block_hashes(self._words(job, dropped)) if self.cache.capacity else []
         cached = self.cache.held(hashes) * BLOCK_TOKENS
@@ -172,28 +188,22 @@ class SimEngine:
         deadline = time.monotonic() + self.ttft_s
         sequences = self._sequences(job, prompts * job.params.n)  # made before the prefill's end, not after it
         carried = sum(seq.produced - 1 for seq in sequences)
-        await _sleep_until(deadline)  # prefill, which yields each sequence's first token
+        feed, finished = JobFeed(take, len(sequences)), False
+        await _sleep_until(deadline)  # prefill, which gives each sequence's first token
         for seq in sequences:
-            finish = "length" if seq.left <= 0 else None
-            seq.queue.put_nowait(token(job, seq.choice, seq.produced, finish))
-            if finish:
-                seq.queue.put_nowait(None)
+            seq.feed = feed
+            seq.give("length" if seq.left <= 0 else None)
         self.running.extend(seq for seq in sequences if seq.left > 0)
-        done, joined = 0, False
+        self._join_batch()
         try:
-            for seq in sequences:
-                while (event := await seq.queue.get()) is not None:
-                    yield event
-                    if not joined:  # the batch's bookkeeping once the first token is out: the simulator's own
-                        joined = True  # cost would count as its caller's time to first token
-                        self._join_batch()
-                done += seq.produced
+            await feed.wait()
+            finished = True
         finally:
-            if not joined:
-                self._join_batch()
-            self.aborted.discard(job.id)
-        yield bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=done - carried,
-                        dropped_messages=dropped)
+            if not finished:  # its take failed, or its run was cancelled: its sequences stop
+                feed.close()
+                self.running = [seq for seq in self.running if seq.feed is not feed]
+        take(bus.Final(job=job.id, prompt_tokens=prompt_tokens,
+                       completion_tokens=sum(seq.produced for seq in sequences) - carried, dropped_messages=dropped))
 
     def _prompt(self, job: bus.Job) -> tuple[int, int]:
         """Prompt tokens (a word each) and the messages truncation "auto" drops as the engine does: the oldest
@@ -233,7 +243,8 @@ class SimEngine:
         return sequences
 
     async def abort(self, job_id: str) -> None:
-        self.aborted.add(job_id)
+        if job_id in self.live:  # an abort after its end (a stopped job's second) leaves nothing behind
+            self.aborted.add(job_id)
 
     @staticmethod
     def decode(job: bus.Job, token_ids: list[int]) -> str:

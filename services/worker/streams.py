@@ -1,9 +1,9 @@
-"""Several engine requests' event streams as one job's: in arrival order."""
+"""Engine event streams: several requests' as one job's, in arrival order; a stream handed on event by event."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from shared.protocol import bus
 
@@ -42,3 +42,10 @@ async def _merge(streams: list[AsyncIterator[bus.Output]]) -> AsyncIterator[bus.
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def take_each(events: AsyncIterator[bus.Output], take: Callable[[bus.Output], None]) -> None:
+    """Hands each event of a stream to `take` as it comes (an engine that yields its events, run into a `take`);
+    what `take` raises ends the stream."""
+    async for event in events:
+        take(event)

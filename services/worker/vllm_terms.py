@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -35,6 +36,21 @@ def engine_prompt(token_ids: list[int], arrival_time: float) -> Any:
     prompt = tokens_input(token_ids)
     prompt["arrival_time"] = arrival_time
     return prompt
+
+
+def deliver_outputs(collector: Any, put: Callable[[Any], None]) -> None:
+    """Makes AsyncLLM hand the request's outputs to `put` as its output handler makes them, instead of keeping them
+    in `collector` (what `AsyncLLM.add_request` returned) for a task to wake for. The output processor hands each
+    RequestOutput of the request, its abort's last one included, and an exception that fails every request, to
+    its collector's `put` (vLLM 0.32, the version both worker builds run); an output the collector holds already
+    goes first."""
+    collector.put = put
+    try:
+        held = collector.get_nowait()
+    except Exception as exc:  # it held a failure
+        held = exc
+    if held is not None:
+        put(held)
 
 
 def sampling_params(job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = False,
