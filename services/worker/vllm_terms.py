@@ -42,8 +42,8 @@ def deliver_outputs(collector: Any, put: Callable[[Any], None]) -> None:
     """Makes AsyncLLM hand the request's outputs to `put` as its output handler makes them, instead of keeping them
     in `collector` (what `AsyncLLM.add_request` returned) for a task to wake for. The output processor hands each
     RequestOutput of the request, its abort's last one included, and an exception that fails every request, to
-    its collector's `put` (vLLM 0.32, the version both worker builds run); an output the collector holds already
-    goes first."""
+    its collector's `put` (read in vLLM 0.32, which both worker images run, and 0.25.1, the GPU bench's); an output
+    the collector holds already goes first."""
     collector.put = put
     try:
         held = collector.get_nowait()
