@@ -265,8 +265,12 @@ async def test_a_short_deadline_ends_with_a_timeout_and_frees_the_slot(stack: St
 async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stack: Stack) -> None:
     edge = stack.edge()
     first = stack.worker(max_reclaims=0)
-    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 500))
-    await asyncio.sleep(0.5)
+    # 30 s of tokens: the first worker is still streaming when the second has started, however slow the machine
+    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 1500))
+    deadline = time.monotonic() + 10
+    while stack.pending() != 1:  # the first worker holds the job
+        assert time.monotonic() < deadline, "the job was not taken up"
+        await asyncio.sleep(0.05)
     stack.worker(max_reclaims=0)
     stack.kill(first.process)
     with pytest.raises(openai.APIError, match="given up"):
