@@ -72,10 +72,27 @@ async def test_a_tenants_standing_counts_its_running_jobs_of_its_band_only() -> 
     table = JobTable(8)
     runs = [_run("a"), _run("a"), _run("a", priority=1), _run("b")]
     for run in runs:
-        run.began = 1.0
         await _held(table, run)
+    assert [table.begin(run) for run in runs] == [0, 1, -PRIORITY_BAND_SPAN, 0]  # each counts those before it
     runs[1].give_up()
     assert table.standing(_run("a").job) == 2
     assert table.standing(_run("a", priority=1).job) == 1 - PRIORITY_BAND_SPAN
     assert table.standing(_run("c").job) == 0
     assert table.claimed() == [runs[0], runs[2], runs[3]]
+
+
+async def test_a_jobs_slots_leave_its_tenants_standing_when_it_ends_and_count_once() -> None:
+    table = JobTable(8)
+    wide = _run("a")
+    wide.job.params.n = 3
+    first, later = wide, _run("a")
+    for run in (first, later):
+        await _held(table, run)
+        table.begin(run)
+    assert table.begin(first) == 1  # begun again (its engine run retried): the others' slots, not its own twice
+    assert table.standing(_run("a").job) == 4
+    table.remove(first)
+    table.remove(first)  # removed twice: let go once
+    assert table.standing(_run("a").job) == 1
+    table.remove(later)
+    assert table.standing(_run("a").job) == 0 and table.held == {}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
@@ -191,10 +190,10 @@ class JobRunner:
             self._publish_prefixes(summary)
         running = metrics.RUNNING_JOBS.labels(self.model)
         running.inc()
-        run.began = time.monotonic()
+        priority = self.jobs.begin(run)
         try:
             async with asyncio.timeout(remaining_s):
-                await self.engine.run_into(job, self.jobs.standing(job), self._taker(run, carried, replay_ms))
+                await self.engine.run_into(job, priority, self._taker(run, carried, replay_ms))
         except _Stopped:
             await self.engine.abort(job.id)
         except TimeoutError:

@@ -60,6 +60,8 @@ class Run:
     """While DETACHED: when to stop waiting for a resume and abort it."""
     began: float = 0.0
     """When it reached the engine here (monotonic seconds; 0: it never did)."""
+    in_band: bool = False
+    """Its slots count in its tenant's band (JobTable.held) until it is removed."""
     generated: int = 0
     """Completion tokens this owner published."""
     usage: tuple[int, int] | None = None
@@ -139,6 +141,8 @@ class JobTable:
         self.slots = Slots(sequences)
         """One per engine sequence: a job holds as many as it runs sequences, from before its start to its end."""
         self.slot_freed = asyncio.Event()
+        self.held: dict[tuple[str, int], int] = {}
+        """Slots the jobs on the engine hold, by tenant and band (what `standing` reads)."""
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -158,8 +162,11 @@ class JobTable:
 
     def remove(self, run: Run) -> None:
         """Forgets an ended job; whoever waits for a free slot looks again."""
-        self.runs.pop(run.job.id, None)
-        self.tasks.pop(run.job.id, None)
+        if self.runs.get(run.job.id) is run:
+            del self.runs[run.job.id]
+            self.tasks.pop(run.job.id, None)
+        if run.in_band:
+            self._let_go(run)
         self.slot_freed.set()
 
     def abort(self, job_id: str, abandoned: bool = False) -> Run | None:
@@ -201,11 +208,32 @@ class JobTable:
             if run.job.reply_to in gone:
                 run.detach(keep_until_ms)
 
-    def standing(self, job: bus.Job) -> int:
-        """The job's engine priority, its tenant's fair-share standing here: the slots the tenant's running jobs of
-        its band hold, over its weight (a tenant using little goes first); a higher band goes before any of a
-        lower one."""
-        band = (job.tenant, job.priority)
-        held = sum(run.job.sequences() for run in self.runs.values()
-                   if run.began and run.job is not job and (run.job.tenant, run.job.priority) == band)
+    def begin(self, run: Run) -> int:
+        """Marks the run's job as on the engine from now and answers its engine priority (`standing`); its slots
+        count in its band's from now until the run is removed."""
+        job = run.job
+        priority = self.standing(job, counted=run.in_band)
+        if not run.in_band:
+            band = (job.tenant, job.priority)
+            self.held[band] = self.held.get(band, 0) + job.sequences()
+            run.in_band = True
+        run.began = time.monotonic()
+        return priority
+
+    def standing(self, job: bus.Job, counted: bool = False) -> int:
+        """The job's engine priority, its tenant's fair-share standing here: the slots the tenant's other jobs of
+        its band on the engine hold (`counted`: the job's own are among them), over its weight (a tenant using
+        little goes first); a higher band goes before any of a lower one. Kept as jobs begin and end: a burst of
+        n jobs costs n look-ups, not n * n."""
+        held = self.held.get((job.tenant, job.priority), 0) - (job.sequences() if counted else 0)
         return int(held / max(job.weight, 1e-3)) - job.priority * PRIORITY_BAND_SPAN
+
+    def _let_go(self, run: Run) -> None:
+        """A begun run's slots leave its band's count."""
+        run.in_band = False
+        band = (run.job.tenant, run.job.priority)
+        left = self.held.get(band, 0) - run.job.sequences()
+        if left > 0:
+            self.held[band] = left
+        else:
+            self.held.pop(band, None)
