@@ -141,14 +141,16 @@ class SimEngine:
         while self.running:
             next_step += self.itl_s
             await asyncio.sleep(max(0.0, next_step - time.monotonic()))
-            for seq in list(self.running):
+            going_on = []  # one pass: a step where many finish costs no list.remove each
+            for seq in self.running:
                 aborted = seq.job.id in self.aborted
                 seq.left -= 1
                 seq.produced += 1
                 finish = "abort" if aborted else ("length" if seq.left <= 0 else None)
                 seq.give(finish)
-                if finish is not None:
-                    self.running.remove(seq)
+                if finish is None:
+                    going_on.append(seq)
+            self.running = going_on
             self._gauge()
         self.stepper = None
 
