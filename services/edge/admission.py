@@ -20,7 +20,7 @@ from services.edge.estimate import estimate
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
 from shared.protocol import bus
 from shared.protocol.errors import QuotaExceeded, RateLimited
-from shared.runtime import metrics
+from shared.runtime import beats, metrics
 from shared.runtime.background import looping
 from shared.tenancy.apikeys import KeyRecord
 from shared.tenancy.limits import WINDOW_MS, Admission, Limits, Settlements, Verdict, headers, period_end
@@ -188,7 +188,7 @@ class Admitter:
 
     async def renew(self, interval_s: float) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            await beats.sleep_to_beat(interval_s)
             now = time.monotonic()
             for held in [held for held, until in self.held.items() if until is not None and until < now]:
                 del self.held[held]  # the job's window is over: its worker gave the lease back or soon will

@@ -45,7 +45,7 @@ from services.edge.store import ResponseStore, watching
 from shared.protocol import keys
 from shared.protocol.errors import MethodNotAllowed, NotFound, PayloadTooLarge, RateLimited, TokenbusError
 from shared.redisio import clients as redis_clients
-from shared.runtime import logs, metrics
+from shared.runtime import beats, logs, metrics
 from shared.runtime.background import looping
 from shared.runtime.settings import Settings
 from shared.tenancy import fairshare
@@ -194,8 +194,9 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
                              settings.metrics_max_tenants)
     if settings.auth == "none":
         log.warning("serving without API keys (--auth none): anyone who reaches this port may use every model")
+    renewal_s = beats.whole_beats(settings.lease_ttl_s / 3, settings.heartbeat_interval_s)  # on the heartbeat's beats
     async with running(relay), directory.running(), listening(app[KEYS]), \
-            renewing(app[ADMITTER], settings.lease_ttl_s / 3), watching(app[STORE]), \
+            renewing(app[ADMITTER], renewal_s), watching(app[STORE]), \
             looping(batches=app[batch_driver.BATCH_DRIVER].looking()):
         log.info("edge %s listens for its events on %s", edge_id, relay.channel)
         yield

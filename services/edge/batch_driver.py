@@ -41,7 +41,7 @@ from shared.protocol.errors import (
     TokenbusError,
     WorkerLost,
 )
-from shared.runtime import metrics
+from shared.runtime import beats, metrics
 from shared.tenancy import apikeys, fairshare
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,10 @@ class BatchDriver:
     def ttl_ms(self) -> int:
         return int(self.app[SETTINGS].batch_lease_ttl_s * 1000)
 
+    def _beats(self, period_s: float) -> float:
+        """A period of the driver's rounds in whole heartbeats: they run in the wake of the edge's heartbeat."""
+        return beats.whole_beats(period_s, self.app[SETTINGS].heartbeat_interval_s)
+
     async def begin(self, tenant: str, batch_id: str) -> None:
         """Drives a batch this edge just created (unless it drives too many: then another edge will)."""
         if len(self.driving) < MAX_DRIVEN and await self.app[BATCHES].claim(batch_id, self.name, self.ttl_ms):
@@ -94,7 +98,7 @@ class BatchDriver:
 
     async def looking(self) -> None:
         while True:
-            await asyncio.sleep(self.app[SETTINGS].batch_lease_ttl_s / 2)
+            await beats.sleep_to_beat(self._beats(self.app[SETTINGS].batch_lease_ttl_s / 2))
             try:
                 await self.look()
             except (TokenbusError, *REDIS_FAILURES) as exc:
@@ -130,7 +134,7 @@ class BatchDriver:
         """Renews the lease while the batch is driven here; a lease lost (Redis was out longer than it lasts, and
         another edge took the batch) stops this driver."""
         while True:
-            await asyncio.sleep(self.ttl_ms / 3000)
+            await beats.sleep_to_beat(self._beats(self.ttl_ms / 3000))
             try:
                 kept = await self.app[BATCHES].renew(batch_id, self.name, self.ttl_ms)
             except (TokenbusError, *REDIS_FAILURES):
@@ -254,7 +258,7 @@ class BatchRun:
         """Stops the batch when a cancel is asked, its window ends, or its answers fill its tenant's storage:
         the lines running are cancelled (their jobs with them), the rest never start."""
         while not self.stopped:
-            await asyncio.sleep(WATCH_S)
+            await beats.sleep_to_beat(WATCH_S)
             with contextlib.suppress(TokenbusError, *REDIS_FAILURES):
                 found = await self.store.load(self.tenant, batch.id)
                 if found is not None and found.cancel_asked:

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from services.edge.redis_boundary import REDIS_FAILURES
 from shared.protocol import bus, keys
 from shared.redisio import rawpipe
-from shared.runtime import metrics
+from shared.runtime import beats, metrics
 from shared.runtime.background import looping
 from shared.tenancy import adapters as adapter_registry
 from shared.tenancy.adapters import Adapter
@@ -129,7 +129,7 @@ class ModelDirectory:
             except REDIS_FAILURES as exc:
                 metrics.READY.set(0)
                 log.warning("reading the worker registry failed (%s); keeping the last answer", exc)
-            await asyncio.sleep(self.refresh_s)
+            await beats.sleep_to_beat(self.refresh_s)
 
     def running(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Keeps the directory fresh for the lifetime of the block."""

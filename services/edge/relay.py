@@ -31,13 +31,14 @@ from services.edge.redis_boundary import REDIS_FAILURES, unavailable
 from shared.protocol import bus, joblog, keys
 from shared.protocol.errors import WorkerLost
 from shared.redisio import internals, rawpipe
-from shared.runtime import metrics
+from shared.runtime import beats, metrics
 from shared.runtime.background import looping
 
 log = logging.getLogger(__name__)
 
 PING_AFTER_S = 2.0
-"""A subscription quiet this long is asked for a PONG; each costs the edge and Redis a wake-up."""
+"""A subscription quiet this long is asked for a PONG, on the beats of this period (shared.runtime.beats): with the
+default heartbeat interval, in the wake of the edge's heartbeat, not one of its own."""
 PONG_WAIT_S = 2.0
 """How long the PONG may take before the subscription's connection counts as lost."""
 SUBSCRIBE_WAIT_S = 5.0
@@ -214,8 +215,8 @@ class EventRelay:
 
     def _watch_quiet(self) -> None:
         """One timer for the subscription's quiet spells, which re-arms itself while messages come (a timeout
-        per read would cost every token's read a timer): PING_AFTER_S of quiet sends a PING, and when nothing
-        answers it for PONG_WAIT_S the connection is closed, which ends the listening."""
+        per read would cost every token's read a timer), on beats: PING_AFTER_S of quiet sends a PING, and when
+        nothing answers it for PONG_WAIT_S the connection is closed, which ends the listening."""
         self.quiet_check = None
         transport = None if self.connection is None else internals.transport(self.connection)
         if transport is None or transport.is_closing():  # its listening ends, or has ended, on its own
@@ -223,11 +224,11 @@ class EventRelay:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if self.pinged_at is None:
-            due = self.heard + PING_AFTER_S
-            if now >= due:
+            due = beats.beat_at(self.heard + PING_AFTER_S, PING_AFTER_S)
+            if beats.come(now, due, PING_AFTER_S):
                 transport.write(rawpipe.pack(("PING",)))
-                self.pinged_at, due = now, now + PONG_WAIT_S
-        elif now >= (due := self.pinged_at + PONG_WAIT_S):
+                self.pinged_at, due = now, beats.beat_at(now + PONG_WAIT_S, PING_AFTER_S)
+        elif beats.come(now, due := beats.beat_at(self.pinged_at + PONG_WAIT_S, PING_AFTER_S), PING_AFTER_S):
             log.warning("the subscription on %s went unanswered for %.1f s", self.channel, PONG_WAIT_S)
             transport.abort()
             return
@@ -386,7 +387,7 @@ class EventRelay:
                     del self.unsent_cancels[job_id]
                 if cancels:
                     log.info("sent %d cancels held back by an outage", len(cancels))
-            await asyncio.sleep(self.timing.heartbeat_interval_s)
+            await beats.sleep_to_beat(self.timing.heartbeat_interval_s)
 
     def _due_cancels(self) -> list[str]:
         """The held-back cancels still worth sending (past its deadline, a job has ended by itself)."""

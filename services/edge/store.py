@@ -14,7 +14,6 @@ grow with its length, not its square, and resolving previous_response_id reads a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import redis.asyncio as aioredis
 from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary
 from shared.protocol import bus, keys
 from shared.protocol.errors import NotFound, Overloaded, StorageFull
-from shared.runtime import metrics
+from shared.runtime import beats, metrics
 from shared.runtime.background import looping
 from shared.tenancy.apikeys import KeyRecord
 from shared.tenancy.storage import GIVE_BACK, TRIM_EXPIRED
@@ -271,7 +270,7 @@ class ResponseStore:
                 used, most = fullest(await self.redis.info("memory"))
                 metrics.REDIS_USED_MEMORY.set(used)
                 metrics.REDIS_MAXMEMORY.set(most)
-            await asyncio.sleep(MEMORY_POLL_S)
+            await beats.sleep_to_beat(MEMORY_POLL_S)
 
 
 def fullest(info: dict[str, Any]) -> tuple[int, int]:

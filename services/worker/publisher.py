@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from shared.protocol import bus, keys
 from shared.redisio.rawpipe import Arg, PipelineLike, Pipelines
-from shared.runtime import metrics
+from shared.runtime import beats, metrics
 from shared.tenancy.storage import LOG_ENTRY_BYTES
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,11 @@ CONFIRM_AFTER_S = 1.0
 a task switch and two changes of the connection's polling: at 0.1 s, a lone stream whose tokens come slowly (vLLM
 on a CPU) paid them on many of its tokens, and the worker spent more CPU per token than at 1 s. A failure they
 show is found this much later, and its events are written again (see the module's doc)."""
-CONFIRM_QUIET_S = 1.0
+CONFIRM_QUIET_S = 2.0
 """Replies still unread when nothing was written for this long are read by themselves (a stream that stalled);
-a job's last write carries its acknowledgement, which reads them at once."""
+a job's last write carries its acknowledgement, which reads them at once. Its timer fires on the beats of this
+period (shared.runtime.beats): with the default heartbeat interval, in the wake of the worker's heartbeat, not
+one of its own, while tokens flow as when they stall."""
 MAX_UNCONFIRMED = 32
 """Token writes whose replies may stay unread at once."""
 
@@ -199,13 +201,15 @@ class EventPublisher:
         """One timer for the replies left unread, which re-arms itself while writes go on: a timer per write would
         cost each token more than the wake it saves."""
         if self.quiet_check is None:
-            self.quiet_check = asyncio.get_running_loop().call_at(self.last_sent + CONFIRM_QUIET_S, self._quiet)
+            due = beats.beat_at(self.last_sent + CONFIRM_QUIET_S, CONFIRM_QUIET_S)
+            self.quiet_check = asyncio.get_running_loop().call_at(due, self._quiet)
 
     def _quiet(self) -> None:
         self.quiet_check = None
         if not self.unconfirmed:
             return
-        if asyncio.get_running_loop().time() >= self.last_sent + CONFIRM_QUIET_S:
+        now, due = asyncio.get_running_loop().time(), beats.beat_at(self.last_sent + CONFIRM_QUIET_S, CONFIRM_QUIET_S)
+        if beats.come(now, due, CONFIRM_QUIET_S):
             self.confirm_due = True
             self._wake()
         else:

@@ -24,6 +24,7 @@ from services.worker.scheduling import SchedulerLink
 from shared.protocol import bus, keys
 from shared.redisio import clients as redis_clients
 from shared.redisio import rawpipe
+from shared.runtime import beats
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class Upkeep:
                 reads.replies = results
                 if not self.round_read.full():  # else the round before is still being acted on: this one waits
                     self.round_read.put_nowait(reads)
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await beats.sleep_to_beat(self.settings.heartbeat_interval_s)
 
     async def forget(self) -> None:
         """The heartbeat removed, so that edges stop counting this worker at once (it stops)."""
