@@ -143,6 +143,27 @@ async def test_token_writes_leave_their_replies_unread_for_a_while(
         running.cancel()
 
 
+async def test_a_drain_reads_the_replies_left_unread_at_once(
+        client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    """A worker handing its jobs over drains its publisher: the replies its token writes left unread are read then,
+    not seconds later when the quiet check comes (CONFIRM_QUIET_S as shipped)."""
+    job, channel = f"job-{uuid.uuid4().hex}", f"events-{uuid.uuid4().hex}"
+    publisher = EventPublisher(client, 100)
+    running = asyncio.create_task(publisher.run())
+    try:
+        for event in _tokens(job, 0, 3):
+            publisher.publish(channel, event)
+            await asyncio.sleep(0.02)
+        assert publisher.pipelines.held is not None and publisher.pipelines.held.unread > 0
+        started = asyncio.get_running_loop().time()
+        await publisher.drain(timeout_s=publisher_module.CONFIRM_QUIET_S)
+        assert asyncio.get_running_loop().time() - started < publisher_module.CONFIRM_QUIET_S / 2
+        assert publisher.pipelines.held.unread == 0 and not publisher.unconfirmed
+        assert _positions(redis_client, job) == [0, 1, 2]
+    finally:
+        running.cancel()
+
+
 async def test_while_tokens_flow_their_replies_are_read_by_the_next_write_not_by_a_wake_of_their_own(
         client: aioredis.Redis, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokens every 20 ms for 0.6 s: no write waits for its own replies, none of the publisher's wakes is a

@@ -318,7 +318,11 @@ class EventPublisher:
         metrics.EVENTS_PUBLISHED.inc(sum(map(len, batch.live.values())))
 
     async def drain(self, timeout_s: float) -> None:
-        """Waits until everything published so far is written, at most `timeout_s`."""
+        """Waits until everything published so far is written and its replies read, at most `timeout_s`: replies
+        left unread are read at once, not when the quiet check comes (a worker handing its jobs over waits on it)."""
+        if self.unconfirmed:
+            self.confirm_due = True
+            self._wake()
         try:
             await asyncio.wait_for(self.idle.wait(), timeout_s)
         except TimeoutError:
