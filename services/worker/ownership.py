@@ -194,28 +194,31 @@ class Ownership:
         pipe.xdel(stream, run.entry_id)
         await pipe.execute()
 
-    async def hand_over(self, run: Run) -> fairshare.Dispatched:
+    async def hand_over(self, run: Run) -> fairshare.Dispatched | None:
         """Puts the job back on the queue for another worker to continue (one holding its prompt's prefix, when
         one has room), and lets go of its entry, at once; what the scheduler charged for it goes on its new entry
-        too, settled by whoever ends it. Returns where it went, as placements."""
+        too, settled by whoever ends it. Returns where it went, as placements; None when another worker had claimed
+        its entry meanwhile (it continues the job: handing it over as well would give it two owners)."""
         moved = msgspec.structs.replace(run.job, handovers=run.job.handovers + 1, continuation=None)
         entry: dict[Any, Any] = {**(run.ticket.fields() if run.ticket else {}), bus.JOB_FIELD: bus.encode_job(moved)}
         placed = await self._requeue(self.stream_of(run), run.entry_id, entry, run.job)
-        return fairshare.Dispatched(0, tuple(int(n) for n in placed))
+        return None if placed is None else fairshare.Dispatched(0, tuple(int(n) for n in placed))
 
     async def give_back(self, entry_id: Any, fields: dict[Any, Any], job: bus.Job | None) -> None:
         """Puts an entry of the model's stream that this worker read without a slot for it back on the queue, as
         it was (placed by its job's prefix like a dispatched job), and lets go of it, in one step."""
         await self._requeue(self.stream, entry_id, fields, job)
 
-    async def _requeue(self, stream: str, entry_id: Any, fields: dict[Any, Any], job: bus.Job | None) -> list[Any]:
+    async def _requeue(self, stream: str, entry_id: Any, fields: dict[Any, Any],
+                       job: bus.Job | None) -> list[Any] | None:
         """A new entry of `fields` on the queue (the own stream of a live worker with room that holds the job's
-        prefix, else as a dispatch places it), and the old one let go of, in one script; its placements."""
+        prefix, else as a dispatch places it), and the old one let go of, in one script; its placements (None, and
+        nothing done, when the old entry is no longer this worker's)."""
         chain = prefixes.chain(job) if job and self.aware else []
         affinity = f"0 {' '.join(chain)}" if chain else ""
         flat = [part for pair in fields.items() for part in pair]
-        placed: list[Any] = await self._hand_over(keys=keys.fair_keys(self.model),
-                                                  args=[stream, entry_id, affinity, *flat])
+        placed: list[Any] | None = await self._hand_over(keys=keys.fair_keys(self.model),
+                                                         args=[stream, entry_id, affinity, self.worker_id, *flat])
         return placed
 
 

@@ -141,11 +141,17 @@ class Worker:
         for task in stuck:
             task.cancel()
         await self.publisher.drain(timeout_s=5.0)  # the log holds everything its clients can have
+        handed = 0
         for run in runs:
             try:
                 placed = await self.ownership.hand_over(run)
-                metrics.HANDOVERS.labels(self.model).inc()
-                placed.count(self.model, metrics.DISPATCHES, metrics.DISPATCH_DECISIONS)
             except (RedisError, OSError) as exc:  # its entry stays pending: a live worker reclaims it
                 log.warning("could not hand job %s over (%s); it will be reclaimed", run.job.id, exc)
-        log.info("handed %d running jobs over to other workers", len(runs))
+                continue
+            if placed is None:  # a worker that found it idle claimed it meanwhile, and continues it
+                log.info("job %s was claimed by another worker before it was handed over", run.job.id)
+                continue
+            handed += 1
+            metrics.HANDOVERS.labels(self.model).inc()
+            placed.count(self.model, metrics.DISPATCHES, metrics.DISPATCH_DECISIONS)
+        log.info("handed %d running jobs over to other workers", handed)

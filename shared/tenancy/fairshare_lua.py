@@ -179,16 +179,19 @@ return 1
 
 HAND_OVER = LIBRARY + r"""
 -- ARGV: the stream a job's entry is on, its id, its affinity as the enqueue takes it ('' or '0 ' then its prefix
--- links), then the fields of its new entry. A draining worker puts the job back for another worker to continue:
--- onto the own stream of a live worker with room that holds its prefix, else onto the model's stream, and lets go
--- of its entry, in one step. Returns the placements by reason.
-local from, entry = ARGV[1], ARGV[2]
+-- links), the calling worker, then the fields of its new entry. A draining worker puts the job back for another
+-- worker to continue: onto the own stream of a live worker with room that holds its prefix, else onto the model's
+-- stream, and lets go of its entry, in one step. Returns the placements by reason; false, doing nothing, when the
+-- entry is no longer the caller's (another worker claimed it meanwhile: the job is that worker's to continue).
+local from, entry, caller = ARGV[1], ARGV[2], ARGV[4]
+local held = redis.call('XPENDING', from, GROUP, entry, entry, 1)
+if #held == 0 or held[1][2] ~= caller then return false end
 local now = now_ms()
 capacity(now)
 local wait_ms, chain = string.match(ARGV[3], '^(%d+) (.+)$')
 local stream = place(chain and ('U' .. now .. ' ' .. chain) or '', 1, now) or REQUESTS
 local fields = {}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', stream, '*', unpack(fields))
 redis.call('XACK', from, GROUP, entry)
 redis.call('XDEL', from, entry)
