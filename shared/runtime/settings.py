@@ -196,7 +196,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     key_cache_s: float = 5.0
     """How long an edge trusts a key record it read; a revoke reaches every edge at once regardless."""
     lease_ttl_s: float = 15.0
-    """A concurrency lease outlives its edge by at most this long (edges renew theirs every heartbeat)."""
+    """A concurrency lease outlives its edge by at most this long (edges renew theirs on their heartbeat's beats,
+    three or more times within it)."""
     admission_when_redis_down: str = "closed"
     """What an edge does with a key's limits when Redis cannot answer the admission step: closed (refuse
     with 503), open (admit without limits), local (each edge enforces an equal part of every limit itself)."""
