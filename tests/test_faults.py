@@ -26,8 +26,10 @@ def expected(tokens: int) -> str:
     return "".join(f" t{n}" for n in range(1, tokens + 1))
 
 
-async def stream_text(url: str, model: str, tokens: int, **extra: object) -> tuple[str, int]:
-    """A streamed chat through the openai SDK: the text and the completion tokens its usage reports."""
+async def stream_text(url: str, model: str, tokens: int, first_token: asyncio.Event | None = None,
+                      **extra: object) -> tuple[str, int]:
+    """A streamed chat through the openai SDK: the text and the completion tokens its usage reports; sets
+    `first_token` when the first text arrives."""
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "count"}], max_tokens=tokens, stream=True,
@@ -36,9 +38,23 @@ async def stream_text(url: str, model: str, tokens: int, **extra: object) -> tup
         async for chunk in stream:
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
+                if text and first_token is not None:
+                    first_token.set()
             if chunk.usage:
                 usage = chunk.usage.completion_tokens
         return text, usage
+
+
+async def streaming(url: str, model: str, tokens: int, **extra: object) -> asyncio.Task[tuple[str, int]]:
+    """A `stream_text` running, returned once its first token reached the client (within 10 s): a fault after
+    it lands mid-stream however slow the machine (a fixed sleep could kill a worker before the job reached it)."""
+    first_token = asyncio.Event()
+    stream = asyncio.create_task(stream_text(url, model, tokens, first_token, **extra))
+    arrived = asyncio.create_task(first_token.wait())
+    await asyncio.wait([stream, arrived], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    arrived.cancel()
+    assert first_token.is_set(), "no token within 10 s" if not stream.done() else stream.result()
+    return stream
 
 
 async def test_a_worker_killed_mid_stream_ends_no_stream(stack: Stack) -> None:
@@ -94,8 +110,7 @@ async def test_redis_killed_and_restarted(stack: Stack) -> None:
     edge = stack.edge()
     stack.worker()
     assert (await stream_text(edge.url, stack.model, 5))[0] == expected(5)
-    in_flight = asyncio.create_task(stream_text(edge.url, stack.model, 2000))
-    await asyncio.sleep(0.5)
+    in_flight = await streaming(edge.url, stack.model, 2000)
     stack.redis.kill()
     killed = time.monotonic()
     async with httpx.AsyncClient(base_url=edge.url, timeout=5) as http:
@@ -266,7 +281,7 @@ async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stac
     edge = stack.edge()
     first = stack.worker(max_reclaims=0)
     # 30 s of tokens: the first worker is still streaming when the second has started, however slow the machine
-    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 1500))
+    stream = asyncio.create_task(stream_text(edge.url, stack.model, 1500))
     deadline = time.monotonic() + 10
     while stack.pending() != 1:  # the first worker holds the job
         assert time.monotonic() < deadline, "the job was not taken up"
@@ -274,7 +289,7 @@ async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stac
     stack.worker(max_reclaims=0)
     stack.kill(first.process)
     with pytest.raises(openai.APIError, match="given up"):
-        await asyncio.wait_for(streaming, 20)
+        await asyncio.wait_for(stream, 20)
     letters = stack.client.xrange(keys.dead_letters(stack.model))
     assert len(letters) == 1 and b"died" in letters[0][1][b"reason"]
     await stack.settled()
@@ -382,12 +397,11 @@ async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothi
 async def test_a_stream_whose_only_worker_dies_ends_with_worker_lost_within_seconds(stack: Stack) -> None:
     edge = stack.edge()
     only = stack.worker()
-    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 2000))
-    await asyncio.sleep(0.5)
+    stream = await streaming(edge.url, stack.model, 2000)
     stack.kill(only.process)
     killed = time.monotonic()
     with pytest.raises(openai.APIError, match="died") as caught:
-        await asyncio.wait_for(streaming, 15)
+        await asyncio.wait_for(stream, 15)
     assert time.monotonic() - killed < 10
     assert caught.value.code == "worker_lost"
     stack.worker()  # the next worker claims the dead one's entry and, as its client gave up, drops it
@@ -399,12 +413,11 @@ async def test_a_structured_stream_whose_worker_dies_ends_with_worker_lost_never
     stream ends with worker_lost instead; one that had sent nothing yet simply runs on the next worker."""
     edge = stack.edge()
     doomed = stack.worker()
-    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 400, response_format={"type": "json_object"}))
-    await asyncio.sleep(0.8)
+    stream = await streaming(edge.url, stack.model, 400, response_format={"type": "json_object"})
     stack.kill(doomed.process)
     stack.worker()
     with pytest.raises(openai.APIError, match="structured output") as caught:
-        await asyncio.wait_for(streaming, 30)
+        await asyncio.wait_for(stream, 30)
     assert caught.value.code == "worker_lost"
     await stack.settled()
 
@@ -415,10 +428,9 @@ async def test_a_stream_with_tools_whose_worker_dies_continues_with_its_parser_w
     edge = stack.edge()
     doomed = stack.worker()
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    streaming = asyncio.create_task(stream_text(edge.url, stack.model, 400, tools=tools))
-    await asyncio.sleep(0.8)
+    stream = await streaming(edge.url, stack.model, 400, tools=tools)
     stack.kill(doomed.process)
     survivor = stack.worker()
-    assert await asyncio.wait_for(streaming, 30) == (expected(400), 400)
+    assert await asyncio.wait_for(stream, 30) == (expected(400), 400)
     assert "continuing job" in survivor.log.read_text()
     await stack.settled()
