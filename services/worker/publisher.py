@@ -201,15 +201,17 @@ class EventPublisher:
         """One timer for the replies left unread, which re-arms itself while writes go on: a timer per write would
         cost each token more than the wake it saves."""
         if self.quiet_check is None:
-            due = beats.beat_at(self.last_sent + CONFIRM_QUIET_S, CONFIRM_QUIET_S)
-            self.quiet_check = asyncio.get_running_loop().call_at(due, self._quiet)
+            self.quiet_check = asyncio.get_running_loop().call_at(self._quiet_due(), self._quiet)
+
+    def _quiet_due(self) -> float:
+        """The first beat at least CONFIRM_QUIET_S after the latest write left unread."""
+        return beats.beat_at(self.last_sent + CONFIRM_QUIET_S, CONFIRM_QUIET_S)
 
     def _quiet(self) -> None:
         self.quiet_check = None
         if not self.unconfirmed:
             return
-        now, due = asyncio.get_running_loop().time(), beats.beat_at(self.last_sent + CONFIRM_QUIET_S, CONFIRM_QUIET_S)
-        if beats.come(now, due, CONFIRM_QUIET_S):
+        if beats.come(asyncio.get_running_loop().time(), self._quiet_due(), CONFIRM_QUIET_S):
             self.confirm_due = True
             self._wake()
         else:
