@@ -229,7 +229,11 @@ async def test_a_stream_of_a_killed_edge_resumes_on_another(stack: Stack) -> Non
     async with httpx.AsyncClient(timeout=30) as http:
         reading = asyncio.create_task(sse_frames(http, "POST", doomed.url + "/v1/chat/completions",
                                                  json=chat_body(stack.model, 120)))
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 10
+        while not any(stack.client.scan_iter(keys.job_record("*"))):  # the job is on its way
+            assert time.monotonic() < deadline, "the request did not reach the stack"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # and some tokens are out
         stack.kill(doomed.process)
         with pytest.raises(httpx.HTTPError):
             await reading
