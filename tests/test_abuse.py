@@ -275,6 +275,19 @@ async def test_a_revoked_keys_streams_end_at_once(stack: Stack) -> None:
     await stack.settled()
 
 
+async def test_a_revoked_keys_background_responses_stop_too(stack: Stack) -> None:
+    """A background response runs on whatever its edge sees, but not past its key's revoke: its job stops."""
+    key = create_key(stack, "--tenant", "revoked-background")
+    async with httpx.AsyncClient(timeout=30) as http:
+        created = await http.post(stack.edges[0].url + "/v1/responses", headers=bearer(key), json={
+            "model": stack.model, "input": "count", "max_output_tokens": 3000, "background": True})  # 30 s of it
+        assert created.status_code == 200, created.text
+        await until("the job running", lambda: _some_running(stack), 5.0)
+        assert tokenbus(stack, "keys", "revoke", key["id"]).returncode == 0
+        await until("the job stopped", lambda: _none_running(stack), 5.0)
+    await stack.settled()
+
+
 async def _some_running(stack: Stack) -> bool:
     return await running_jobs(stack) > 0
 

@@ -8,6 +8,7 @@ fault, nothing stays pending in the queue, no edge has a request in flight and n
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import time
@@ -17,7 +18,7 @@ import openai
 import orjson
 import pytest
 
-from shared.protocol import keys
+from shared.protocol import bus, keys
 from tests.processes import metric_value
 from tests.stack import Stack
 
@@ -410,6 +411,50 @@ async def test_a_stream_whose_only_worker_dies_ends_with_worker_lost_within_seco
     assert caught.value.code == "worker_lost"
     stack.worker()  # the next worker claims the dead one's entry and, as its client gave up, drops it
     await stack.settled()
+
+
+async def test_a_request_whose_only_worker_dies_before_starting_it_ends_with_queue_timeout_not_at_its_deadline(
+        stack: Stack) -> None:
+    """The job reaches a worker that froze, then dies, with no other worker to take it: its client hears that no
+    worker started it once the queue timeout (and the time a start takes to be heard of) is past, not after the
+    request's 600 s; the next worker to come does not start it."""
+    edge = stack.edge(queue_timeout_s=1)
+    doomed = stack.worker()
+    os.killpg(doomed.process.pid, signal.SIGSTOP)  # its heartbeat stands a while: the job is placed with it
+    asked = time.monotonic()
+    stream = asyncio.create_task(stream_text(edge.url, stack.model, 20))
+    deadline = time.monotonic() + 10
+    while stack.on_streams() == 0:
+        assert time.monotonic() < deadline, "the job was not queued"
+        await asyncio.sleep(0.05)
+    stack.kill(doomed.process)
+    with pytest.raises(openai.APIError, match="queue timeout") as caught:
+        await asyncio.wait_for(stream, 30)
+    assert caught.value.code == "queue_timeout"
+    assert time.monotonic() - asked < 1 + bus.START_NOTICE_S + 3
+    stack.worker()
+    await stack.settled()  # the next worker drops the job it finds cancelled
+
+
+async def test_a_request_no_busy_worker_starts_in_time_ends_with_queue_timeout_and_leaves_the_queue(
+        stack: Stack) -> None:
+    """One slot, held by a long stream: a second request waits in the backlog; once the queue timeout is past its
+    client hears so while the first still streams, and its job leaves the queue without ever running."""
+    edge = stack.edge(queue_timeout_s=1)
+    worker = stack.worker(max_num_seqs=1)
+    first = await streaming(edge.url, stack.model, 1000)  # 20 s of tokens
+    asked = time.monotonic()
+    with pytest.raises(openai.APIError, match="queue timeout") as caught:
+        await asyncio.wait_for(stream_text(edge.url, stack.model, 5), 30)
+    assert caught.value.code == "queue_timeout"
+    assert time.monotonic() - asked < 1 + bus.START_NOTICE_S + 3
+    assert not first.done()
+    assert stack.on_streams() == 1  # the first's entry alone: the second was withdrawn from the backlog
+    first.cancel()
+    await stack.settled()
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(worker.metrics_url)).text
+    assert metric_value(text, "tokenbus_worker_jobs_total") == 1  # the first, cancelled; the second never taken
 
 
 async def test_a_structured_stream_whose_worker_dies_ends_with_worker_lost_never_unconstrained(stack: Stack) -> None:

@@ -18,11 +18,23 @@ from services.edge.redis_boundary import redis_boundary, unavailable
 from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
 from shared.protocol import bus, keys
-from shared.protocol.errors import AdapterUnavailable, InvalidRequest, ModelNotFound, TokenbusError, Unauthenticated
+from shared.protocol.errors import (
+    AdapterUnavailable,
+    InvalidRequest,
+    ModelNotFound,
+    QueueTimeout,
+    TokenbusError,
+    Unauthenticated,
+)
 from shared.tenancy import fairshare
 from shared.tenancy.adapters import Adapter
 
 log = logging.getLogger(__name__)
+
+
+STOPS_BACKGROUND = (Unauthenticated, QueueTimeout)
+"""The errors found at the edge that stop a background job too: its key was revoked, no worker started it in time
+(others, a Redis outage say, end only this edge's view of it)."""
 
 
 class Gateway:
@@ -51,10 +63,13 @@ class Gateway:
                      on_refused: Callable[[bus.Job], Awaitable[None]] | None = None) -> AsyncIterator[JobEvents]:
         """Enqueues the job (with its resume record, if any) or raises its refusal; the block reads its events.
         Leaving early cancels the job, unless it has a resume record and its client (or this edge, draining) went
-        away after it started: then it is kept for a resume; a background job runs on whatever happens here. A job
+        away after it started: then it is kept for a resume; a background job runs on whatever happens here, but
+        for the errors of STOPS_BACKGROUND. One that no worker started within the queue timeout (and the time its
+        start takes to be heard of) ends with queue_timeout, as a worker would end it, and is cancelled: no worker
+        starts it after that. A job
         that cannot be queued (Redis failed, or admission refused it) is handed to `on_refused` (its rate limits'
         admission is given back) before the error leaves."""
-        events = self.relay.register(job.id, deadline)
+        events = self.relay.register(job.id, deadline, self._start_by(job))
         try:
             try:
                 self.check_redis()
@@ -67,14 +82,24 @@ class Gateway:
             if admitted.member:
                 self.waiting[job.id] = (job.model, admitted.member)
             with self._of_key(job, events):
-                if job.background:  # nobody's leaving stops it: only a cancel or its deadline
+                if job.background:  # nobody's leaving stops it: a cancel, its deadline, a revoke or a queue timeout
                     yield events
+                    if isinstance(events.failed_with, STOPS_BACKGROUND):
+                        await self._let_go(events, keep=False)
                     return
                 async with self._leaving(events, resumable=record is not None):
                     yield events
         finally:
             self.relay.unregister(events)
             self.waiting.pop(job.id, None)
+
+    def _start_by(self, job: bus.Job) -> float | None:
+        """When (the monotonic clock) a worker must have started the job, by the rule a worker applies (a queue
+        timeout from its creation) and the time its start takes to be heard of."""
+        if not job.created_ms:
+            return None
+        left_ms = job.created_ms + self.queue.scheduler.settings.queue_timeout_s * 1000 - bus.now_ms()
+        return time.monotonic() + left_ms / 1000 + bus.START_NOTICE_S
 
     @contextlib.contextmanager
     def _of_key(self, job: bus.Job, events: JobEvents) -> Iterator[None]:

@@ -61,10 +61,15 @@ class JobEvents:
         self.gap_at: int | None = None
         """A position seen before the ones ahead of it: they are read from the log first."""
         self.failing = False
+        self.failed_with: TokenbusError | None = None
+        """The error found at the edge that ends it (see `fail`)."""
         self.overflowed = False
         """Its client fell max_buffered events behind and is being dropped."""
         self.on_overflow: Callable[[], None] | None = None
         """Drops the client (set by the request once its stream is open)."""
+        self.start_by: float | None = None
+        """When (the monotonic clock) a job this edge queued must have been started by a worker (its owner known),
+        else no worker will start it and its request ends with queue_timeout; None: no such bound."""
         self.owner_lost_since: float | None = None
         """When the relay's ticker first saw the job's owner without a heartbeat."""
         self.kept = False
@@ -99,6 +104,7 @@ class JobEvents:
         """Ends the job with an error found at the edge, after the events already here."""
         if not self.finished and not self.failing:
             self.failing = True
+            self.failed_with = error
             self._put(bus.Error(job=self.job_id, kind=kind_of(error), message=error.message, code=error.code))
 
     def _put(self, event: bus.Event) -> None:

@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from services.edge.jobevents import JobEvents
 from services.edge.redis_boundary import REDIS_FAILURES, unavailable
 from shared.protocol import bus, joblog, keys
-from shared.protocol.errors import WorkerLost
+from shared.protocol.errors import QueueTimeout, WorkerLost
 from shared.redisio import internals, rawpipe
 from shared.runtime import beats, metrics
 from shared.runtime.background import looping
@@ -120,9 +120,11 @@ class EventRelay:
         """Job id -> deadline (monotonic) of the cancels Redis could not take: the heartbeat sends them again until
         one goes through or the job's own deadline ends it (else a job whose client left runs on unread)."""
 
-    def register(self, job_id: str, deadline: float) -> JobEvents:
-        """The job's events for a request, from now on (a request of this edge that read them is shelved)."""
+    def register(self, job_id: str, deadline: float, start_by: float | None = None) -> JobEvents:
+        """The job's events for a request, from now on (a request of this edge that read them is shelved); a job
+        not started by `start_by` ends with queue_timeout."""
         events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
+        events.start_by = start_by
         if (earlier := self.jobs.get(job_id)) is not None:
             self.shelved.setdefault(job_id, []).append(earlier)
         self.jobs[job_id] = events
@@ -349,6 +351,7 @@ class EventRelay:
                 events.fail(unavailable())
             else:
                 self._watch_owner(events, now)
+                self._watch_start(events, now)
             if events.waiter is not None and (now >= events.deadline or events.watch is None or events.watch()):
                 events.wake()
 
@@ -362,6 +365,12 @@ class EventRelay:
         elif now - events.owner_lost_since > self.timing.takeover_wait_s and not events.failing:
             metrics.WORKERS_LOST.inc()
             events.fail(WorkerLost("The worker running this request died and no other worker took it over."))
+
+    def _watch_start(self, events: JobEvents, now: float) -> None:
+        """A queued job that no worker started in time never will be (a worker refuses one past the queue timeout,
+        and one whose only worker died meanwhile may wait for none): its client is told now, not at its deadline."""
+        if events.start_by is not None and now > events.start_by and not events.owner and not events.failing:
+            events.fail(QueueTimeout("No worker started the request within the queue timeout; it was not started."))
 
     def cancel_later(self, job_id: str, deadline: float) -> None:
         """A cancel that Redis could not take goes out with the next heartbeat that reaches it."""

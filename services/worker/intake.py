@@ -48,9 +48,10 @@ CHECK_FIRST_AFTER_MS = 1000
 """A job that waited in the queue longer than this is checked for a cancel before it starts. A younger one
 starts at once, off the time-to-first-token path, and is aborted if the check finds it cancelled: a cancel
 sent while it waits also reaches the worker on the cancel channel."""
-CHECK_WAIT_S = 5.0
+CHECK_WAIT_S = bus.START_NOTICE_S - 2.0
 """How long an older job waits for that check (it rides the publisher's next write, which waits out a Redis
-outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events."""
+outage): past it the job starts, and the check's answer, when it comes, still aborts it or routes its events. Its
+Started event must reach the edge within bus.START_NOTICE_S of the decision to start: 2 s are left for that."""
 
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 """Entries of a request stream: their ids and fields."""

@@ -258,6 +258,12 @@ class Stamped(Base, kw_only=True):
     epoch: int = 0
 
 
+START_NOTICE_S = 7.0
+"""A worker decides to start a job no later than the queue timeout after the job's creation, and its Started event
+reaches the job's edge within this long of that decision (its check for a cancel first, a write's flight and the
+hosts' clocks' difference): an edge that has heard of no start by then knows that no worker will start the job."""
+
+
 class Started(Stamped, tag="start", kw_only=True):
     """A worker took the job: `epoch` counts its owners so far, `seq` is where this owner begins."""
 

@@ -229,7 +229,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     of its request); past it its new requests get 429 at once, though a tenant with nothing queued may always
     queue one. 0: no bound."""
     queue_timeout_s: float = 120.0
-    """A job that waited longer than this for a worker is never started; its client gets an error."""
+    """A job that waited longer than this for a worker is never started; its client gets an error (from its edge,
+    when no worker has started it a few seconds past this)."""
 
 
 class SlotSettings(Protocol):
