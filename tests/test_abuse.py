@@ -288,6 +288,29 @@ async def test_a_revoked_keys_background_responses_stop_too(stack: Stack) -> Non
     await stack.settled()
 
 
+async def test_a_revoked_keys_resumed_stream_ends_too(stack: Stack) -> None:
+    """A stream resumed on another edge is its key's as the first was: a revoke ends it, and its job."""
+    key = create_key(stack, "--tenant", "revoked-resume")
+    url = stack.edges[0].url + "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", url, json=chat_body(stack.model, 3000), headers=bearer(key), limit=3)
+        resumed = asyncio.create_task(sse_frames(
+            http, "POST", stack.edges[1].url + "/v1/chat/completions", json=chat_body(stack.model, 3000),
+            headers={**bearer(key), "Last-Event-ID": head[-1][0]}))
+
+        async def resuming() -> bool:
+            text = (await http.get(stack.edges[1].metrics_url)).text
+            return metric_value(text, "tokenbus_edge_requests_in_flight") >= 1
+
+        await until("the stream resumed", resuming, 5.0)
+        assert tokenbus(stack, "keys", "revoke", key["id"]).returncode == 0
+        revoked_at = time.monotonic()
+        frames = await asyncio.wait_for(resumed, 5)
+    assert time.monotonic() - revoked_at < 2.0
+    assert any("revoked" in data for _id, data in frames[-2:])
+    await stack.settled()
+
+
 async def _some_running(stack: Stack) -> bool:
     return await running_jobs(stack) > 0
 

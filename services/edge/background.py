@@ -97,7 +97,7 @@ async def _adopted(request: web.Request, plan: Plan, body: bytes, deadline: floa
         fresh = await PLANNERS[plan.name](app, caller, body, plan.arrival)  # renders the log from its start
         renderer = fresh.renderer
         assert isinstance(renderer, ResponsesRenderer)  # nosec B101: an invariant (tokenbus never runs with -O)
-        async with app[GATEWAY].follow(plan.job.id, deadline, background=True) as events:
+        async with app[GATEWAY].follow(plan.job, caller.key_id, deadline) as events:
             await pump.collect(events, renderer, plan.job.model,
                                lambda _turn: keep_first(app, caller.tenant, renderer, plan.job.model))
     except Exception as exc:

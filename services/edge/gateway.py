@@ -81,17 +81,26 @@ class Gateway:
                 raise
             if admitted.member:
                 self.waiting[job.id] = (job.model, admitted.member)
-            with self._of_key(job, events):
-                if job.background:  # nobody's leaving stops it: a cancel, its deadline, a revoke or a queue timeout
-                    yield events
-                    if isinstance(events.failed_with, STOPS_BACKGROUND):
-                        await self._let_go(events, keep=False)
-                    return
-                async with self._leaving(events, resumable=record is not None):
-                    yield events
+            key_id = job.charge.key if job.charge is not None else "-"
+            async with self._reading(job, key_id, events, resumable=record is not None):
+                yield events
         finally:
             self.relay.unregister(events)
             self.waiting.pop(job.id, None)
+
+    @contextlib.asynccontextmanager
+    async def _reading(self, job: bus.Job, key_id: str, events: JobEvents, resumable: bool) -> AsyncIterator[None]:
+        """A request reads the job's events in the block: a revoke of its key ends it; its leaving early stops
+        the job (see `_leaving`), but for a background job, which only a cancel, its deadline and the errors of
+        STOPS_BACKGROUND stop."""
+        with self._of_key(key_id, events):
+            if job.background:
+                yield
+                if isinstance(events.failed_with, STOPS_BACKGROUND):
+                    await self._let_go(events, keep=False)
+                return
+            async with self._leaving(events, resumable=resumable):
+                yield
 
     def _start_by(self, job: bus.Job) -> float | None:
         """When (the monotonic clock) a worker must have started the job, by the rule a worker applies (a queue
@@ -102,8 +111,8 @@ class Gateway:
         return time.monotonic() + left_ms / 1000 + bus.START_NOTICE_S
 
     @contextlib.contextmanager
-    def _of_key(self, job: bus.Job, events: JobEvents) -> Iterator[None]:
-        key_id = job.charge.key if job.charge is not None else "-"
+    def _of_key(self, key_id: str, events: JobEvents) -> Iterator[None]:
+        """The request reads its job's events in the block for the API key of id `key_id` (a revoke of it ends them)."""
         streams = self.streams_of_key.setdefault(key_id, set())
         streams.add(events)
         try:
@@ -119,10 +128,12 @@ class Gateway:
             events.fail(Unauthenticated("The API key of this request was revoked or has expired."))
 
     @contextlib.asynccontextmanager
-    async def follow(self, job_id: str, deadline: float, background: bool = False) -> AsyncIterator[JobEvents]:
-        """Reads a job another edge began (a resumed stream): its owner sends the events here from now on,
-        and everything before comes from the job's log. A `background` job runs on when its reader leaves."""
+    async def follow(self, job: bus.Job, key_id: str, deadline: float) -> AsyncIterator[JobEvents]:
+        """Reads a job another edge began (a resumed stream; `job` as planned again from its record) for the API
+        key of id `key_id`: its owner sends the events here from now on, and everything before comes from the
+        job's log. A background job runs on when its reader leaves."""
         self.check_redis()
+        job_id = job.id
         events = self.relay.register(job_id, deadline)
         events.gap_at = 0
         try:
@@ -133,10 +144,7 @@ class Gateway:
                 pipe.set(keys.job_reply_to(job_id), self.relay.channel, px=ttl_ms)
                 pipe.execute_command("PUBLISH", keys.ROUTE_CHANNEL, bus.encode_route(route))  # see cancel
                 await pipe.execute()
-            if background:
-                yield events
-                return
-            async with self._leaving(events):
+            async with self._reading(job, key_id, events, resumable=True):
                 yield events
         finally:
             self.relay.unregister(events)

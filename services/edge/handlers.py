@@ -168,7 +168,7 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
     admitter.hold(record.key, lease)
     events: JobEvents | None = None
     try:
-        async with gateway.follow(job_id, deadline, background=plan.job.background) as events:
+        async with gateway.follow(plan.job, record.key, deadline) as events:
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
