@@ -457,6 +457,30 @@ async def test_a_request_no_busy_worker_starts_in_time_ends_with_queue_timeout_a
     assert metric_value(text, "tokenbus_worker_jobs_total") == 1  # the first, cancelled; the second never taken
 
 
+async def test_a_model_whose_workers_are_all_gone_is_a_503_to_retry_not_a_404(stack: Stack) -> None:
+    """While the model's only worker restarts, its requests get a 503 with Retry-After (clients and SDKs retry
+    it), not the 404 of a model that does not exist; a model never served stays a 404; the new worker serves."""
+    edge = stack.edge()
+    only = stack.worker()
+    assert (await stream_text(edge.url, stack.model, 2))[0] == expected(2)  # the edge has seen it live
+    stack.kill(only.process)
+    async with httpx.AsyncClient(base_url=edge.url, timeout=10) as http:
+        deadline = time.monotonic() + 10
+        while metric_value((await http.get(edge.metrics_url)).text, "tokenbus_edge_live_workers") > 0:
+            assert time.monotonic() < deadline, "the dead worker's heartbeat did not expire"
+            await asyncio.sleep(0.2)
+        gone = await http.post("/v1/chat/completions", json={**chat_body(stack.model, 5), "stream": False})
+        assert gone.status_code == 503 and gone.headers["Retry-After"], gone.text
+        assert gone.json()["error"]["code"] == "model_unavailable"
+        tgi = await http.post("/generate", json={"inputs": "count", "model": stack.model})
+        assert tgi.status_code == 503 and "error" in tgi.json()
+        unknown = await http.post("/v1/chat/completions", json={**chat_body("no-such-model", 5), "stream": False})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    stack.worker()
+    assert (await stream_text(edge.url, stack.model, 5))[0] == expected(5)
+    await stack.settled()
+
+
 async def test_a_structured_stream_whose_worker_dies_ends_with_worker_lost_never_unconstrained(stack: Stack) -> None:
     """A job under a JSON constraint cannot continue mid-answer elsewhere (the grammar would start over): its
     stream ends with worker_lost instead; one that had sent nothing yet simply runs on the next worker."""

@@ -35,6 +35,7 @@ from services.edge.store import Quota
 from shared.protocol.errors import (
     InvalidRequest,
     ModelNotFound,
+    ModelUnavailable,
     Overloaded,
     QuotaExceeded,
     RateLimited,
@@ -286,7 +287,7 @@ class BatchRun:
                     request_id = plan.arrival.job_id
                     body, usage = await self._answer(batch, caller, plan)
                     break
-                except (ModelNotFound, WorkerLost) as exc:
+                except (ModelNotFound, ModelUnavailable, WorkerLost) as exc:
                     lost += isinstance(exc, WorkerLost)
                     if (not self._worth_waiting(exc, caller, line) or lost > MAX_LOST_WORKERS
                             or time.time() + RUN_AGAIN_S >= batch.expires_at):

@@ -22,6 +22,7 @@ from shared.protocol.errors import (
     AdapterUnavailable,
     InvalidRequest,
     ModelNotFound,
+    ModelUnavailable,
     QueueTimeout,
     TokenbusError,
     Unauthenticated,
@@ -31,6 +32,9 @@ from shared.tenancy.adapters import Adapter
 
 log = logging.getLogger(__name__)
 
+
+MODEL_RETRY_AFTER_S = 5.0
+"""Retry-After of a model whose workers are all restarting (a vLLM worker takes 15 s and more to start)."""
 
 STOPS_BACKGROUND = (Unauthenticated, QueueTimeout)
 """The errors found at the edge that stop a background job too: its key was revoked, no worker started it in time
@@ -200,7 +204,9 @@ class Gateway:
     async def find_model(self, model: str, tenant: str | None = None, param: str = "model"
                          ) -> tuple[bus.WorkerInfo, Adapter | None]:
         """The heartbeat of a live worker of the model, or of the model an adapter of that name adapts (with the
-        adapter) where a caller of `tenant` may see it (None: serving without keys); a 404 if there is none."""
+        adapter) where a caller of `tenant` may see it (None: serving without keys); a 404 if there is none, but
+        a 503 to retry for a model this deployment serves (expected, or seen live) whose workers are all gone
+        now: they restart."""
         with redis_boundary():
             info, adapter = await self.directory.find(model)
         if info is None and adapter is not None and adapter.visible_to(tenant):
@@ -209,6 +215,9 @@ class Gateway:
                 raise AdapterUnavailable(f"The workers of `{adapter.base}` serve no adapters.", param=param)
         else:
             adapter = None
+        if info is None and (adapter.base if adapter is not None else model) in self.directory.counted:
+            raise ModelUnavailable(f"`{model}` has no live worker right now (its workers are starting); try again "
+                                   "shortly.", param=param, retry_after_s=MODEL_RETRY_AFTER_S)
         if info is None:
             raise ModelNotFound(f"The {'adapter' if 'adapter' in param else 'model'} `{model}` does not exist or "
                                 "has no live worker.", param=param)

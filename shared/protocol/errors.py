@@ -17,7 +17,9 @@
     │   ├── Unavailable            503 overloaded_error / redis_unavailable (the queue cannot be reached)
     │   ├── QueueFull              503 overloaded_error / queue_full (the model holds max_queued_jobs)
     │   ├── WaitExceedsDeadline    503 overloaded_error / wait_exceeds_deadline (the estimated wait is longer)
-    │   └── QueueTimeout           503 overloaded_error / queue_timeout (it waited over queue_timeout_s)
+    │   ├── QueueTimeout           503 overloaded_error / queue_timeout (it waited over queue_timeout_s)
+    │   └── ModelUnavailable       503 overloaded_error / model_unavailable (a model served here has no live
+    │                              worker now: its workers are restarting)
     ├── TenantQueueFull            429 rate_limit_error / tenant_queue_full (the tenant's own queue bound)
     ├── WorkerLost                 503 server_error / worker_lost (its worker died, nobody could continue)
     ├── StreamAbandoned            410 invalid_request_error / stream_abandoned (not resumed in time)
@@ -154,6 +156,10 @@ class QueueTimeout(Overloaded):
     code = "queue_timeout"
 
 
+class ModelUnavailable(Overloaded):
+    code = "model_unavailable"
+
+
 class AdapterUnavailable(TokenbusError):
     """A LoRA adapter its model's workers cannot run (not served there, or its files would not load): not a load
     that passes, so no batch line waits for it."""
@@ -196,6 +202,7 @@ _BY_NAME: dict[str, type[TokenbusError]] = {
     for cls in (TokenbusError, InvalidRequest, Unauthenticated, RateLimited, QuotaExceeded, StorageFull,
                 ContextLengthExceeded, PayloadTooLarge, MethodNotAllowed,
                 ModelNotFound, NotFound, Overloaded, Unavailable, QueueFull, WaitExceedsDeadline, QueueTimeout,
+                ModelUnavailable,
                 TenantQueueFull, WorkerLost, StreamAbandoned, RequestTimeout, AdapterUnavailable,
                 EngineError)
 }

@@ -32,6 +32,7 @@ from shared.protocol.errors import (
     ContextLengthExceeded,
     EngineError,
     InvalidRequest,
+    ModelUnavailable,
     NotFound,
     Overloaded,
     TokenbusError,
@@ -232,7 +233,7 @@ def error_status(error: TokenbusError) -> tuple[int, str]:
         return 400, "validation"
     if isinstance(error, InvalidRequest | ContextLengthExceeded):
         return 422, "validation"
-    if isinstance(error, Unavailable | WorkerLost | AdapterUnavailable):
+    if isinstance(error, Unavailable | ModelUnavailable | WorkerLost | AdapterUnavailable):
         return 503, "unavailable"
     if isinstance(error, Overloaded):
         return 429, "overloaded"
