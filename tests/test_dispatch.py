@@ -192,6 +192,24 @@ async def test_a_killed_holder_s_jobs_read_or_not_continue_elsewhere(stack: Stac
     await until(lambda: not stack.client.exists(own))
 
 
+async def test_a_worker_whose_own_stream_is_removed_under_its_read_makes_it_again_and_serves_on(
+        stack: Stack) -> None:
+    """Another worker's rescue removes the own stream of a worker it takes for stopped (its offer lapsed while its
+    loop was held up, as on a loaded host), while that worker's read waits on it: the worker makes its stream
+    again and goes on serving, rather than dying of the read's error."""
+    edge = stack.edge()
+    worker = stack.worker()
+    await ask(edge.url, stack.model, "warm up", 1)  # its read now blocks on both streams
+    own = keys.worker_requests(stack.model, worker_id(stack, worker))
+    await asyncio.sleep(0.3)
+    assert stack.client.delete(own) == 1
+    await until(lambda: stack.client.exists(own) == 1, timeout_s=5.0)  # made again, with the workers' group
+    assert worker.process.poll() is None
+    assert (await ask(edge.url, stack.model, "after", 5))[0] == expected(5)
+    assert worker.process.poll() is None
+    await stack.settled()
+
+
 def test_a_prompt_cache_key_heads_the_chain_of_its_tenant_only() -> None:
     def chain(text: str, key: str = "", tenant: str = "t") -> list[str]:
         return prefixes.chain(bus.Job(id="j", model="m", reply_to="", deadline_ms=0, tenant=tenant, cache_key=key,

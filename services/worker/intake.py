@@ -134,9 +134,11 @@ class Intake:
                                      "BLOCK", PULL_BLOCK_MS, "STREAMS", self.ownership.own, self.stream, ">", ">")
                 reply = (await pipe.execute())[0]
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                     raise
-                await self.ensure_group()  # Redis lost its data (a restart without persistence)
+                # Redis lost its data (a restart without persistence), or another worker's rescue took this one for
+                # stopped (its offer lapsed while its loop was held up) and removed its own stream under the read
+                await self.ensure_group()
                 continue
             except (RedisError, OSError) as exc:
                 log.warning("reading jobs failed (%s); retrying", exc)
