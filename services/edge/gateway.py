@@ -70,9 +70,8 @@ class Gateway:
         away after it started: then it is kept for a resume; a background job runs on whatever happens here, but
         for the errors of STOPS_BACKGROUND. One that no worker started within the queue timeout (and the time its
         start takes to be heard of) ends with queue_timeout, as a worker would end it, and is cancelled: no worker
-        starts it after that. A job
-        that cannot be queued (Redis failed, or admission refused it) is handed to `on_refused` (its rate limits'
-        admission is given back) before the error leaves."""
+        starts it after that. A job that cannot be queued (Redis failed, or admission refused it) is handed to
+        `on_refused` (its rate limits' admission is given back) before the error leaves."""
         events = self.relay.register(job.id, deadline, self._start_by(job))
         try:
             try:
