@@ -465,10 +465,7 @@ async def test_a_model_whose_workers_are_all_gone_is_a_503_to_retry_not_a_404(st
     assert (await stream_text(edge.url, stack.model, 2))[0] == expected(2)  # the edge has seen it live
     stack.kill(only.process)
     async with httpx.AsyncClient(base_url=edge.url, timeout=10) as http:
-        deadline = time.monotonic() + 10
-        while metric_value((await http.get(edge.metrics_url)).text, "tokenbus_edge_live_workers") > 0:
-            assert time.monotonic() < deadline, "the dead worker's heartbeat did not expire"
-            await asyncio.sleep(0.2)
+        await _no_live_worker(http, edge.metrics_url)
         gone = await http.post("/v1/chat/completions", json={**chat_body(stack.model, 5), "stream": False})
         assert gone.status_code == 503 and gone.headers["Retry-After"], gone.text
         assert gone.json()["error"]["code"] == "model_unavailable"
@@ -479,6 +476,14 @@ async def test_a_model_whose_workers_are_all_gone_is_a_503_to_retry_not_a_404(st
     stack.worker()
     assert (await stream_text(edge.url, stack.model, 5))[0] == expected(5)
     await stack.settled()
+
+
+async def _no_live_worker(http: httpx.AsyncClient, edge_metrics_url: str) -> None:
+    """Waits (10 s at most) until the edge counts no live worker: a request sent before would be queued."""
+    deadline = time.monotonic() + 10
+    while metric_value((await http.get(edge_metrics_url)).text, "tokenbus_edge_live_workers") > 0:
+        assert time.monotonic() < deadline, "the edge still counts a live worker"
+        await asyncio.sleep(0.2)
 
 
 async def test_a_structured_stream_whose_worker_dies_ends_with_worker_lost_never_unconstrained(stack: Stack) -> None:

@@ -80,5 +80,35 @@ async def test_an_edge_finds_a_new_model_at_once_and_forgets_it_when_its_worker_
         while model in [m.id async for m in client.models.list()]:
             assert time.monotonic() - killed < 2 + 3, "the dead worker's model is still listed"
             await asyncio.sleep(0.2)
+    # gone for now, not unknown: a 503 to retry (its worker may be restarting), until edges prune its registry
+    # entry (PRUNE_AFTER_S after its heartbeat lapsed; done here at once), then a 404
+    once = client.with_options(max_retries=0)
+    with pytest.raises(openai.InternalServerError) as resting:
+        await once.completions.create(model=model, prompt="count", max_tokens=3)
+    assert resting.value.status_code == 503 and resting.value.code == "model_unavailable"
+    assert resting.value.response.headers["Retry-After"]
+    _prune(redis_client, model)
     with pytest.raises(openai.NotFoundError):
-        await client.completions.create(model=model, prompt="count", max_tokens=3)
+        await once.completions.create(model=model, prompt="count", max_tokens=3)
+    # a worker that stops on purpose (SIGTERM) leaves its registry entry too: its model rests, a 503
+    with running_worker(redis_url, redis_client, log, model, engine="sim", heartbeat_ttl_s=2,
+                        heartbeat_interval_s=0.5) as sim:
+        reply = await client.completions.create(model=model, prompt="count", max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        sim.process.send_signal(signal.SIGTERM)
+        assert sim.process.wait(timeout=20) == 0
+        stopped = time.monotonic()
+        while model in [m.id async for m in client.models.list()]:
+            assert time.monotonic() - stopped < 2 + 3, "the stopped worker's model is still listed"
+            await asyncio.sleep(0.2)
+    with pytest.raises(openai.InternalServerError) as resting:
+        await once.completions.create(model=model, prompt="count", max_tokens=3)
+    assert resting.value.code == "model_unavailable"
+    _prune(redis_client, model)  # the session's other tests know no such model
+
+
+def _prune(redis_client: redis.Redis, model: str) -> None:
+    """Takes the model's workers out of the registry, as edges do PRUNE_AFTER_S after their heartbeats lapsed."""
+    for name in redis_client.zrange(keys.WORKERS, 0, -1):
+        if name.startswith(f"tokenbus:worker:{model}:".encode()):
+            redis_client.zrem(keys.WORKERS, name)

@@ -49,6 +49,9 @@ class ModelDirectory:
         """Models with a live worker that serves adapters."""
         self.workers: set[str] = set()
         """Ids of the workers whose heartbeat was alive at the last read."""
+        self.resting: set[str] = set(self.expected)
+        """Models with no live worker now that are served here all the same: those this deployment expects, and
+        those of the registry's workers whose heartbeats lapsed less than PRUNE_AFTER_S ago (they restart)."""
         self.names: list[bytes] = []
         """The registry's heartbeat keys at the last read: read with it next time, in the same round trip."""
         self.loaded = False
@@ -96,8 +99,11 @@ class ModelDirectory:
         workers: set[str] = set()
         live: dict[str, int] = {}
         free: dict[str, int] = {}
-        for raw in map(heartbeats.__getitem__, names):
-            if isinstance(raw, bytes):  # None: that heartbeat expired
+        lapsed: set[str] = set()
+        for key, raw in zip(names, map(heartbeats.__getitem__, names), strict=True):
+            if not isinstance(raw, bytes):  # that heartbeat expired (or its worker stopped)
+                lapsed.add(keys.model_of_heartbeat(key))
+            else:
                 info = bus.decode_info(raw)
                 if info.model not in found or info.slots > found[info.model].slots:  # the largest job it can run
                     found[info.model] = info
@@ -108,6 +114,7 @@ class ModelDirectory:
                 live[info.model] = live.get(info.model, 0) + 1
                 free[info.model] = free.get(info.model, 0) + max(0, info.slots - info.running)
         self.workers, self.loaded, self.lora_models = workers, True, lora_models
+        self.resting = (lapsed | set(self.expected)) - found.keys()
         self.adapters = started_with | {name.decode(): adapter_registry.decode(raw) for name, raw in
                                        rawpipe.field_map(registry or []).items()}
         self.counted |= live.keys()

@@ -204,8 +204,7 @@ class Gateway:
                          ) -> tuple[bus.WorkerInfo, Adapter | None]:
         """The heartbeat of a live worker of the model, or of the model an adapter of that name adapts (with the
         adapter) where a caller of `tenant` may see it (None: serving without keys); a 404 if there is none, but
-        a 503 to retry for a model this deployment serves (expected, or seen live) whose workers are all gone
-        now: they restart."""
+        a 503 to retry for a model served here whose workers are all gone for now (ModelDirectory.resting)."""
         with redis_boundary():
             info, adapter = await self.directory.find(model)
         if info is None and adapter is not None and adapter.visible_to(tenant):
@@ -214,7 +213,7 @@ class Gateway:
                 raise AdapterUnavailable(f"The workers of `{adapter.base}` serve no adapters.", param=param)
         else:
             adapter = None
-        if info is None and (adapter.base if adapter is not None else model) in self.directory.counted:
+        if info is None and (adapter.base if adapter is not None else model) in self.directory.resting:
             raise ModelUnavailable(f"`{model}` has no live worker right now (its workers are starting); try again "
                                    "shortly.", param=param, retry_after_s=MODEL_RETRY_AFTER_S)
         if info is None:

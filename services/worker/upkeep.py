@@ -185,11 +185,12 @@ class Upkeep:
             await beats.sleep_to_beat(self.settings.heartbeat_interval_s)
 
     async def forget(self) -> None:
-        """The heartbeat removed, so that edges stop counting this worker at once (it stops)."""
+        """The heartbeat removed, so that edges stop counting this worker at once (it stops). Its entry in the
+        registry stays until edges prune it: meanwhile a model left with no live worker is one that restarts
+        (a 503 to retry), not one that does not exist."""
         heartbeat = keys.worker_heartbeat(self.model, self.worker_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(heartbeat)
-        pipe.zrem(keys.WORKERS, heartbeat)
         self.prefixes.forget(pipe)
         await pipe.execute()
 

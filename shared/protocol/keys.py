@@ -43,6 +43,12 @@ def worker_heartbeat(model: str, worker_id: str) -> str:
     return f"{PREFIX}:worker:{model}:{worker_id}"
 
 
+def model_of_heartbeat(name: bytes | str) -> str:
+    """The model of a worker_heartbeat key (a worker id holds no colon; a model name may)."""
+    text = name.decode() if isinstance(name, bytes) else name
+    return text.removeprefix(f"{PREFIX}:worker:").rsplit(":", 1)[0]
+
+
 def cancelled(job_id: str) -> str:
     """Marks a job cancelled, so a worker that picks it up later never starts it."""
     return f"{PREFIX}:cancelled:{job_id}"
