@@ -60,7 +60,6 @@ class JobEvents:
         """An Error event met by `ready`, raised by the next `next` so that earlier events go out first."""
         self.gap_at: int | None = None
         """A position seen before the ones ahead of it: they are read from the log first."""
-        self.failing = False
         self.failed_with: TokenbusError | None = None
         """The error found at the edge that ends it (see `fail`)."""
         self.overflowed = False
@@ -85,6 +84,11 @@ class JobEvents:
         """The job was cancelled before it finished: a log that ends without its end ends the stream."""
 
     @property
+    def failing(self) -> bool:
+        """An error found at the edge ends it."""
+        return self.failed_with is not None
+
+    @property
     def owner(self) -> str:
         return self.sequencer.owner
 
@@ -103,7 +107,6 @@ class JobEvents:
     def fail(self, error: TokenbusError) -> None:
         """Ends the job with an error found at the edge, after the events already here."""
         if not self.finished and not self.failing:
-            self.failing = True
             self.failed_with = error
             self._put(bus.Error(job=self.job_id, kind=kind_of(error), message=error.message, code=error.code))
 
