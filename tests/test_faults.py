@@ -8,7 +8,6 @@ fault, nothing stays pending in the queue, no edge has a request in flight and n
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import time
@@ -415,23 +414,26 @@ async def test_a_stream_whose_only_worker_dies_ends_with_worker_lost_within_seco
 
 async def test_a_request_whose_only_worker_dies_before_starting_it_ends_with_queue_timeout_not_at_its_deadline(
         stack: Stack) -> None:
-    """The job reaches a worker that froze, then dies, with no other worker to take it: its client hears that no
-    worker started it once the queue timeout (and the time a start takes to be heard of) is past, not after the
-    request's 600 s; the next worker to come does not start it."""
+    """A job queued behind the only worker's one busy slot, then the worker is killed with no other to take it:
+    its client hears that no worker started it once the queue timeout (and the time a start takes to be heard
+    of) is past, not after the request's 600 s; the next worker to come does not start it."""
     edge = stack.edge(queue_timeout_s=1)
-    doomed = stack.worker()
-    os.killpg(doomed.process.pid, signal.SIGSTOP)  # its heartbeat stands a while: the job is placed with it
+    doomed = stack.worker(max_num_seqs=1)
+    first = await streaming(edge.url, stack.model, 1000)  # holds the only slot
     asked = time.monotonic()
-    stream = asyncio.create_task(stream_text(edge.url, stack.model, 20))
-    deadline = time.monotonic() + 10
-    while stack.on_streams() == 0:
-        assert time.monotonic() < deadline, "the job was not queued"
-        await asyncio.sleep(0.05)
+    queued = asyncio.create_task(stream_text(edge.url, stack.model, 20))
+    async with httpx.AsyncClient() as http:
+        deadline = time.monotonic() + 10
+        while metric_value((await http.get(edge.metrics_url)).text, "tokenbus_edge_requests_in_flight") < 2:
+            assert time.monotonic() < deadline, "the second request did not reach the edge"
+            await asyncio.sleep(0.05)
     stack.kill(doomed.process)
     with pytest.raises(openai.APIError, match="queue timeout") as caught:
-        await asyncio.wait_for(stream, 30)
+        await asyncio.wait_for(queued, 30)
     assert caught.value.code == "queue_timeout"
     assert time.monotonic() - asked < 1 + bus.START_NOTICE_S + 3
+    with pytest.raises(openai.APIError):
+        await asyncio.wait_for(first, 30)  # its worker died: worker_lost
     stack.worker()
     await stack.settled()  # the next worker drops the job it finds cancelled
 
