@@ -173,3 +173,19 @@ async def test_a_job_read_beyond_the_free_slots_goes_back_for_another_worker(
     assert await _until(given_back, 30 * BEAT_S), redis_client.xinfo_groups(shared)
     second = await start_worker(model, max_num_seqs=1, sim_ttft_ms=1_000, worker_grace_s=0.5)
     assert await _until(lambda: len(second.jobs) == 1, 20 * BEAT_S)
+
+
+async def test_a_worker_that_has_said_it_is_gone_does_not_beat_again(
+    redis_client: redis.Redis, start_worker: Callable[..., Awaitable[Worker]]
+) -> None:
+    """A stopping worker removes its heartbeat before its loops are cancelled (edges stop counting it at once);
+    a beat after that, or one in flight then, would make it look alive for another TTL, and edges would queue
+    work for it."""
+    model = f"rounds-{uuid.uuid4().hex[:8]}"
+    worker = await start_worker(model)
+    heartbeat = keys.worker_heartbeat(model, worker.id)
+    assert await _until(lambda: redis_client.exists(heartbeat) == 1, 20 * BEAT_S)
+    await worker.upkeep.forget()
+    assert redis_client.exists(heartbeat) == 0
+    await asyncio.sleep(4 * BEAT_S)  # four beats' time, the loops not yet cancelled
+    assert redis_client.exists(heartbeat) == 0, "the worker beat again after it said it was gone"

@@ -97,6 +97,10 @@ class Upkeep:
         """What the engine holds, written with each heartbeat."""
         self.stopping = False
         """Set when the worker stops: its offer lapses and it claims nothing more."""
+        self.forgotten = False
+        """Set once the heartbeat is removed: no beat may write it again."""
+        self.beating = asyncio.Lock()
+        """Held while a beat's write is in flight, so that `forget` removes the heartbeat after it, not before."""
         self.beats = rawpipe.Pipelines(redis, keep=False)
         """The heartbeat's write, with the offer's renewal and a supervision round's reads: one round trip a beat,
         raw (redis-py's pipeline costs an idle worker more CPU than everything else it does)."""
@@ -146,48 +150,59 @@ class Upkeep:
         slow round must not hold up the heartbeat."""
         key = keys.worker_heartbeat(self.model, self.worker_id)
         ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
-        while True:
-            info = bus.encode_info(bus.WorkerInfo(
-                worker=self.worker_id, model=self.model, task=self.settings.task,
-                max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
-                slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
-                adapters=self.engine.static_adapters(), max_loras=self.engine.max_loras,
-                held=self.engine.held_adapters(),
-            ))
-            pipe = self.beats.pipeline()
-            with rawpipe.Span(pipe) as beat:
-                pipe.execute_command("SET", key, info, "PX", ttl_ms)
-                pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
-            with rawpipe.Span(pipe) as renewal:
-                if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
-                    self.scheduler.renew(pipe)
-            with rawpipe.Span(pipe) as summary:
-                held = self.prefixes.write(pipe)
-            reads = self._read_round(pipe)
-            try:
-                results = await pipe.execute(raise_on_error=False)
-                if failed := next((r for r in beat.of(results) if isinstance(r, Exception)), None):
-                    raise failed
-            except (RedisError, OSError) as exc:
-                log.warning("heartbeat failed (%s)", exc)
-                self.claims_after = math.inf
-            else:
-                if self.claims_after == math.inf:
-                    self.claims_after = time.monotonic() + self.settings.heartbeat_ttl_s
-                    self.prefixes.lost()  # its set may have expired meanwhile: all of it is written next beat
-                else:
-                    self.prefixes.written(held, summary.of(results))
-                if renewed := renewal.of(results):
-                    await self.scheduler.renewed(renewed[0])
-                reads.replies = results
-                if not self.round_read.full():  # else the round before is still being acted on: this one waits
-                    self.round_read.put_nowait(reads)
+        while not self.forgotten:
+            async with self.beating:
+                if self.forgotten:
+                    return
+                await self._beat(key, ttl_ms)
             await beats.sleep_to_beat(self.settings.heartbeat_interval_s)
+
+    async def _beat(self, key: str, ttl_ms: int) -> None:
+        info = bus.encode_info(bus.WorkerInfo(
+            worker=self.worker_id, model=self.model, task=self.settings.task,
+            max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
+            slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
+            adapters=self.engine.static_adapters(), max_loras=self.engine.max_loras,
+            held=self.engine.held_adapters(),
+        ))
+        pipe = self.beats.pipeline()
+        with rawpipe.Span(pipe) as beat:
+            pipe.execute_command("SET", key, info, "PX", ttl_ms)
+            pipe.execute_command("ZADD", keys.WORKERS, time.time() + self.settings.heartbeat_ttl_s, key)
+        with rawpipe.Span(pipe) as renewal:
+            if not self.stopping:  # a full worker pulls nothing, but its offer must not lapse
+                self.scheduler.renew(pipe)
+        with rawpipe.Span(pipe) as summary:
+            held = self.prefixes.write(pipe)
+        reads = self._read_round(pipe)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+            if failed := next((r for r in beat.of(results) if isinstance(r, Exception)), None):
+                raise failed
+        except (RedisError, OSError) as exc:
+            log.warning("heartbeat failed (%s)", exc)
+            self.claims_after = math.inf
+        else:
+            if self.claims_after == math.inf:
+                self.claims_after = time.monotonic() + self.settings.heartbeat_ttl_s
+                self.prefixes.lost()  # its set may have expired meanwhile: all of it is written next beat
+            else:
+                self.prefixes.written(held, summary.of(results))
+            if renewed := renewal.of(results):
+                await self.scheduler.renewed(renewed[0])
+            reads.replies = results
+            if not self.round_read.full():  # else the round before is still being acted on: this one waits
+                self.round_read.put_nowait(reads)
 
     async def forget(self) -> None:
         """The heartbeat removed, so that edges stop counting this worker at once (it stops). Its entry in the
         registry stays until edges prune it: meanwhile a model left with no live worker is one that restarts
-        (a 503 to retry), not one that does not exist."""
+        (a 503 to retry), not one that does not exist. No beat writes the heartbeat again, not even one in flight."""
+        self.forgotten = True
+        async with self.beating:
+            await self._remove_heartbeat()
+
+    async def _remove_heartbeat(self) -> None:
         heartbeat = keys.worker_heartbeat(self.model, self.worker_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(heartbeat)
