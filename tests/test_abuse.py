@@ -345,3 +345,33 @@ async def test_usage_beyond_a_reservation_is_charged_after_the_limiters_state_ex
         assert state.tokens_remaining <= 600 - 290  # the 290 tokens beyond the reservation count from now
     finally:
         await redis.aclose()
+
+
+async def test_a_request_that_leaves_while_queued_gives_its_tokens_back(tmp_path: Path) -> None:
+    """A client that leaves while its request waits for a worker (or that the queue timeout ends) takes its job off
+    the backlog; the tokens reserved for it come back to its key: another tenant's full worker cannot make a
+    tenant's waiting requests spend its quota."""
+    with Stack(tmp_path) as small:
+        worker = small.worker(max_num_seqs=1, sim_itl_ms=20)
+        edge = small.edge(auth="keys")
+        hog, patient = create_key(small, "--tenant", "hog"), create_key(
+            small, "--tenant", "patient", "--quota-tokens", "300", "--quota-period", "day")
+        url = edge.url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as http:
+            holding = asyncio.create_task(sse_frames(http, "POST", url, json=chat_body(small.model, 1000),
+                                                     headers=bearer(hog)))
+
+            async def worker_has(metric: str, count: int) -> bool:
+                text = (await http.get(worker.metrics_url)).text
+                return metric_value(text, metric, {"model": small.model}) == count
+
+            await until("the hog's job running", lambda: worker_has("tokenbus_worker_running_jobs", 1), 10)
+            waiting = asyncio.create_task(http.post(url, json={**chat_body(small.model, 200), "stream": False},
+                                                    headers=bearer(patient)))
+            await until("the patient request queued", lambda: worker_has("tokenbus_queued_jobs", 1), 10)
+            waiting.cancel()  # its client leaves
+            await until("the patient request off the queue", lambda: worker_has("tokenbus_queued_jobs", 0), 10)
+            holding.cancel()
+            await small.settled()
+            again = await http.post(url, json={**chat_body(small.model, 200), "stream": False}, headers=bearer(patient))
+        assert again.status_code == 200, again.text  # without the tokens back: 429 insufficient_quota

@@ -180,7 +180,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
                     redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
     relay = EventRelay(reader, commands, keys.events_channel(edge_id), timing, directory.alive)
     app[REDIS] = commands
-    app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings),
+    settlements = Settlements(commands)
+    app[GATEWAY] = Gateway(commands, relay, directory, fairshare.for_settings(commands, settings), settlements,
                            settings.resume_window_s)
     app[STORE] = ResponseStore(commands, settings)
     app[CONVERSATIONS] = ConversationStore(commands, settings.response_ttl_s, settings.max_body_bytes, MAX_MESSAGES)
@@ -189,7 +190,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     app[batch_driver.BATCH_DRIVER] = batch_driver.BatchDriver(app)
     app[KEYS] = KeyCache(commands, redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access),
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
-    app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), Settlements(commands),
+    app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), settlements,
                              settings.admission_when_redis_down, lambda: relay.live_edges,
                              settings.metrics_max_tenants)
     if settings.auth == "none":

@@ -29,6 +29,7 @@ from shared.protocol.errors import (
 )
 from shared.tenancy import fairshare
 from shared.tenancy.adapters import Adapter
+from shared.tenancy.limits import Settlements
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,15 @@ class Gateway:
     """Submits jobs and yields their events; every call has a deadline."""
 
     def __init__(self, redis: aioredis.Redis, relay: EventRelay, directory: ModelDirectory,
-                 scheduler: fairshare.Scheduler, resume_window_s: float = 0.0) -> None:
+                 scheduler: fairshare.Scheduler, settlements: Settlements, resume_window_s: float = 0.0) -> None:
         self.redis = redis
         self.relay = relay
         self.directory = directory
         self.queue = JobQueue(redis, scheduler)
-        self.waiting: dict[str, tuple[str, bytes]] = {}
-        """Job id -> (model, backlog member) of the jobs this edge queued for the fair scheduler and still serves:
-        a job whose client leaves comes off its backlog at once."""
+        self.settlements = settlements
+        self.waiting: dict[str, tuple[bus.Job, bytes]] = {}
+        """Job id -> (job, backlog member) of the jobs this edge queued for the fair scheduler and still serves:
+        a job whose client leaves comes off its backlog at once, and its key gets back what it was charged."""
         self.resume_window_s = resume_window_s
         self.streams_of_key: dict[str, set[JobEvents]] = {}
         """The jobs this edge serves, by the id of the API key they were admitted for: a revoke ends them."""
@@ -83,7 +85,7 @@ class Gateway:
                     await on_refused(job)
                 raise
             if admitted.member:
-                self.waiting[job.id] = (job.model, admitted.member)
+                self.waiting[job.id] = (job, admitted.member)
             key_id = job.charge.key if job.charge is not None else "-"
             async with self._reading(job, key_id, events, resumable=record is not None):
                 yield events
@@ -186,19 +188,33 @@ class Gateway:
         await self.cancel(events.job_id, events.deadline)
 
     async def cancel(self, job_id: str, deadline: float) -> None:
-        """Takes the job off its backlog if it still waits there, marks it cancelled (for a worker yet to pick it
-        up) and tells running workers; if Redis cannot take that now, the relay's heartbeat sends it later."""
+        """Takes the job off its backlog if it still waits there (and settles its charge as a job that used
+        nothing: no worker will), marks it cancelled (for a worker yet to pick it up) and tells running workers; if
+        Redis cannot take that now, the relay's heartbeat sends it later."""
         try:
             pipe = self.redis.pipeline(transaction=False)
             add_cancel(pipe, job_id)
             if waiting := self.waiting.pop(job_id, None):
-                self.queue.scheduler.withdraw(pipe, *waiting)  # a failure leaves it to be dropped when dispatched
+                job, member = waiting  # a failure of the withdraw leaves it to be dropped (and settled) when dispatched
+                self.queue.scheduler.withdraw(pipe, job.model, member)
             results = await pipe.execute(raise_on_error=False)
             if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
                 raise failed
         except RedisError as exc:
             log.warning("could not cancel job %s yet: %s", job_id, exc)
             self.relay.cancel_later(job_id, deadline)
+            return
+        if waiting and results[2:] == [1]:  # off its backlog, never dispatched
+            await self._settle_unused(waiting[0])
+
+    async def _settle_unused(self, job: bus.Job) -> None:
+        """Settles the charge of a job that never ran: its tokens come back to its key (its request stays spent, as
+        when a worker drops a job cancelled while it waited)."""
+        try:
+            await self.settlements.settle(job, 0, 0)
+        except RedisError as exc:
+            log.warning("could not settle job %s, taken off its backlog (%s): its reservation stays spent",
+                        job.id, type(exc).__name__)
 
     async def find_model(self, model: str, tenant: str | None = None, param: str = "model"
                          ) -> tuple[bus.WorkerInfo, Adapter | None]:
