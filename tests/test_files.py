@@ -36,10 +36,19 @@ async def test_a_batch_file_is_checked_kept_listed_read_back_and_deleted(stack: 
         assert [f.id async for f in other.files.list(purpose="batch")] == [uploaded.id]
         for bad, why in ((b"not json\n", "Line 1"), (_batch(2) + _batch(1), "used twice"),
                          (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/images", "body": {}}).encode(),
-                          "`url`"), (b"\n\n", "no requests")):
+                          "`url`"), (b"\n\n", "no requests"),
+                         (b'{"custom_id": "\xff", "method": "POST", "url": "/v1/completions", "body": {}}', "UTF-8"),
+                         (b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"x": '
+                          + b"[" * 50_000 + b"]" * 50_000 + b"}}", "nested too deeply")):
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.files.create(file=("bad.jsonl", bad), purpose="batch")
             assert refused.value.body["param"] == "file" and why in refused.value.body["message"]
+        async with httpx.AsyncClient(base_url=edge.url) as http:
+            for listing in ("/v1/files", "/v1/batches"):  # a number too long to convert, one above the bound
+                for limit in ("0001" + "0" * 5000, "000" + "1" * 6, "0"):
+                    listed_badly = await http.get(listing, params={"limit": limit})
+                    assert listed_badly.status_code == 400 and listed_badly.json()["error"]["param"] == "limit"
+            assert (await http.get("/v1/batches", params={"limit": "0007"})).status_code == 200
         with pytest.raises(openai.BadRequestError) as wrong:
             await client.files.create(file=("x.jsonl", data), purpose="fine-tune")
         assert wrong.value.body["param"] == "purpose"

@@ -167,6 +167,7 @@ def hostile_requests(kind: str) -> dict[str, tuple[bytes, dict[str, str]]]:
     cases: dict[str, bytes] = {
         "invalid UTF-8": json.dumps(base).encode().replace(b'"Hi"', b'"\xff\xfeHi"'),
         "escaped lone surrogate": json.dumps(base).encode().replace(b'"Hi"', b'"\\ud800"'),
+        "unknown field named in invalid UTF-8": json.dumps({**base, "@@": 1}).encode().replace(b'"@@"', b'"\xff"'),
         "huge number": _raw(base, BUDGET[kind], str(2**80).encode()),
         "5000-digit number": _raw(base, BUDGET[kind], b"9" * 5000),
         "float overflow": _raw(base, BUDGET[kind], b"1e400"),

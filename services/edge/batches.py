@@ -13,6 +13,7 @@ from services.edge.batch_driver import BATCH_DRIVER
 from services.edge.batch_store import Batch, RequestCounts
 from services.edge.formats import batches as shapes
 from services.edge.formats.base import encode
+from services.edge.formats.common import page_limit
 from services.edge.server import read_body
 from services.edge.state import BATCHES, FILES, SETTINGS, STORE
 from shared.protocol.errors import InvalidRequest
@@ -67,10 +68,8 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def list_batches(request: web.Request) -> web.Response:
     """The tenant's batches, newest first, `limit` (1 to 100, 20 by default) at a time after `after`."""
-    given = request.query.get("limit", "20")
-    if not (given.isascii() and given.isdigit() and 1 <= int(given[:4]) <= MAX_LISTED):
-        raise InvalidRequest(f"`limit` must be a whole number from 1 to {MAX_LISTED}.", param="limit")
-    limit, tenant, store = int(given), caller_of(request).tenant, request.app[BATCHES]
+    limit = page_limit(request.query.get("limit", "20"), MAX_LISTED)
+    tenant, store = caller_of(request).tenant, request.app[BATCHES]
     ids = await store.ids(tenant)
     if after := request.query.get("after"):
         ids = ids[ids.index(after) + 1:] if after in ids else []

@@ -12,6 +12,7 @@ from services.edge.auth import caller_of
 from services.edge.conversation_store import Header, Stored
 from services.edge.formats import conversation_items as shapes
 from services.edge.formats.base import decode, encode
+from services.edge.formats.common import page_limit
 from services.edge.server import read_body
 from services.edge.state import CONVERSATIONS, STORE
 from shared.protocol.errors import InvalidRequest, NotFound
@@ -62,10 +63,7 @@ async def delete(request: web.Request) -> web.Response:
 
 
 def _limit(request: web.Request) -> int:
-    given = request.query.get("limit", "20")
-    if not (given.isascii() and given.isdigit() and 1 <= int(given[:4]) <= MAX_LISTED):
-        raise InvalidRequest(f"`limit` must be a whole number from 1 to {MAX_LISTED}.", param="limit")
-    return int(given)
+    return page_limit(request.query.get("limit", "20"), MAX_LISTED)
 
 
 async def list_items(request: web.Request) -> web.Response:

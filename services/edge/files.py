@@ -13,6 +13,7 @@ from services.edge.auth import caller_of
 from services.edge.file_store import FileInfo
 from services.edge.formats import files as shapes
 from services.edge.formats.base import encode
+from services.edge.formats.common import page_limit
 from services.edge.sse import ClientGone
 from services.edge.state import FILES, STORE
 from shared.protocol.errors import InvalidRequest
@@ -70,10 +71,7 @@ async def delete(request: web.Request) -> web.Response:
 async def list_files(request: web.Request) -> web.Response:
     """The tenant's files, newest first (`order=desc`, the default), `limit` at a time after `after`; `purpose`
     keeps one kind."""
-    given = request.query.get("limit", "10000")
-    if not (given.isascii() and given.isdigit() and 1 <= int(given[:6]) <= MAX_LISTED):
-        raise InvalidRequest(f"`limit` must be a whole number from 1 to {MAX_LISTED}.", param="limit")
-    limit, order = int(given), request.query.get("order", "desc")
+    limit, order = page_limit(request.query.get("limit", "10000"), MAX_LISTED), request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("`order` is asc or desc.", param="order")
     found = await request.app[FILES].listed(caller_of(request).tenant)

@@ -164,7 +164,7 @@ PLANNERS: dict[str, Planner] = {
         planners.plan_responses, ovms=True))),
     "embeddings": planned("embeddings", "embeddings", planners.plan_embeddings),
     "messages": checked(planned("messages", "messages", planners.plan_messages)),
-    "messages_count": planned("messages_count", "messages", planners.plan_count_tokens),
+    "messages_count": checked(planned("messages_count", "messages", planners.plan_count_tokens)),
     "rerank": planned("rerank", "rerank", planners.plan_rerank),
     "score": planned("score", "score", planners.plan_score),
     "tgi": checked(planned("tgi", "tgi", functools.partial(planners.plan_tgi, stream=False))),

@@ -66,8 +66,9 @@ def decode(body: bytes, kind: type[T]) -> T:
 
 
 def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
-    """Top-level fields of a (valid) body that the struct does not know."""
-    keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    """Top-level fields of a (valid) body that the struct does not know (the struct skipped them unread: a name
+    that is not UTF-8 is refused here)."""
+    keys = decode(body, dict[str, msgspec.Raw])
     return [key for key in keys if key not in _field_names(kind)]
 
 

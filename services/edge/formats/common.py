@@ -15,6 +15,15 @@ from shared.protocol.errors import InvalidRequest
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
+def page_limit(given: str, maximum: int) -> int:
+    """A list endpoint's `limit` query parameter: a whole number from 1 to `maximum` (leading zeros allowed, any
+    number of digits refused without converting them)."""
+    digits = given.lstrip("0") if given.isascii() and given.isdigit() else ""
+    if not digits or len(digits) > len(str(maximum)) or int(digits) > maximum:
+        raise InvalidRequest(f"`limit` must be a whole number from 1 to {maximum}.", param="limit")
+    return int(digits)
+
+
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]

@@ -55,6 +55,12 @@ def batch_lines(data: bytes) -> list[BatchLine]:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidRequest(f"Line {number} of the file is not a batch request: {exc}.", param="file",
                                  code="invalid_batch_file") from None
+        except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
+            raise InvalidRequest(f"Line {number} of the file is not valid UTF-8 (byte {exc.start}).", param="file",
+                                 code="invalid_batch_file") from None
+        except RecursionError:  # msgspec descends once per level of nesting
+            raise InvalidRequest(f"Line {number} of the file is nested too deeply.", param="file",
+                                 code="invalid_batch_file") from None
         if line.url not in BATCH_URLS:
             raise InvalidRequest(f"Line {number}: `url` must be one of {', '.join(BATCH_URLS)}.", param="file",
                                  code="invalid_batch_file")
