@@ -67,6 +67,21 @@ def test_a_budget_beyond_any_context_still_fits_the_bus() -> None:
     assert unknown_context < 2**63
 
 
+def test_every_text_a_chat_template_may_render_is_charged() -> None:
+    """Reasoning sent back in an assistant message is rendered by the worker like its content: admission
+    reserves it too (it was free: 400 kB of it charged 14 tokens)."""
+    text = "x" * 400_000
+    answered = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+    def charged(message: dict[str, Any]) -> int:
+        result = {"role": "tool", "content": "", "tool_call_id": "call-1"}
+        return estimate(chat_job(messages=[{"role": "user", "content": "hi"}, message, result]), 2048)[0]
+
+    for name in ("reasoning", "reasoning_content"):
+        assert charged({**answered, name: text}) - charged(answered) >= text_tokens(text), name
+
+
 def test_an_embedding_instruction_is_sent_once_and_charged_per_input() -> None:
     instruction = "Represent this sentence for searching relevant passages: "
     job = _job(embeddings.EmbeddingRequest, embeddings, input=["a", "b", "c"], instruction=instruction)

@@ -47,8 +47,10 @@ def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
 
 
 def _message_tokens(message: bus.Message) -> int:
-    return text_tokens(message.content) + sum(text_tokens(c.name) + text_tokens(c.arguments)
-                                              for c in message.tool_calls)
+    """Every text of the message a chat template may render: its content, the reasoning an assistant's shows
+    again, its calls, the id of the call a tool message answers."""
+    return (text_tokens(message.content) + text_tokens(message.reasoning) + text_tokens(message.tool_call_id)
+            + sum(text_tokens(c.id) + text_tokens(c.name) + text_tokens(c.arguments) for c in message.tool_calls))
 
 
 def _tools_tokens(use: bus.ToolUse | None) -> int:
