@@ -115,6 +115,10 @@ def flood(urls: list[str], key: str, bodies: list[tuple[str, str, bytes, dict[st
     asyncio.run(run())
 
 
+ARRAYS: list[list[int]] = [[]] * 2_500_000
+"""7.5 MB of JSON that is 2.5 million arrays: built into Python objects, ~2 s of an edge's loop."""
+
+
 def _schema(size: int) -> dict[str, Any]:
     return {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 10} for i in range(size)}}
 
@@ -144,6 +148,8 @@ def attacks(model: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]
         ("logit_bias x 5000", "/v1/chat/completions",
          {"model": model, "messages": user, "logit_bias": {str(i): 1 for i in range(5000)}}, {}),
         ("100k messages", "/v1/chat/completions", {"model": model, "messages": user * 100_000}, {}),
+        ("7.5 MB of empty arrays in a refused field", "/v1/chat/completions",
+         {"model": model, "messages": user, "audio": ARRAYS}, {}),
         ("max_tokens 2**63", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2**63 - 1}, {}),
         ("Last-Event-ID x:²", "/v1/chat/completions", {"model": model, "messages": user},
          {"Last-Event-ID": "x:²".encode()}),
@@ -375,3 +381,28 @@ async def test_a_request_that_leaves_while_queued_gives_its_tokens_back(tmp_path
             await small.settled()
             again = await http.post(url, json={**chat_body(small.model, 200), "stream": False}, headers=bearer(patient))
         assert again.status_code == 200, again.text  # without the tokens back: 429 insufficient_quota
+
+
+async def test_bodies_of_millions_of_arrays_do_not_hold_up_the_edge(stack: Stack) -> None:
+    """Four bodies of 7.5 MB of empty arrays at once, in a field the edge refuses and in a tool's schema: each is
+    refused, and meanwhile the edge answers another client at once (built into objects, they held its loop for
+    seconds)."""
+    key = create_key(stack, "--tenant", "arrays")
+    user = [{"role": "user", "content": "hi"}]
+    bodies = [orjson.dumps({"model": stack.model, "messages": user, "audio": ARRAYS}),
+              orjson.dumps({"model": stack.model, "messages": user, "tools": [
+                  {"type": "function", "function": {"name": "f", "parameters": {"x": ARRAYS}}}]})] * 2
+    url = stack.edges[0].url
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=8)) as http:
+        await http.get(url + "/v1/models", headers=bearer(key))
+        sent = [asyncio.create_task(http.post(url + "/v1/chat/completions", content=body, headers={
+            **bearer(key), "content-type": "application/json"})) for body in bodies]
+        waits = []
+        while not all(task.done() for task in sent):
+            asked = time.monotonic()
+            assert (await http.get(url + "/v1/models", headers=bearer(key))).status_code == 200
+            waits.append(time.monotonic() - asked)
+            await asyncio.sleep(0.02)
+        answers = [task.result() for task in sent]
+    assert all(answer.status_code == 400 and answer.json()["error"]["message"] for answer in answers)
+    assert max(waits) < 1.0, f"another client waited {max(waits):.2f} s"

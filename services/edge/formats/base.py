@@ -12,12 +12,25 @@ from msgspec import UNSET, UnsetType
 from services.edge.store import Turn
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded, InvalidRequest, TokenbusError
+from shared.runtime import gcheap
 
 T = TypeVar("T")
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     """Base of client request structs: unknown fields are ignored (and counted), never fatal."""
+
+
+def unbuilt() -> Any:
+    """A field kept as its JSON text (checked to be JSON, never built into objects): one the edge only refuses
+    when given, or ignores. However large or deep, it costs what skipping an unknown field does; built, a body of
+    millions of small arrays held the event loop for seconds."""
+    return msgspec.field(default_factory=msgspec.Raw)
+
+
+def given(raw: msgspec.Raw) -> bool:
+    """Whether an `unbuilt` field asks for something: it was sent, and is not null, an empty list or object."""
+    return bytes(raw).strip() not in (b"", b"null", b"[]", b"{}")
 
 
 class Out(msgspec.Struct, kw_only=True):
@@ -31,6 +44,13 @@ MAX_STOP_CHARS = 32768
 MAX_MESSAGES = 2048
 """Messages of one conversation (Chat's `messages`, Responses' input items with the history they continue): the
 worker renders and tokenizes each (2,048 take it well under half a second, truncation included)."""
+
+MAX_NESTS = 250_000
+"""The most `[` and `{` bytes a request body may hold (in its strings too: counting them is one pass in C, telling
+them apart is not). Every array and object of a body is built into Python objects as it is decoded, ~0.1 us each
+on the event loop: this keeps a body's at ~25 ms whatever it holds (8 MB of `[[],[],...` made 2.7 million). A
+conversation of the most messages, with tools, takes a few tens of thousands; a prompt reaches the bound only with
+megabytes of JSON text, far past the context of today's models."""
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
@@ -51,8 +71,10 @@ def decode(body: bytes, kind: type[T]) -> T:
     """Decodes and validates a request body; every failure is an InvalidRequest naming the field."""
     if not body.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.")
+    check_nests(body)
     try:
-        return msgspec.json.decode(body, type=kind)
+        with gcheap.collector_paused():
+            return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message, param = _param_of(str(exc))
         where = f" (at `{param}`)" if param else ""
@@ -63,6 +85,14 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise InvalidRequest(f"The request body is not valid UTF-8 (byte {exc.start}).") from None
     except RecursionError:  # msgspec descends once per level of nesting, on this thread's stack
         raise InvalidRequest("The request body is nested too deeply.") from None
+
+
+def check_nests(body: bytes, where: str = "The request body", **error: Any) -> None:
+    """Refuses a body with more `[` and `{` than MAX_NESTS, before any of it is built (`error`: the
+    InvalidRequest's param and code)."""
+    if len(body) > MAX_NESTS and (nests := body.count(b"[") + body.count(b"{")) > MAX_NESTS:
+        raise InvalidRequest(f"{where} holds {nests} '[' and '{{' characters, in its arrays, objects and strings "
+                             f"together; at most {MAX_NESTS} are taken.", **error)
 
 
 def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from services.edge.formats import calling, structured
@@ -18,8 +19,10 @@ from services.edge.formats.base import (
     TextTemplate,
     Usage,
     finish_reason,
+    given,
     refuse,
     refuse_beyond_context,
+    unbuilt,
     usage_of,
 )
 from services.edge.formats.common import (
@@ -83,12 +86,12 @@ class ChatCompletionRequest(Sampling, kw_only=True):
     tools: list[calling.ChatTool] | None = None
     tool_choice: calling.ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    audio: Any = None
+    functions: msgspec.Raw = unbuilt()
+    function_call: msgspec.Raw = unbuilt()
+    audio: msgspec.Raw = unbuilt()
     modalities: list[str] | None = None
-    prediction: Any = None
-    web_search_options: Any = None
+    prediction: msgspec.Raw = unbuilt()
+    web_search_options: msgspec.Raw = unbuilt()
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -111,10 +114,10 @@ def _text_of(message: ChatMessage, index: int) -> str:
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
-    if req.functions:
+    if given(req.functions):
         raise refuse("functions", "use `tools`, which replaced `functions`")
     for name in ("function_call", "audio", "prediction", "web_search_options"):
-        if getattr(req, name) is not None:
+        if given(getattr(req, name)):
             raise refuse(name, "it is not served by this text model")
     if req.modalities and set(req.modalities) != {"text"}:
         raise refuse("modalities", "only text output is served")

@@ -7,8 +7,9 @@ from typing import Any, Literal
 import msgspec
 
 from services.edge.file_store import FileInfo
-from services.edge.formats.base import Out
+from services.edge.formats.base import Out, check_nests
 from shared.protocol.errors import InvalidRequest
+from shared.runtime import gcheap
 
 PURPOSES = ("batch", "user_data")
 """What a file may be uploaded for: batch input, or a user's own data (kept, never read by tokenbus)."""
@@ -50,8 +51,10 @@ def batch_lines(data: bytes) -> list[BatchLine]:
     for number, raw in enumerate(data.splitlines(), start=1):
         if not raw.strip():
             continue
+        check_nests(raw, f"Line {number} of the file", param="file", code="invalid_batch_file")
         try:
-            line = _decode_line(raw)
+            with gcheap.collector_paused():
+                line = _decode_line(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidRequest(f"Line {number} of the file is not a batch request: {exc}.", param="file",
                                  code="invalid_batch_file") from None

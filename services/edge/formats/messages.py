@@ -21,9 +21,11 @@ from services.edge.formats.base import (
     MAX_MESSAGES,
     Request,
     StopList,
+    given,
     refuse,
     refuse_beyond_context,
     stop_list,
+    unbuilt,
 )
 from services.edge.formats.common import INT32_MAX, PositiveInt, template_kwargs
 from shared.protocol import bus
@@ -58,9 +60,9 @@ class ContentBlock(Request):
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None
-    source: Any = None
-    cache_control: Any = None
-    citations: Any = None
+    source: msgspec.Raw = unbuilt()
+    cache_control: msgspec.Raw = unbuilt()
+    citations: msgspec.Raw = unbuilt()
 
 
 class InputMessage(Request):
@@ -71,7 +73,7 @@ class InputMessage(Request):
 class SystemBlock(Request):
     type: str
     text: str | None = None
-    cache_control: Any = None
+    cache_control: msgspec.Raw = unbuilt()
 
 
 class Tool(Request):
@@ -82,7 +84,7 @@ class Tool(Request):
     input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None
-    cache_control: Any = None
+    cache_control: msgspec.Raw = unbuilt()
 
 
 class ToolChoice(Request):
@@ -118,10 +120,10 @@ class MessagesRequest(Prompting, kw_only=True):
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     structured_outputs: structured.StructuredOutputs | None = None
     """vLLM's extension, as on Chat Completions: a regex, a choice or a JSON schema the answer is held to."""
-    metadata: Any = None
+    metadata: msgspec.Raw = unbuilt()
     service_tier: str | None = None
-    container: Any = None
-    mcp_servers: list[Any] | None = None
+    container: msgspec.Raw = unbuilt()
+    mcp_servers: msgspec.Raw = unbuilt()
 
 
 class CountTokensRequest(Prompting, kw_only=True):
@@ -239,9 +241,9 @@ def _thinking(req: Prompting, max_tokens: int | None) -> str | None:
 
 
 def _refuse_unsupported(req: MessagesRequest) -> None:
-    if req.mcp_servers:
+    if given(req.mcp_servers):
         raise refuse("mcp_servers", "MCP servers are not reached from this service")
-    if req.container is not None:
+    if given(req.container):
         raise refuse("container", "code execution containers are not served")
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta
 
 from services.edge.formats import calling, structured
-from services.edge.formats.base import MAX_MESSAGES, Request, refuse, refuse_beyond_context
+from services.edge.formats.base import MAX_MESSAGES, Request, given, refuse, refuse_beyond_context, unbuilt
 from services.edge.formats.common import PositiveInt, Sampling, TemplateKwargs, sampling_params, template_kwargs
 from services.edge.store import Conversation
 from shared.protocol import bus
@@ -97,7 +98,7 @@ class ResponsesRequest(Sampling, kw_only=True):
     background: bool | None = None
     conversation: Any = None
     service_tier: str | None = None
-    prompt: Any = None
+    prompt: msgspec.Raw = unbuilt()
 
 
 def _refuse_decoding_extras(req: ResponsesRequest) -> None:
@@ -119,7 +120,7 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise InvalidRequest("Give `conversation` or `previous_response_id`, not both.", param="conversation")
     if req.service_tier not in (None, "auto", "default"):
         raise refuse("service_tier", "there is one service tier")
-    if req.prompt is not None:
+    if given(req.prompt):
         raise refuse("prompt", "prompt templates are not served")
     if req.reasoning is not None and req.reasoning.encrypted_content:
         raise refuse("reasoning.encrypted_content", "this server returns no encrypted reasoning to send back; send "
