@@ -514,3 +514,29 @@ async def test_a_batch_is_an_item_of_its_tenants_storage(stack: Stack) -> None:
                                         completion_window="24h")
     assert refused.value.body["code"] == "storage_quota_exceeded"
 
+
+
+async def test_a_revoked_keys_batch_stops_and_fails_with_invalid_key(stack: Stack) -> None:
+    """A batch runs for its key as the key is now: once the key is revoked no more of its lines run (they were run
+    and charged to the revoked key to the batch's end); what was answered before is kept in its files."""
+    key = create_key(stack, "--tenant", "revoked-batcher")
+    edge = stack.edges[0]
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": chat(stack.model, tokens=200)}) + "\n" for i in range(400))
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=key["key"], max_retries=0) as client:
+        uploaded = await client.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        deadline = time.monotonic() + 30
+        while not ((counts := (await client.batches.retrieve(batch.id)).request_counts) and counts.completed):
+            assert time.monotonic() < deadline, counts
+            await asyncio.sleep(0.05)
+    assert tokenbus(stack, "keys", "revoke", key["id"]).returncode == 0
+    deadline = time.monotonic() + 30
+    stored = keys.batch(key["tenant"], batch.id)  # the key can no longer read it: Redis holds what it would see
+    while (ended := json.loads(stack.client.hget(stored, "info") or b"{}")).get("status") not in (
+            "failed", "completed"):
+        assert time.monotonic() < deadline, ended
+        await asyncio.sleep(0.2)
+    assert ended["status"] == "failed" and ended["errors"]["data"][0]["code"] == "invalid_key", ended
+    assert 0 < int(stack.client.hget(stored, "completed") or 0) < 400

@@ -164,7 +164,10 @@ class BatchRun:
         self.tenant = tenant
         self.batch_id = batch_id
         self.stopped = ""
-        """Why no more lines start: cancelled, expired or storage_full ("" while they do)."""
+        """Why no more lines start: cancelled, expired, storage_full or invalid_key ("" while they do)."""
+        self.key_id = "-"
+        self.caller = Caller(tenant=tenant)
+        """Whom the lines run for: the batch's key as it is now (the watch reads it again while the batch runs)."""
         self.quota = Quota(0, 0)
         self.running: set[asyncio.Task[None]] = set()
 
@@ -174,6 +177,7 @@ class BatchRun:
             await self.store.drop_open(self.tenant, self.batch_id)
             return
         batch = found.batch
+        self.key_id = found.key
         caller = await self._caller(found.key)
         lines = await self._lines(batch)
         if caller is None or lines is None:
@@ -182,7 +186,7 @@ class BatchRun:
                 code="file_not_found", message="The batch's input file was deleted.", param="input_file_id")])
             await self._end(batch, [], "failed")
             return
-        self.quota = self.app[STORE].quota(caller.key)
+        self.caller, self.quota = caller, self.app[STORE].quota(caller.key)
         if found.cancel_asked:
             self.stopped = "cancelled"
         elif time.time() >= batch.expires_at:
@@ -196,7 +200,7 @@ class BatchRun:
             batch.status, batch.in_progress_at = "in_progress", int(time.time())
             await self.store.update(self.tenant, batch)
         if batch.status in ("in_progress", "cancelling") and not self.stopped:
-            await self._run(batch, caller, lines)
+            await self._run(batch, lines)
         await self._end(batch, lines, self.stopped or "completed")
 
     async def _caller(self, key_id: str) -> Caller | None:
@@ -214,7 +218,7 @@ class BatchRun:
         except TokenbusError:
             return None
 
-    async def _run(self, batch: Batch, caller: Caller, lines: list[BatchLine]) -> None:
+    async def _run(self, batch: Batch, lines: list[BatchLine]) -> None:
         """Runs the lines without an answer, in rounds: a line whose answer could not be recorded (Redis failed
         at that moment) runs again in the next round, a second later, until every line has one or the batch
         stops."""
@@ -228,9 +232,9 @@ class BatchRun:
                 if not first:
                     await asyncio.sleep(RUN_AGAIN_S)
                 first = False
-                await self._round(batch, caller, todo)
+                await self._round(batch, todo)
 
-    async def _round(self, batch: Batch, caller: Caller, todo: list[tuple[int, BatchLine]]) -> None:
+    async def _round(self, batch: Batch, todo: list[tuple[int, BatchLine]]) -> None:
         window = asyncio.Semaphore(max(1, self.app[SETTINGS].batch_window))
         waiting = len(todo)
         metrics.BATCH_LINES_WAITING.inc(waiting)
@@ -242,7 +246,7 @@ class BatchRun:
                     break
                 waiting -= 1
                 metrics.BATCH_LINES_WAITING.dec()
-                task = asyncio.create_task(self._line(batch, caller, index, line))
+                task = asyncio.create_task(self._line(batch, self.caller, index, line))
                 self.running.add(task)
                 metrics.BATCH_LINES_RUNNING.inc()
                 task.add_done_callback(functools.partial(self._line_ended, window))
@@ -256,11 +260,16 @@ class BatchRun:
         window.release()
 
     async def watch(self, batch: Batch) -> None:
-        """Stops the batch when a cancel is asked, its window ends, or its answers fill its tenant's storage:
-        the lines running are cancelled (their jobs with them), the rest never start."""
+        """Stops the batch when a cancel is asked, its window ends, its answers fill its tenant's storage, or its
+        key was revoked or expired: the lines running are cancelled (their jobs with them), the rest never start.
+        A change of the key (its models, limits) reaches the lines that start after it."""
         while not self.stopped:
             await beats.sleep_to_beat(WATCH_S)
             with contextlib.suppress(TokenbusError, *REDIS_FAILURES):
+                if (caller := await self._caller(self.key_id)) is None:
+                    self.stop("invalid_key")
+                    return
+                self.caller, self.quota = caller, self.app[STORE].quota(caller.key)
                 found = await self.store.load(self.tenant, batch.id)
                 if found is not None and found.cancel_asked:
                     self.stop("cancelled")
@@ -365,6 +374,10 @@ class BatchRun:
             case "storage_full":
                 failed_with(batch, [BatchError(
                     code="storage_quota_exceeded", message="The batch's answers filled your storage: the lines "
+                    "answered so far are in its files, the rest did not run.")])
+            case "invalid_key":
+                failed_with(batch, [BatchError(
+                    code="invalid_key", message="The API key of the batch was revoked or has expired: the lines "
                     "answered so far are in its files, the rest did not run.")])
         await self.store.settle(self.tenant, batch)
         metrics.BATCHES.labels(batch.status).inc()
