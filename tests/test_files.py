@@ -3,7 +3,9 @@ upload, kept per tenant within its storage, read back byte for byte, listed and 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -66,3 +68,22 @@ async def test_a_batch_file_is_checked_kept_listed_read_back_and_deleted(stack: 
         assert forged.status_code == 415
     assert stack.client.hget(keys.storage_tally(""), f"f:{uploaded.id}") is None  # its bytes were given back
     assert not stack.client.exists(keys.file_chunks("", uploaded.id))
+
+
+
+async def test_expired_files_and_batches_leave_their_tenants_index(stack: Stack) -> None:
+    """A tenant's index of its files and of its batches holds what may still be there: each new file or batch
+    takes out those made longer ago than they live (the indexes kept every file and batch a tenant ever made)."""
+    edge = stack.edge(response_ttl_s=1)
+    days_ago = (time.time() - 3 * 24 * 3600) * 1000  # a batch lives its 24 h window, then the answers' ttl
+    stack.client.zadd(keys.batches(""), {"batch_made_days_ago": days_ago})
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0) as client:
+        for _ in range(3):
+            await client.files.create(file=("requests.jsonl", _batch(1)), purpose="batch")
+        assert stack.client.zcard(keys.files("")) == 3
+        await asyncio.sleep(1.5)  # the files expired
+        last = await client.files.create(file=("requests.jsonl", _batch(1)), purpose="batch")
+        assert stack.client.zrange(keys.files(""), 0, -1) == [last.id.encode()]
+        batch = await client.batches.create(input_file_id=last.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+    assert stack.client.zrange(keys.batches(""), 0, -1) == [batch.id.encode()]

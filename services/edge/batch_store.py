@@ -18,6 +18,11 @@ from shared.protocol import bus, keys
 from shared.protocol.errors import NotFound, Overloaded, RateLimited, StorageFull
 from shared.tenancy.storage import TRIM_EXPIRED
 
+INDEX_MARGIN_MS = 600_000
+"""How long a batch stays in its tenant's index beyond the lifetime its record was given when it was made (its
+window, then the time answers are kept): a batch ends by its window's end, give or take its finalizing, and is kept
+from its end."""
+
 _CREATE = TRIM_EXPIRED + """
 -- KEYS[3] the batch, KEYS[4] the tenant's index, KEYS[5] its open batches. ARGV: now, max bytes, max items, batch
 -- id, Batch JSON, key id, created (ms), expiry (ms), most open batches. Returns 1, 0 (too many open) or -1 (its
@@ -29,11 +34,15 @@ if (max_bytes > 0 and held + size > max_bytes) or (max_items > 0 and items + 1 >
 redis.call('HSET', KEYS[3], 'info', ARGV[5], 'key', ARGV[6])
 redis.call('PEXPIREAT', KEYS[3], ARGV[8])
 redis.call('ZADD', KEYS[4], ARGV[7], ARGV[4])
+-- the index drops the batches made longer ago than a record lives (and a margin): they expired by now, and
+-- it kept them all
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. (tonumber(ARGV[1]) - (tonumber(ARGV[8]) - tonumber(ARGV[7]))
+  - INDEX_MARGIN_MS))
 redis.call('SADD', KEYS[5], ARGV[4])
 redis.call('HSET', tally, 'a:' .. ARGV[4], size, 'bytes', held + size, 'items', items + 1)
 redis.call('ZADD', expiry, ARGV[8], 'a:' .. ARGV[4])
 return 1
-"""
+""".replace("INDEX_MARGIN_MS", str(INDEX_MARGIN_MS))
 
 _ANSWER = TRIM_EXPIRED + """
 -- KEYS[3] the batch, KEYS[4] its lines. ARGV: now, custom id, the line (o... or e...), tally counted (completed or

@@ -33,6 +33,8 @@ if #ARGV >= 9 then
   redis.call('PEXPIREAT', KEYS[4], ARGV[5])
 end
 redis.call('ZADD', KEYS[5], ARGV[6], ARGV[7])
+-- the index drops the files made a lifetime ago (expired by now: every file lives as long), lest it keep them all
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. (tonumber(ARGV[1]) - (tonumber(ARGV[5]) - tonumber(ARGV[6]))))
 redis.call('HSET', tally, ARGV[4], size, 'bytes', held + size, 'items', items + 1)
 redis.call('ZADD', expiry, ARGV[5], ARGV[4])
 return {1}
