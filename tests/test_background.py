@@ -131,3 +131,27 @@ async def test_a_streamed_background_response_runs_on_when_its_client_leaves_and
     assert text == _counted(200) and events[-1].type == "response.incomplete"
     async with _client(second.url) as other:
         assert (await other.responses.retrieve(response_id)).output_text == _counted(200)  # stored by the reader
+
+
+
+async def test_polling_a_running_background_response_reads_its_log_at_most_once_a_second(stack: Stack) -> None:
+    """A client polling in a loop sees the response as it runs (at most a second old: it sees it end) and costs
+    the edge one read of the job's log a second (each read is the whole log, up to --replay-max-events entries,
+    rendered again)."""
+    edge = stack.edge()
+    stack.worker()
+    async with _client(edge.url) as client:
+        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=200,
+                                                background=True)  # 4 s of tokens
+        await _until(client, created.id, "in_progress")
+
+        def log_reads() -> int:
+            return int(stack.client.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0))
+
+        before, started = log_reads(), time.monotonic()
+        polled = [(await client.responses.retrieve(created.id)).status for _ in range(40)]
+        took = time.monotonic() - started
+        reads = log_reads() - before
+        done = await _until(client, created.id, "incomplete")
+    assert reads <= took + 2, f"{reads} reads of the log for 40 polls in {took:.1f} s"
+    assert "in_progress" in polled and done.output_text == _counted(200)

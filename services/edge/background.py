@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 
 from aiohttp import web
 
@@ -31,6 +32,36 @@ log = logging.getLogger(__name__)
 
 TASKS = web.AppKey("background_followers", set[asyncio.Task[None]])
 """The tasks following this edge's background responses to their end."""
+
+SNAPSHOT_FRESH_S = 1.0
+"""How long a rendering of a running background response answers the retrieves of it: a client polling in a loop
+costs the edge one read of the job's log (up to --replay-max-events entries), one planning of its request and one
+rendering a second, not one a poll; a poll sees the response at most this old."""
+MAX_SNAPSHOTS = 1024
+
+
+class Snapshots:
+    """This edge's latest renderings of running background responses, by id (the caller's ownership is checked
+    before one is handed out)."""
+
+    def __init__(self) -> None:
+        self.kept: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+
+    def fresh(self, response_id: str) -> bytes | None:
+        found = self.kept.get(response_id)
+        return found[1] if found is not None and time.monotonic() < found[0] else None
+
+    def keep(self, response_id: str, body: bytes) -> None:
+        self.kept[response_id] = (time.monotonic() + SNAPSHOT_FRESH_S, body)
+        self.kept.move_to_end(response_id)
+        while len(self.kept) > MAX_SNAPSHOTS:
+            self.kept.popitem(last=False)
+
+    def forget(self, response_id: str) -> None:
+        self.kept.pop(response_id, None)
+
+
+SNAPSHOTS = web.AppKey("background_snapshots", Snapshots)
 
 
 async def keep_first(app: web.Application, tenant: str, renderer: ResponsesRenderer, model: str) -> None:
@@ -135,6 +166,11 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
     if (found := await _record(request, response_id)) is None:
         return None
     record, cancelled = found
+    snapshots = request.app[SNAPSHOTS]
+    if cancel or cancelled:
+        snapshots.forget(response_id)
+    elif (body := snapshots.fresh(response_id)) is not None:
+        return body
     plan = await _replan(request, response_id, record)
     renderer = plan.renderer
     if not plan.job.background or not isinstance(renderer, ResponsesRenderer):
@@ -149,7 +185,10 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
         renderer.error(StreamAbandoned("The response was cancelled."))
     if renderer.ended:
         await keep_first(request.app, caller_of(request).tenant, renderer, plan.job.model)
-    return framing.body(renderer.body())
+        return framing.body(renderer.body())
+    body = framing.body(renderer.body())
+    snapshots.keep(response_id, body)
+    return body
 
 
 async def retrieve(request: web.Request, response_id: str) -> web.Response:
@@ -196,6 +235,7 @@ def starting_after(request: web.Request) -> int:
 
 def add_to(app: web.Application) -> None:
     app[TASKS] = set()
+    app[SNAPSHOTS] = Snapshots()
     app.on_shutdown.append(_stop_following)
 
 
