@@ -406,3 +406,30 @@ async def test_bodies_of_millions_of_arrays_do_not_hold_up_the_edge(stack: Stack
         answers = [task.result() for task in sent]
     assert all(answer.status_code == 400 and answer.json()["error"]["message"] for answer in answers)
     assert max(waits) < 1.0, f"another client waited {max(waits):.2f} s"
+
+
+async def test_a_stream_has_a_bounded_number_of_readers_on_an_edge(stack: Stack) -> None:
+    """A resume takes no lease of its own (it continues its stream's), so one key could open any number of them
+    on one stream, each holding a connection and every event since it began: an edge serves four readers of a
+    stream at once and refuses more (429 concurrency); one that closes makes room."""
+    key = create_key(stack, "--tenant", "many-readers", "--max-concurrency", "1")
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=20)) as http:
+        head = await sse_frames(http, "POST", stack.edges[0].url + "/v1/chat/completions",
+                                json=chat_body(stack.model, 400), headers=bearer(key), limit=2)
+        url = f"{stack.edges[1].url}/v1/streams/{head[-1][0].rsplit(':', 1)[0]}"
+        opened = []
+        for _ in range(6):
+            opened.append(await http.send(http.build_request("GET", url, headers=bearer(key)), stream=True))
+        statuses = [answer.status_code for answer in opened]
+        refused = next(answer for answer in opened if answer.status_code == 429)
+        assert (await refused.aread()) and refused.json()["error"]["type"] == "concurrency"
+        await opened[0].aclose()
+        deadline = time.monotonic() + 5  # once the edge has seen that reader leave (at its next write)
+        while (again := await http.send(http.build_request("GET", url, headers=bearer(key)), stream=True)
+               ).status_code == 429 and time.monotonic() < deadline:
+            await again.aclose()
+            await asyncio.sleep(0.1)
+        for answer in [*opened[1:], again]:
+            await answer.aclose()
+    assert statuses == [200] * 4 + [429] * 2
+    assert again.status_code == 200

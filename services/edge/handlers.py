@@ -28,6 +28,11 @@ from shared.runtime import metrics
 from shared.runtime.settings import Settings
 from shared.tenancy import fairshare
 
+MAX_READERS = 4
+"""Requests of one edge that may read one stream at once (its client's, a resume after it reconnected, a background
+response's follower): each holds a connection and the events since it began, and takes no concurrency lease of its
+own (a resume continues its stream's)."""
+
 OVMS_PREFIX = "/v3"
 """OpenVINO Model Server's paths for the OpenAI API: every /v1 route is served under /v3 too, and its
 Responses stream differs from OpenAI's in the small ways its page documents."""
@@ -160,6 +165,9 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
     plan = await PLANNERS[record.plan](request.app, caller_of(request), record.body, arrival)
     if background_only and not plan.job.background:
         raise NotFound(f"No background response with id '{job_id}' can be streamed.", param="response_id")
+    if gateway.relay.readers(job_id) >= MAX_READERS:
+        raise RateLimited(f"The stream has {MAX_READERS} readers on this server already; close one to read it "
+                          "again.", limit="concurrency", retry_after_s=1.0)
     deadline = arrival.started + (record.deadline_ms - bus.now_ms()) / 1000
     metrics.RESUMES.labels(plan.route).inc()
     in_flight = metrics.IN_FLIGHT.labels(plan.job.model)

@@ -149,6 +149,10 @@ class EventRelay:
         if not self.jobs:
             self.busy.clear()
 
+    def readers(self, job_id: str) -> int:
+        """The requests of this edge reading the job's events: its reader and those it shelved."""
+        return (job_id in self.jobs) + len(self.shelved.get(job_id, ()))
+
     def reads(self, events: JobEvents) -> bool:
         """Whether `events` is its job's reader on this edge (no later request took the job over)."""
         return self.jobs.get(events.job_id) is events
