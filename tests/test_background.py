@@ -155,3 +155,26 @@ async def test_polling_a_running_background_response_reads_its_log_at_most_once_
         done = await _until(client, created.id, "incomplete")
     assert reads <= took + 2, f"{reads} reads of the log for 40 polls in {took:.1f} s"
     assert "in_progress" in polled and done.output_text == _counted(200)
+
+
+async def test_a_background_response_streamed_on_another_edge_is_stored_when_its_reader_leaves_early(
+        stack: Stack) -> None:
+    """Streaming a background response moves its events to the edge that streams it: when that client leaves
+    before the end, that edge follows the response on and stores its answer (it was stored only once someone
+    asked for it)."""
+    first, second = stack.edge(), stack.edge()
+    stack.worker()
+    async with _client(first.url) as client, _client(second.url) as other:
+        created = await client.responses.create(model=stack.model, input="count", max_output_tokens=150,
+                                                background=True)  # 3 s of tokens
+        stream = await other.responses.retrieve(created.id, stream=True)
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+    deadline = time.monotonic() + 15
+    while not stack.client.exists(keys.stored_response("", created.id)):
+        assert time.monotonic() < deadline, "the answer was not stored"
+        await asyncio.sleep(0.2)
+    async with _client(first.url) as client:
+        assert (await client.responses.retrieve(created.id)).output_text == _counted(150)

@@ -181,6 +181,11 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
                                       after=after, keep=_keeper(request))
+    except sse.ClientGone:
+        if plan.job.background and events is not None and not events.finished and not cancelled:
+            # its events come here now, and nowhere else: a task of this edge follows it and stores its answer
+            background.adopt(request, plan, record.body, deadline, lease)
+        raise
     finally:
         in_flight.dec()
         await admitter.release(record.key, lease, keep_for_s=_kept_for(settings, events))
