@@ -296,6 +296,7 @@ async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stac
         await asyncio.wait_for(stream, 20)
     letters = stack.client.xrange(keys.dead_letters(stack.model))
     assert len(letters) == 1 and b"died" in letters[0][1][b"reason"]
+    assert 0 < stack.client.ttl(keys.dead_letters(stack.model)) <= 7 * 24 * 3600  # a prompt is not kept for good
     await stack.settled()
 
 

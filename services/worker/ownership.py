@@ -27,6 +27,9 @@ from shared.tenancy.fairshare_lua import HAND_OVER, RESCUE
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_KEEP_S = 7 * 24 * 3600
+"""How long a dead letter (the whole job, its prompt included) is kept for an operator to look into: entries older
+go at the next dead letter, and the stream itself this long after its latest."""
 
 # Refreshes the idle time of the entries the caller still owns, and names those it lost (claimed by another
 # worker after it stalled): one round trip, and no window in which a check and a claim could disagree.
@@ -184,12 +187,13 @@ class Ownership:
         )
 
     async def dead_letter(self, run: Run, reason: str) -> None:
-        """Moves a job off the queue into the dead-letter stream, with why."""
-        stream = self.stream_of(run)
+        """Moves a job off the queue into the dead-letter stream, with why (kept DEAD_LETTER_KEEP_S)."""
+        stream, letters = self.stream_of(run), keys.dead_letters(self.model)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(keys.dead_letters(self.model), {"job": bus.encode_job(run.job), "reason": reason,
-                                                  "entry": run.entry_id, "worker": self.worker_id},
-                  maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        pipe.xadd(letters, {"job": bus.encode_job(run.job), "reason": reason, "entry": run.entry_id,
+                            "worker": self.worker_id}, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        pipe.xtrim(letters, minid=(bus.now_ms() - DEAD_LETTER_KEEP_S * 1000), approximate=True)
+        pipe.expire(letters, DEAD_LETTER_KEEP_S)
         pipe.xack(stream, self.group, run.entry_id)
         pipe.xdel(stream, run.entry_id)
         await pipe.execute()
