@@ -15,6 +15,7 @@ import pytest
 
 from services.edge.store import SNAPSHOT_EVERY
 from services.supervisor import REDIS_MAXMEMORY_BYTES
+from shared.protocol import keys
 from tests.processes import metric_value
 from tests.stack import Stack
 from tests.test_tenancy import create_key
@@ -121,6 +122,24 @@ async def test_a_resumable_streams_event_log_is_charged_once_it_ends(stack: Stac
             await asyncio.sleep(0.05)
         plain = await tight.completions.create(model="fault-model", prompt="x", max_tokens=5, stream=True)
         assert [chunk async for chunk in plain]  # nothing kept: still served
+
+
+async def test_an_answer_nobody_can_resume_is_not_kept_for_the_replay_window(
+        stack: Stack, client: openai.AsyncOpenAI) -> None:
+    """Every job's events go through a log in Redis: a resumable stream's is kept --replay-ttl-s after its end (5
+    minutes) to be replayed; any other's (its answer, which nobody can read again) a minute at most."""
+    def logs() -> set[bytes]:
+        return set(stack.client.scan_iter(keys.job_log("*")))
+
+    kept = {}
+    for name, headers in (("plain", {}), ("resumable", {"Accept": "text/event-stream"})):
+        before = logs()
+        stream = await client.completions.create(model="fault-model", prompt="x", max_tokens=20, stream=True,
+                                                 extra_headers=headers)
+        assert [chunk async for chunk in stream]
+        (log,) = logs() - before
+        kept[name] = stack.client.ttl(log)
+    assert 0 < kept["plain"] <= 60 and 240 < kept["resumable"] <= 300, kept
 
 
 async def test_expired_responses_give_their_space_back(stack: Stack) -> None:

@@ -44,6 +44,10 @@ class RunnerSettings(Protocol):
 
 T = TypeVar("T")
 
+UNREPLAYABLE_LOG_KEEP_S = 60.0
+"""How long the log of a job nobody can resume is kept after its end: time for its edge to read what it missed (a
+gap in its subscription, a Redis failover), not --replay-ttl-s of answers nobody may read again."""
+
 
 class Engine(Protocol):
     """What the worker needs of an engine (vLLM, or a simulator for benchmarks and fault tests)."""
@@ -168,8 +172,11 @@ class JobRunner:
         self.publisher.publish(run.job.reply_to, event, log_ttl_ms)
 
     def log_kept_ms(self, job: bus.Job) -> int:
-        """How long the job's log is kept after its end (a background response's retention, else --replay-ttl-s)."""
-        return job.log_kept_ms(int(self.settings.replay_ttl_s * 1000))
+        """How long the job's log is kept after its end: a background response's retention, a resumable stream's
+        --replay-ttl-s; the log of any other (its answer's text, which nobody can replay) only as long as an edge
+        may take to read what it missed (UNREPLAYABLE_LOG_KEEP_S)."""
+        kept_ms = job.log_kept_ms(int(self.settings.replay_ttl_s * 1000))
+        return kept_ms if job.replayable else min(kept_ms, int(UNREPLAYABLE_LOG_KEEP_S * 1000))
 
     def end_with(self, run: Run, error: TokenbusError) -> None:
         self.emit(run, error_event(run.job.id, error), self.log_kept_ms(run.job))
