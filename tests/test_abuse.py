@@ -433,3 +433,28 @@ async def test_a_stream_has_a_bounded_number_of_readers_on_an_edge(stack: Stack)
             await answer.aclose()
     assert statuses == [200] * 4 + [429] * 2
     assert again.status_code == 200
+
+
+async def test_a_revoked_keys_background_response_stops_though_no_edge_follows_it(tmp_path: Path) -> None:
+    """The edge that took a background response died: the response runs on (its log is its record), followed by
+    no edge, and a revoke of its key still stops it."""
+    with Stack(tmp_path) as small:
+        worker = small.worker(sim_itl_ms=10, max_model_len=4096)
+        taker = small.edge(auth="keys")
+        key = create_key(small, "--tenant", "orphaned-background")
+        async with httpx.AsyncClient(timeout=30) as http:
+            created = await http.post(taker.url + "/v1/responses", headers=bearer(key), json={
+                "model": small.model, "input": "count", "max_output_tokens": 3000, "background": True})  # 30 s
+            assert created.status_code == 200, created.text
+
+            async def running(count: int) -> bool:
+                text = (await http.get(worker.metrics_url)).text
+                return metric_value(text, "tokenbus_worker_running_jobs") == count
+
+            await until("the job running", lambda: running(1), 5.0)
+            small.kill(taker.process)
+            small.edge(auth="keys")  # another edge, which hears of the revoke
+            await asyncio.sleep(2)
+            assert await running(1)  # it runs on without its edge
+            assert tokenbus(small, "keys", "revoke", key["id"]).returncode == 0
+            await until("the job stopped", lambda: running(0), 5.0)

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 MODEL_RETRY_AFTER_S = 5.0
 """Retry-After of a model whose workers are all restarting (a vLLM worker takes 15 s and more to start)."""
 
+CANCEL_LATER_S = 600.0
+"""How long an edge tries again to send a revoked key's background jobs' cancels through a Redis outage."""
+
 STOPS_BACKGROUND = (Unauthenticated, QueueTimeout)
 """The errors found at the edge that stop a background job too: its key was revoked, no worker started it in time
 (others, a Redis outage say, end only this edge's view of it)."""
@@ -58,6 +61,8 @@ class Gateway:
         self.resume_window_s = resume_window_s
         self.streams_of_key: dict[str, set[JobEvents]] = {}
         """The jobs this edge serves, by the id of the API key they were admitted for: a revoke ends them."""
+        self.cancelling: set[asyncio.Task[None]] = set()
+        """The cancels of revoked keys' background jobs under way."""
 
     def check_redis(self) -> None:
         """Refuses at once while Redis is known to be unreachable, instead of waiting on a connect."""
@@ -87,6 +92,8 @@ class Gateway:
             if admitted.member:
                 self.waiting[job.id] = (job, admitted.member)
             key_id = job.charge.key if job.charge is not None else "-"
+            if job.background and key_id != "-":
+                await self._note_background(key_id, job.id, deadline)
             async with self._reading(job, key_id, events, resumable=record is not None):
                 yield events
         finally:
@@ -128,9 +135,32 @@ class Gateway:
                 del self.streams_of_key[key_id]
 
     def revoked(self, key_id: str) -> None:
-        """Ends the streams of a key that was revoked: each client gets the error, each job is cancelled."""
+        """Ends the streams of a key that was revoked: each client gets the error, each job is cancelled; so is
+        every background job of the key, followed here, elsewhere, or (its edge gone) nowhere."""
         for events in list(self.streams_of_key.get(key_id, ())):
             events.fail(Unauthenticated("The API key of this request was revoked or has expired."))
+        task = asyncio.create_task(self._cancel_background(key_id))
+        self.cancelling.add(task)
+        task.add_done_callback(self.cancelling.discard)
+
+    async def _note_background(self, key_id: str, job_id: str, deadline: float) -> None:
+        """Notes a background job of the key, for a revoke to find (a failure leaves it to its followers)."""
+        ttl_ms = max(1000, int((deadline - time.monotonic()) * 1000))
+        with contextlib.suppress(RedisError):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.sadd(keys.background_of_key(key_id), job_id)
+            pipe.pexpire(keys.background_of_key(key_id), ttl_ms)  # a later job's deadline is later
+            await pipe.execute()
+
+    async def _cancel_background(self, key_id: str) -> None:
+        try:
+            members: list[bytes] = await self.redis.smembers(keys.background_of_key(key_id))  # type: ignore[assignment]
+        except RedisError as exc:
+            log.warning("could not look up the background jobs of a revoked key (%s)", type(exc).__name__)
+            return
+        deadline = time.monotonic() + CANCEL_LATER_S
+        for job_id in members:
+            await self.cancel(job_id.decode(), deadline)
 
     @contextlib.asynccontextmanager
     async def follow(self, job: bus.Job, key_id: str, deadline: float) -> AsyncIterator[JobEvents]:

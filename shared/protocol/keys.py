@@ -219,6 +219,12 @@ def rate_tokens(key_id: str) -> str:
     return f"{PREFIX}:limit:{{{key_id}}}:tpm"
 
 
+def background_of_key(key_id: str) -> str:
+    """Set of the background jobs one key started lately (kept a request timeout after the latest): a revoke
+    cancels them, whichever edge follows them, or none."""
+    return f"{PREFIX}:background:{{{key_id}}}"
+
+
 def leases(key_id: str) -> str:
     """Sorted set of one key's concurrency leases, scored by when each expires (unix ms)."""
     return f"{PREFIX}:leases:{{{key_id}}}"
