@@ -160,6 +160,12 @@ async def test_each_user_of_the_deployed_acl_does_its_work_and_no_more(tmp_path:
         text, stored = await stream(stack, key)
         assert len(text.split()) == 5
         await conversation_file_and_batch(stack, key)
+        async with openai_client(stack, key) as client:  # noted for a revoke to find, under the edge's login
+            background = await client.responses.create(model=stack.model, input="x", max_output_tokens=3,
+                                                       background=True)
+        with client_of(stack, passwords, "tokenbus-edge") as edge_login:
+            assert any(edge_login.sismember(found, background.id)
+                       for found in edge_login.scan_iter(keys.background_of_key("*")))
         deadline = time.monotonic() + 10  # the worker says what it holds with its next heartbeat
         while not list(stack.client.scan_iter(keys.prefixes(stack.model, "*"))):
             assert time.monotonic() < deadline, "the worker never wrote its prefix set"

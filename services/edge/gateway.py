@@ -146,11 +146,14 @@ class Gateway:
     async def _note_background(self, key_id: str, job_id: str, deadline: float) -> None:
         """Notes a background job of the key, for a revoke to find (a failure leaves it to its followers)."""
         ttl_ms = max(1000, int((deadline - time.monotonic()) * 1000))
-        with contextlib.suppress(RedisError):
+        try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.sadd(keys.background_of_key(key_id), job_id)
             pipe.pexpire(keys.background_of_key(key_id), ttl_ms)  # a later job's deadline is later
             await pipe.execute()
+        except RedisError as exc:
+            log.warning("could not note background job %s for a revoke of its key to find (%s)", job_id,
+                        type(exc).__name__)
 
     async def _cancel_background(self, key_id: str) -> None:
         try:
