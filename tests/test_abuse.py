@@ -317,6 +317,33 @@ async def test_a_revoked_keys_resumed_stream_ends_too(stack: Stack) -> None:
     await stack.settled()
 
 
+async def test_a_stream_resumed_with_another_key_of_its_tenant_ends_when_that_key_is_revoked(stack: Stack) -> None:
+    """A stream resumed with another key of its tenant is read with that key: revoking it ends the reading (the
+    job runs on, as when a client leaves, and the key that began it resumes it to its end)."""
+    owner = create_key(stack, "--tenant", "two-keys")
+    reader = create_key(stack, "--tenant", "two-keys")
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", stack.edges[0].url + "/v1/chat/completions",
+                                json=chat_body(stack.model, 600), headers=bearer(owner), limit=3)  # 6 s of tokens
+        stream_url = f"/v1/streams/{head[-1][0].rsplit(':', 1)[0]}"
+        resumed = asyncio.create_task(sse_frames(http, "GET", stack.edges[1].url + stream_url,
+                                                 headers={**bearer(reader), "Last-Event-ID": head[-1][0]}))
+
+        async def resuming() -> bool:
+            text = (await http.get(stack.edges[1].metrics_url)).text
+            return metric_value(text, "tokenbus_edge_requests_in_flight") >= 1
+
+        await until("the stream resumed", resuming, 5.0)
+        assert tokenbus(stack, "keys", "revoke", reader["id"]).returncode == 0
+        read = await asyncio.wait_for(resumed, 5)
+        assert any("revoked" in data for _id, data in read[-2:])
+        last_read = next(event_id for event_id, data in reversed(read) if event_id and "revoked" not in data)
+        rest = await sse_frames(http, "GET", stack.edges[0].url + stream_url,
+                                headers={**bearer(owner), "Last-Event-ID": last_read})
+    assert rest[-1][1] == "[DONE]"
+    await stack.settled()
+
+
 async def _some_running(stack: Stack) -> bool:
     return await running_jobs(stack) > 0
 

@@ -61,6 +61,9 @@ class Gateway:
         self.resume_window_s = resume_window_s
         self.streams_of_key: dict[str, set[JobEvents]] = {}
         """The jobs this edge serves, by the id of the API key they were admitted for: a revoke ends them."""
+        self.readers_of_key: dict[str, set[JobEvents]] = {}
+        """The resumed streams this edge serves, by the id of the API key that reads them where it is not the key
+        their job was admitted for: a revoke of it ends them, not their jobs."""
         self.cancelling: set[asyncio.Task[None]] = set()
         """The cancels of revoked keys' background jobs under way."""
 
@@ -101,14 +104,16 @@ class Gateway:
             self.waiting.pop(job.id, None)
 
     @contextlib.asynccontextmanager
-    async def _reading(self, job: bus.Job, key_id: str, events: JobEvents, resumable: bool) -> AsyncIterator[None]:
+    async def _reading(self, job: bus.Job, key_id: str, events: JobEvents, resumable: bool,
+                       reader_key: str = "") -> AsyncIterator[None]:
         """A request reads the job's events in the block: a revoke of its key ends it; its leaving early stops
         the job (see `_leaving`), but for a background job, which only a cancel, its deadline and the errors of
-        STOPS_BACKGROUND stop."""
-        with self._of_key(key_id, events):
+        STOPS_BACKGROUND stop. A request that reads with another key than the job's (`reader_key`: a resume) ends
+        at a revoke of either; the reader's alone does not stop the job."""
+        with self._of_key(key_id, events), self._of_key(reader_key, events, self.readers_of_key):
             if job.background:
                 yield
-                if isinstance(events.failed_with, STOPS_BACKGROUND):
+                if isinstance(events.failed_with, STOPS_BACKGROUND) and not events.reader_revoked:
                     await self._let_go(events, keep=False)
                 return
             async with self._leaving(events, resumable=resumable):
@@ -123,22 +128,35 @@ class Gateway:
         return time.monotonic() + left_ms / 1000 + bus.START_NOTICE_S
 
     @contextlib.contextmanager
-    def _of_key(self, key_id: str, events: JobEvents) -> Iterator[None]:
-        """The request reads its job's events in the block for the API key of id `key_id` (a revoke of it ends them)."""
-        streams = self.streams_of_key.setdefault(key_id, set())
+    def _of_key(self, key_id: str, events: JobEvents, registry: dict[str, set[JobEvents]] | None = None
+                ) -> Iterator[None]:
+        """The request reads its job's events in the block for the API key of id `key_id` (a revoke of it ends
+        them), as the job's key (`registry` streams_of_key) or its reader's only (readers_of_key); none for ""."""
+        if not key_id:
+            yield
+            return
+        registry = self.streams_of_key if registry is None else registry
+        streams = registry.setdefault(key_id, set())
         streams.add(events)
         try:
             yield
         finally:
             streams.discard(events)
             if not streams:
-                del self.streams_of_key[key_id]
+                del registry[key_id]
 
     def revoked(self, key_id: str) -> None:
-        """Ends the streams of a key that was revoked: each client gets the error, each job is cancelled; so is
-        every background job of the key, followed here, elsewhere, or (its edge gone) nowhere."""
+        """Ends the streams of a key that was revoked: each client gets the error, each job is cancelled (but a
+        job only read with the key: see `_reading`); so is every background job of the key, followed here,
+        elsewhere, or (its edge gone) nowhere."""
+        revoked = Unauthenticated("The API key of this request was revoked or has expired.")
+        for events in list(self.readers_of_key.get(key_id, ())):
+            if not events.failing:
+                events.reader_revoked = True
+            events.fail(revoked)
         for events in list(self.streams_of_key.get(key_id, ())):
-            events.fail(Unauthenticated("The API key of this request was revoked or has expired."))
+            events.reader_revoked = False  # its own key: the job stops too
+            events.fail(revoked)
         task = asyncio.create_task(self._cancel_background(key_id))
         self.cancelling.add(task)
         task.add_done_callback(self.cancelling.discard)
@@ -166,10 +184,12 @@ class Gateway:
             await self.cancel(job_id.decode(), deadline)
 
     @contextlib.asynccontextmanager
-    async def follow(self, job: bus.Job, key_id: str, deadline: float) -> AsyncIterator[JobEvents]:
-        """Reads a job another edge began (a resumed stream; `job` as planned again from its record) for the API
-        key of id `key_id`: its owner sends the events here from now on, and everything before comes from the
-        job's log. A background job runs on when its reader leaves."""
+    async def follow(self, job: bus.Job, key_id: str, deadline: float,
+                     reader_key: str = "") -> AsyncIterator[JobEvents]:
+        """Reads a job another edge began (a resumed stream; `job` as planned again from its record) admitted for
+        the API key of id `key_id`, and read with `reader_key` (if another key of its tenant): its owner sends the
+        events here from now on, and everything before comes from the job's log. A background job runs on when
+        its reader leaves."""
         self.check_redis()
         job_id = job.id
         events = self.relay.register(job_id, deadline)
@@ -182,7 +202,8 @@ class Gateway:
                 pipe.set(keys.job_reply_to(job_id), self.relay.channel, px=ttl_ms)
                 pipe.execute_command("PUBLISH", keys.ROUTE_CHANNEL, bus.encode_route(route))  # see cancel
                 await pipe.execute()
-            async with self._reading(job, key_id, events, resumable=True):
+            async with self._reading(job, key_id, events, resumable=True,
+                                     reader_key="" if reader_key == key_id else reader_key):
                 yield events
         finally:
             self.relay.unregister(events)
@@ -204,7 +225,7 @@ class Gateway:
             raise
         else:
             if not events.finished or events.failing:  # an error found at the edge: the job must stop too
-                await self._let_go(events, keep=False)
+                await self._let_go(events, keep=resumable and events.reader_revoked)  # (not its reader's key's)
 
     async def _let_go(self, events: JobEvents, keep: bool) -> None:
         """A job to `keep` that started runs on for the resume window; any other is cancelled. A job a later

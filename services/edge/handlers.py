@@ -176,7 +176,7 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
     admitter.hold(record.key, lease)
     events: JobEvents | None = None
     try:
-        async with gateway.follow(plan.job, record.key, deadline) as events:
+        async with gateway.follow(plan.job, record.key, deadline, caller_of(request).key_id) as events:
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,

@@ -82,6 +82,9 @@ class JobEvents:
         are taken when their position comes."""
         self.abandoned = False
         """The job was cancelled before it finished: a log that ends without its end ends the stream."""
+        self.reader_revoked = False
+        """The key of the request reading it (a resume with another key than the job's own) was revoked: the
+        request ends, the job runs on as when a client leaves."""
 
     @property
     def failing(self) -> bool:
