@@ -304,11 +304,7 @@ async def test_a_revoked_keys_resumed_stream_ends_too(stack: Stack) -> None:
             http, "POST", stack.edges[1].url + "/v1/chat/completions", json=chat_body(stack.model, 3000),
             headers={**bearer(key), "Last-Event-ID": head[-1][0]}))
 
-        async def resuming() -> bool:
-            text = (await http.get(stack.edges[1].metrics_url)).text
-            return metric_value(text, "tokenbus_edge_requests_in_flight") >= 1
-
-        await until("the stream resumed", resuming, 5.0)
+        await until("the stream resumed", lambda: _serving(http, stack.edges[1].metrics_url), 5.0)
         assert tokenbus(stack, "keys", "revoke", key["id"]).returncode == 0
         revoked_at = time.monotonic()
         frames = await asyncio.wait_for(resumed, 5)
@@ -329,11 +325,7 @@ async def test_a_stream_resumed_with_another_key_of_its_tenant_ends_when_that_ke
         resumed = asyncio.create_task(sse_frames(http, "GET", stack.edges[1].url + stream_url,
                                                  headers={**bearer(reader), "Last-Event-ID": head[-1][0]}))
 
-        async def resuming() -> bool:
-            text = (await http.get(stack.edges[1].metrics_url)).text
-            return metric_value(text, "tokenbus_edge_requests_in_flight") >= 1
-
-        await until("the stream resumed", resuming, 5.0)
+        await until("the stream resumed", lambda: _serving(http, stack.edges[1].metrics_url), 5.0)
         assert tokenbus(stack, "keys", "revoke", reader["id"]).returncode == 0
         read = await asyncio.wait_for(resumed, 5)
         assert any("revoked" in data for _id, data in read[-2:])
@@ -342,6 +334,11 @@ async def test_a_stream_resumed_with_another_key_of_its_tenant_ends_when_that_ke
                                 headers={**bearer(owner), "Last-Event-ID": last_read})
     assert rest[-1][1] == "[DONE]"
     await stack.settled()
+
+
+async def _serving(http: httpx.AsyncClient, metrics_url: str) -> bool:
+    """Whether an edge (its metrics) has a request in flight."""
+    return metric_value((await http.get(metrics_url)).text, "tokenbus_edge_requests_in_flight") >= 1
 
 
 async def _some_running(stack: Stack) -> bool:
