@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.edge.estimate import estimate, text_tokens
-from services.edge.formats import calling, chat, completions, embeddings, structured
+from services.edge.formats import calling, chat, completions, embeddings, structured, tgi
 from services.edge.formats.base import decode
 from services.edge.handlers import parse_event_id
 from services.worker.models import default_chat_model_dir
@@ -80,6 +80,15 @@ def test_every_text_a_chat_template_may_render_is_charged() -> None:
 
     for name in ("reasoning", "reasoning_content"):
         assert charged({**answered, name: text}) - charged(answered) >= text_tokens(text), name
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+def test_a_tgi_sampling_factor_beyond_float32_never_reaches_the_engine(name: str) -> None:
+    """TGI bounds neither; the engine computes in float32, where 1e300 is infinite (and 0 x inf is NaN)."""
+    with pytest.raises(InvalidRequest) as caught:
+        decode(json.dumps({"inputs": "x", "parameters": {name: 1e300}}).encode(), tgi.GenerateRequest)
+    assert caught.value.param == f"parameters.{name}"
+    assert decode(json.dumps({"inputs": "x", "parameters": {name: 5.0}}).encode(), tgi.GenerateRequest)
 
 
 def test_an_embedding_instruction_is_sent_once_and_charged_per_input() -> None:

@@ -46,16 +46,19 @@ MAX_SEED = 2**64 - 1
 ENGINE_SEED_SPACE = 2**63
 """The engine's seeds are signed 64-bit: larger TGI seeds are folded into that range, the same way each time."""
 NO_ADAPTER = "None"
+MAX_FACTOR = 100.0
+"""The most `temperature` and `repetition_penalty` may be (TGI sets no bound): beyond float32's range (3.4e38) the
+engine divides logits by infinity, and a logit of 0 times an infinite penalty is NaN, which sampling fails on."""
 
 
 class Parameters(Request):
     max_new_tokens: Annotated[int, Meta(gt=0, le=2147483647)] = 20
     do_sample: bool | None = None
-    temperature: Annotated[float, Meta(gt=1e-6)] | None = None
+    temperature: Annotated[float, Meta(gt=1e-6, le=MAX_FACTOR)] | None = None
     top_k: Annotated[int, Meta(gt=0, le=2147483647)] | None = None
     top_p: Annotated[float, Meta(gt=1e-6, lt=1.0)] | None = None
     typical_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_FACTOR)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     seed: Annotated[int, Meta(gt=0)] | None = None
     """Up to 2**64 - 1, the most a JSON integer decodes to here."""
