@@ -11,6 +11,7 @@ import asyncio
 import signal
 import socket
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -300,18 +301,24 @@ async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stac
     await stack.settled()
 
 
+def reading_nothing(url: str, body: dict[str, Any]) -> socket.socket:
+    """A client that posts a chat request on a socket with a tiny receive window, and reads nothing."""
+    host, port = url.removeprefix("http://").split(":")
+    data = orjson.dumps(body)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    return sock
+
+
 async def test_a_client_that_falls_too_far_behind_is_dropped_and_its_job_stopped(stack: Stack) -> None:
     """A client that reads nothing (a tiny receive window) cannot make the edge hold its stream without bound."""
     edge = stack.edge(max_buffered_events=64, resume_window_s=30)
     worker = stack.worker(sim_itl_ms=1, max_model_len=100_000)
-    host, port = edge.url.removeprefix("http://").split(":")
-    body = orjson.dumps(chat_body(stack.model, 50_000))  # 50 s of tokens
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
+    sock = reading_nothing(edge.url, chat_body(stack.model, 50_000))  # 50 s of tokens
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
         started = time.monotonic()
         async with httpx.AsyncClient() as http:
             while "outcome=\"aborted\"" not in (await http.get(worker.metrics_url)).text:
@@ -321,6 +328,31 @@ async def test_a_client_that_falls_too_far_behind_is_dropped_and_its_job_stopped
         sock.close()
     assert "fell 64 events behind" in edge.log.read_text()
     await stack.settled()
+
+
+async def test_a_client_that_reads_nothing_is_dropped_at_the_write_stall(stack: Stack) -> None:
+    """A stream shorter than the edge's event bound, to a client that reads nothing: a write that waits longer
+    than --write-stall-s drops the connection (the edge held the request, and what the client had not read, for
+    good: the bound on events behind is never reached)."""
+    edge = stack.edge(write_stall_s=2)
+    stack.worker(sim_itl_ms=1, max_model_len=100_000)
+    assert (await stream_text(edge.url, stack.model, 2))[1] == 2  # the edge knows the model's worker
+    sock = reading_nothing(edge.url, chat_body(stack.model, 3000))  # 3 s of tokens, fewer than the events bound
+    try:
+        async with httpx.AsyncClient() as http:
+            async def held() -> float:
+                return metric_value((await http.get(edge.metrics_url)).text, "tokenbus_edge_requests_in_flight")
+
+            started = time.monotonic()
+            while not await held():
+                assert time.monotonic() - started < 10, "the request never started"
+                await asyncio.sleep(0.1)
+            while await held():  # its job ends within 3 s; what the client did not read would be held for good
+                assert time.monotonic() - started < 10, "the client that reads nothing is still held"
+                await asyncio.sleep(0.2)
+            await stack.settled()
+    finally:
+        sock.close()
 
 
 async def test_a_stopped_edge_drains_its_streams_and_exits(stack: Stack) -> None:

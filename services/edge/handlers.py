@@ -76,7 +76,8 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
         async with gateway.submit(plan.job, deadline, record, on_refused=admitter.refund) as events:
             return await pump.respond(request, events, plan.renderer, stream=plan.stream, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      tenant=tenant, ids=sse.wants_ids(request), keep=_keeper(request))
+                                      tenant=tenant, ids=sse.wants_ids(request), keep=_keeper(request),
+                                      write_stall_s=settings.write_stall_s)
     except sse.ClientGone:
         if plan.job.background and events is not None and not events.finished:
             background.adopt(request, plan, body, deadline, admission.lease)  # it holds the lease from now on
@@ -180,7 +181,7 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      after=after, keep=_keeper(request))
+                                      after=after, keep=_keeper(request), write_stall_s=settings.write_stall_s)
     except sse.ClientGone:
         if plan.job.background and events is not None and not events.finished and not cancelled:
             # its events come here now, and nowhere else: a task of this edge follows it and stores its answer

@@ -100,7 +100,7 @@ class _Delivery:
 async def respond(
     request: web.Request, events: JobEvents, renderer: Renderer, *, stream: bool, model: str,
     keepalive_s: float, started: float, after: int = -1, tenant: tuple[str, str] | None = None,
-    ids: bool = True, keep: Keep | None = None,
+    ids: bool = True, keep: Keep | None = None, write_stall_s: float = 60.0,
 ) -> web.StreamResponse:
     """Waits for the first event before committing to a status: errors before it are plain 4xx/5xx.
 
@@ -108,7 +108,7 @@ async def respond(
     for a resume). A resumed stream sends only the frames numbered after `after`; frames carry their number
     as an SSE `id:` when `ids`. `tenant` (its metrics label, the model) also counts the time to first token
     per tenant. `keep` stores what the renderer reports once the job's Final was seen, before the client hears
-    of it.
+    of it. A client that leaves its writes unread for `write_stall_s` is dropped (ClientGone).
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
     if stream:
@@ -127,7 +127,7 @@ async def respond(
                 await delivery.render(event, stream=False)
                 event = await _next(request, events)
             return web.Response(body=framing.body(renderer.body()), content_type="application/json")
-        sse = await SSEWriter.open(request)
+        sse = await SSEWriter.open(request, stall_s=write_stall_s)
         try:
             await _stream(request, sse, events, delivery, first, keepalive_s)
         except TokenbusError as exc:

@@ -78,8 +78,11 @@ class SSEWriter:
     allowed while `writable()`: the event relay uses it to put token chunks straight on the socket.
     """
 
-    def __init__(self, response: web.StreamResponse, transport: asyncio.Transport | None) -> None:
+    def __init__(self, response: web.StreamResponse, transport: asyncio.Transport | None,
+                 stall_s: float = 60.0) -> None:
         self.response = response
+        self.stall_s = stall_s
+        """How long one write may wait for the client to read before the connection is dropped."""
         self.connection = transport
         self.transport = transport if response.chunked else None
         """Set when chunks may be framed and written here directly (HTTP/1.1 chunked encoding)."""
@@ -88,7 +91,8 @@ class SSEWriter:
         """Whether a write went out through the response (with the headers): `write_now` must wait for it."""
 
     @classmethod
-    async def open(cls, request: web.Request, headers: dict[str, str] | None = None) -> SSEWriter:
+    async def open(cls, request: web.Request, headers: dict[str, str] | None = None,
+                   stall_s: float = 60.0) -> SSEWriter:
         response = _EventStream(status=200, headers={**SSE_HEADERS, **(headers or {})})
         if request.version >= HttpVersion11:
             response.enable_chunked_encoding()
@@ -98,7 +102,7 @@ class SSEWriter:
             await response.prepare(request)  # the headers go with the first write
         except ConnectionError as exc:
             raise ClientGone from exc
-        return cls(response, request.transport)
+        return cls(response, request.transport, stall_s)
 
     def writable(self) -> bool:
         """True when `write_now` can hand bytes to the kernel without queueing behind earlier ones."""
@@ -125,7 +129,11 @@ class SSEWriter:
 
     async def _write(self, data: bytes) -> None:
         try:
-            await self.response.write(data)
+            async with asyncio.timeout(self.stall_s):  # a client that reads nothing is dropped, not waited for
+                await self.response.write(data)
+        except TimeoutError as exc:
+            self.drop()
+            raise ClientGone from exc
         except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
             raise ClientGone from exc
         self.headers_sent = True
@@ -140,8 +148,13 @@ class SSEWriter:
         await self._write(KEEPALIVE)
 
     async def close(self) -> None:
-        with contextlib.suppress(ConnectionError):
-            await self.response.write_eof()
+        try:
+            async with asyncio.timeout(self.stall_s):
+                await self.response.write_eof()
+        except TimeoutError:
+            self.drop()
+        except ConnectionError:
+            pass
 
     @staticmethod
     def client_gone(request: web.Request) -> bool:

@@ -187,6 +187,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dropped and its job stopped (an edge's memory must not grow with slow clients)."""
     read_timeout_s: float = 30.0
     """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
+    write_stall_s: float = 60.0
+    """Seconds a streaming client may leave the edge's writes unread (its socket full) before its connection is
+    dropped (a client that reads nothing would otherwise hold its request, and what it has not read, for good)."""
     ready_models: str = ""
     """Models this deployment serves, comma-separated: the edge's /ready is 503 until each has a live worker
     (empty: the edge's --model)."""

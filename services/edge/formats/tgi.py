@@ -47,14 +47,15 @@ ENGINE_SEED_SPACE = 2**63
 """The engine's seeds are signed 64-bit: larger TGI seeds are folded into that range, the same way each time."""
 NO_ADAPTER = "None"
 MAX_FACTOR = 100.0
-"""The most `temperature` and `repetition_penalty` may be (TGI sets no bound): beyond float32's range (3.4e38) the
+"""The most `repetition_penalty` may be (neither TGI nor vLLM sets a bound): beyond float32's range (3.4e38) the
 engine divides logits by infinity, and a logit of 0 times an infinite penalty is NaN, which sampling fails on."""
 
 
 class Parameters(Request):
     max_new_tokens: Annotated[int, Meta(gt=0, le=2147483647)] = 20
     do_sample: bool | None = None
-    temperature: Annotated[float, Meta(gt=1e-6, le=MAX_FACTOR)] | None = None
+    temperature: Annotated[float, Meta(gt=1e-6, le=2.0)] | None = None
+    """TGI sets no upper bound; vLLM refuses more than 2 (here, at once: not after the job waited for a slot)."""
     top_k: Annotated[int, Meta(gt=0, le=2147483647)] | None = None
     top_p: Annotated[float, Meta(gt=1e-6, lt=1.0)] | None = None
     typical_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
