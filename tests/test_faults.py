@@ -313,6 +313,39 @@ def reading_nothing(url: str, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
+async def test_a_replay_that_redis_fails_under_ends_with_an_error_event(stack: Stack) -> None:
+    """A stream replayed from its job's log (read a page at a time, as its client takes them) when Redis dies:
+    the client gets the stream's error event and its end, not a second HTTP answer inside the body."""
+    edge = stack.edge()
+    stack.worker(sim_itl_ms=1, max_model_len=100_000)
+    async with httpx.AsyncClient(timeout=30) as http:
+        head = await sse_frames(http, "POST", edge.url + "/v1/chat/completions", json=chat_body(stack.model, 3000),
+                                headers={"Accept": "text/event-stream"})
+    assert head[-1][1] == "[DONE]"
+    stream_id = head[0][0].rsplit(":", 1)[0]
+    host, port = edge.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(f"GET /v1/streams/{stream_id} HTTP/1.1\r\nHost: x\r\nLast-Event-ID: {stream_id}:0\r\n"
+                     "Accept: text/event-stream\r\n\r\n".encode())
+        await asyncio.sleep(1)  # the edge wrote what the socket takes, and waits for the client
+        stack.redis.kill()
+        sock.settimeout(15)
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):
+            chunk = await asyncio.to_thread(sock.recv, 65536)
+            assert chunk, "the connection closed before the stream's end"
+            received += chunk
+    finally:
+        sock.close()
+        stack.redis.start()
+    assert received.count(b"HTTP/1.1 ") == 1, received[-400:]  # one answer: the stream's
+    tail = received[-2000:].decode(errors="replace")
+    assert "redis_unavailable" in tail and "data: [DONE]" in tail, tail
+
+
 async def test_a_client_that_falls_too_far_behind_is_dropped_and_its_job_stopped(stack: Stack) -> None:
     """A client that reads nothing (a tiny receive window) cannot make the edge hold its stream without bound."""
     edge = stack.edge(max_buffered_events=64, resume_window_s=30)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -16,6 +18,8 @@ from services.edge.store import Turn
 from shared.protocol import bus
 from shared.protocol.errors import EngineError, TokenbusError
 from shared.runtime import metrics
+
+log = logging.getLogger(__name__)
 
 Keep = Callable[[Turn], Awaitable[None]]
 """Stores a finished turn a renderer reports (ResponseStore.keep, with the caller's tenant)."""
@@ -132,6 +136,12 @@ async def respond(
             await _stream(request, sse, events, delivery, first, keepalive_s)
         except TokenbusError as exc:
             await sse.send(delivery.stamp(framing.frames(renderer.error(exc))))
+        except (ClientGone, asyncio.CancelledError):
+            raise
+        except Exception:  # the status and headers are out: the error can only be the stream's own last event
+            log.exception("a stream failed")
+            await sse.send(delivery.stamp(framing.frames(renderer.error(TokenbusError(
+                "The server failed to continue the stream.")))))
         await sse.close()
         return sse.response
     finally:

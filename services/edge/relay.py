@@ -27,7 +27,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.edge.jobevents import JobEvents
-from services.edge.redis_boundary import REDIS_FAILURES, unavailable
+from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary, unavailable
 from shared.protocol import bus, joblog, keys
 from shared.protocol.errors import QueueTimeout, WorkerLost
 from shared.redisio import internals, rawpipe
@@ -158,7 +158,9 @@ class EventRelay:
         return self.jobs.get(events.job_id) is events
 
     async def read_log(self, job_id: str, after: str) -> tuple[list[bus.Event], str, bool]:
-        return await joblog.read_page(self.commands, job_id, after)
+        """A page of the job's log; a Redis failure is the stream's error (Unavailable), ended in its format."""
+        with redis_boundary():
+            return await joblog.read_page(self.commands, job_id, after)
 
     def redis_down(self) -> bool:
         """True once Redis has not answered for the configured time (new requests are refused at once)."""
