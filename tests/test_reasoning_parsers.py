@@ -14,6 +14,7 @@ import pytest
 from services.worker.parsing.formats import tool_format
 from services.worker.parsing.output import JobOutput, for_job
 from services.worker.parsing.reasoning import ReasoningParser, Split, ThinkParser, reasoning_format
+from services.worker.parsing.tools import MAX_HELD_WHITESPACE
 from shared.protocol import bus
 
 QWEN3_FORMAT = reasoning_format("qwen3")
@@ -39,6 +40,9 @@ SAMPLES: list[tuple[str, Callable[[], ReasoningParser], str, str, str]] = [
     ("r1-writes-the-tag-anyway", R1, "<think>\nHmm, ü.\n</think>\nYes.", "Hmm, ü.", "Yes."),
     ("r1-cut-while-thinking", R1, "Let me think about </thi", "Let me think about </thi", ""),
     ("r1-partial-open-tag-then-text", R1, "<thin and more", "<thin and more", ""),
+    # of a run of whitespace a parser drops at most MAX_HELD_WHITESPACE (256): the rest goes on as text
+    ("qwen3-long-spaces", QWEN3, " " * 300 + "<think>plan" + " " * 300 + "</think>" + " " * 300 + "Done.",
+     "plan" + " " * 44, "Done."),
 ]
 
 
@@ -153,3 +157,13 @@ def test_think_parser_tags_are_settable() -> None:
     split = run(lambda: ThinkParser(open_tag="<reasoning>", close_tag="</reasoning>"),
                 ["<reasoning>a</reason", "ing>b"])
     assert (split.reasoning, split.content) == ("a", "b")
+
+
+def test_a_long_run_of_whitespace_is_not_held_whole() -> None:
+    """Reasoning that is whitespace for a whole budget: the parser holds at most MAX_HELD_WHITESPACE of it."""
+    parser = QWEN3()
+    parser.feed("<think>plan")
+    for _ in range(5000):
+        parser.feed(" " * 16)
+        assert len(parser.held) <= MAX_HELD_WHITESPACE + 16
+    assert parser.finish().reasoning.strip() == ""

@@ -14,7 +14,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from services.worker.parsing.tools import JsonParser, NamedParser, Parsed, TaggedParser, ToolParser
+from services.worker.parsing.tools import (
+    MAX_HELD_WHITESPACE,
+    JsonParser,
+    NamedParser,
+    Parsed,
+    TaggedParser,
+    ToolParser,
+)
 from shared.protocol import bus
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "recorded_tool_outputs.json").read_text())
@@ -43,6 +50,11 @@ SAMPLES: list[tuple[str, Make, str]] = [
     ("array-then-text", JsonParser, ' [{"name": "get_time", "arguments": {"city": "Oslo"}}]  Asked.'),
     ("plain", JsonParser, "The weather in Paris is mild; {curly} text stays."),
     ("json-answer", JsonParser, '{"answer": 42, "unit": "ü"}'),
+    ("long-spaces-around-a-tag", TaggedParser, "Checking." + " " * 300 + '<tool_call>{"name": "get_time", "arguments"'
+                                               ': {"city": "Lima"}}' + " " * 300 + "</tool_call>" + " " * 300
+                                               + "Done." + " " * 300),
+    ("long-spaces-around-json", JsonParser, " " * 300 + '[{"name": "get_time", "arguments": {"city": "Oslo"}}]'
+                                            + " " * 300 + "Asked." + " " * 300),
 ]
 RECORDED_SAMPLES: list[tuple[str, Make, str]] = [
     *((f"hermes-{i}", TaggedParser, text) for i, text in enumerate(RECORDED["hermes"])),
@@ -165,3 +177,18 @@ def test_a_named_function_takes_the_whole_answer_as_its_arguments() -> None:
     assert result(parsed) == ("", [bus.ToolCall(id="call_0", name="get_weather", arguments='{\n  "city": "Paris"\n}')])
     empty = result(feed(lambda i: NamedParser("f", i), [""]))
     assert empty == ("", [bus.ToolCall(id="call_0", name="f", arguments="{}")])
+
+
+@pytest.mark.parametrize("start", ["Text.", '<tool_call>{"name": "get_time", "arguments": {}}', "", '{"name": "f"'])
+@pytest.mark.parametrize("make", [TaggedParser, JsonParser, lambda call_id: NamedParser("f", call_id)],
+                         ids=["tagged", "json", "named"])
+def test_a_long_run_of_whitespace_is_not_held_whole(make: Make, start: str) -> None:
+    """A tenant can have the model write whitespace for its whole budget (a logit_bias on a token of spaces): a
+    parser holds at most MAX_HELD_WHITESPACE of it, where each token was copied and scanned again with all the
+    whitespace before it (quadratic on the worker's loop: seconds for a few thousand tokens)."""
+    parser = make(ids)
+    parser.feed(start)
+    for _ in range(5000):
+        parser.feed(" " * 16)
+        assert len(parser.pending) <= MAX_HELD_WHITESPACE + 16
+    parser.finish()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.worker.parsing.tools import held_tail
+from services.worker.parsing.tools import held_tail, leading_space_bounded, without_trailing_space
 
 
 @dataclass
@@ -93,7 +93,7 @@ class ThinkParser:
         if self.where is _Where.START:
             return Split(reasoning=held) if self.opened else Split(content=held)
         if self.where is _Where.REASONING:
-            return Split(reasoning=held.rstrip())
+            return Split(reasoning=without_trailing_space(held))
         return Split()  # only whitespace around a block or an answer that never came
 
     def _step(self, text: str, out: Split) -> str:
@@ -109,7 +109,7 @@ class ThinkParser:
                 out.reasoning += text[: len(text) - keep]
                 self.held = text[len(text) - keep:]
                 return ""
-            out.reasoning += text[:end].rstrip()
+            out.reasoning += without_trailing_space(text[:end])
             self.where = _Where.BETWEEN
             return text[end + len(self.close_tag):]
         if self.where is _Where.BETWEEN:
@@ -124,6 +124,7 @@ class ThinkParser:
         return rest
 
     def _start(self, text: str, out: Split) -> str:
+        text = leading_space_bounded(text)
         stripped = text.lstrip()
         if stripped.startswith(self.open_tag):
             self.where = _Where.OPENED

@@ -104,12 +104,34 @@ def partial_marker(text: str, marker: str) -> int:
     return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
 
 
+MAX_HELD_WHITESPACE = 256
+"""The most whitespace a parser keeps back (or drops) at once: before a tag, around the calls, at the end. Of a
+longer run the rest goes on as text; kept whole, a run the model writes token by token (a tenant can ask for
+one) was copied and scanned again with each token, quadratic in its length on the worker's loop."""
+
+
+def trailing_space(text: str) -> int:
+    """How much of the whitespace at the end of `text` a parser may keep back (or drop): MAX_HELD_WHITESPACE of
+    it at most."""
+    return min(len(text) - len(text.rstrip()), MAX_HELD_WHITESPACE)
+
+
+def without_trailing_space(text: str) -> str:
+    """`text` less the whitespace at its end that a parser drops (see trailing_space)."""
+    return text[: len(text) - trailing_space(text)]
+
+
+def leading_space_bounded(text: str) -> str:
+    """`text` with at most MAX_HELD_WHITESPACE of the whitespace at its start (the rest is dropped)."""
+    space = len(text) - len(text.lstrip())
+    return text[space - MAX_HELD_WHITESPACE:] if space > MAX_HELD_WHITESPACE else text
+
+
 def held_tail(text: str, marker: str) -> int:
     """How many characters at the end of `text` to keep back: a beginning of `marker`, and the whitespace
-    before it (dropped if the marker follows)."""
+    before it (dropped if the marker follows; MAX_HELD_WHITESPACE of it at most)."""
     partial = partial_marker(text, marker)
-    before = text[: len(text) - partial]
-    return partial + len(before) - len(before.rstrip())
+    return partial + trailing_space(text[: len(text) - partial])
 
 
 class _Mode(enum.Enum):
@@ -141,7 +163,7 @@ class TaggedParser:
     def finish(self) -> Parsed:
         out = Parsed()
         if self.mode is _Mode.TEXT:
-            out.add_text(self.pending.rstrip() if self.calls.made else self.pending)
+            out.add_text(without_trailing_space(self.pending) if self.calls.made else self.pending)
         elif self.mode is _Mode.CALL and not self.calls.open:
             out.add_text(self.gap + "".join(self.scanner.raw) + self.pending)
         self.calls.close(out)
@@ -158,7 +180,7 @@ class TaggedParser:
     def _text(self, out: Parsed) -> bool:
         start = self.pending.find(self.open_tag)
         if start >= 0:
-            before = self.pending[:start].rstrip()
+            before = without_trailing_space(self.pending[:start])
             out.add_text(before)
             self.gap = self.pending[len(before):start] + self.open_tag
             self.pending = self.pending[start + len(self.open_tag):]
@@ -186,6 +208,7 @@ class TaggedParser:
         return True
 
     def _after_call(self) -> bool:
+        self.pending = leading_space_bounded(self.pending)
         rest = self.pending.lstrip()
         if rest.startswith(self.close_tag):
             self.pending = rest[len(self.close_tag):]
@@ -231,7 +254,7 @@ class JsonParser:
     def finish(self) -> Parsed:
         out = Parsed()
         if self.state is _Json.TEXT:
-            out.add_text(self.pending.rstrip() if self.calls.made else self.pending)
+            out.add_text(without_trailing_space(self.pending) if self.calls.made else self.pending)
         elif not self.calls.made:
             out.add_text("".join(self.region) + self.pending)
         elif self.state is _Json.CALL and not self.calls.open:
@@ -246,8 +269,10 @@ class JsonParser:
         if self.state is _Json.TEXT:
             return self._text(out)
         rest = self.pending.lstrip()
-        if not rest:
-            return False  # whitespace: wait for what follows
+        if not rest:  # whitespace: wait for what follows (it goes where whitespace between calls goes)
+            if len(self.pending) > MAX_HELD_WHITESPACE:
+                self._consume(len(self.pending) - MAX_HELD_WHITESPACE)
+            return False
         self._consume(len(self.pending) - len(rest))
         return self._punctuation(rest[0], out)
 
@@ -299,7 +324,7 @@ class JsonParser:
             if not self.text_after:
                 self.pending = self.pending.lstrip()
                 self.text_after = bool(self.pending)
-            keep = len(self.pending) - len(self.pending.rstrip())
+            keep = trailing_space(self.pending)
         out.add_text(self.pending[: len(self.pending) - keep])
         self.pending = self.pending[len(self.pending) - keep:]
         return False
@@ -334,7 +359,7 @@ class NamedParser:
         self.pending += text
         if not self.wrote:
             self.pending = self.pending.lstrip()
-        body = self.pending.rstrip()
+        body = without_trailing_space(self.pending)
         if body:
             out.add_call(bus.ToolCallDelta(index=0, arguments=body))
             self.wrote = True
