@@ -224,6 +224,24 @@ async def test_a_budget_beyond_the_context_is_refused_at_the_edge_but_truncate_r
     assert fits.status_code == 200
 
 
+async def test_a_prompt_no_tokenizer_could_fit_in_the_context_is_refused_at_the_edge(api: Edge) -> None:
+    """More characters than the context's tokens could spell (256 each at most): refused at once, not tokenized on
+    the worker's one tokenizing thread (a second per MiB, while every other prompt waits); one that truncates is
+    the worker's to cut."""
+    text = "word " * (MAX_MODEL_LEN * 256 // 5 + 1)
+    async with httpx.AsyncClient(timeout=ANSWER_WITHIN_S) as http:
+        chat = await http.post(api.url + "/v1/chat/completions", json={
+            "model": SIM_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+        completion = await http.post(api.url + "/v1/completions", json={
+            "model": SIM_MODEL, "prompt": ["Hi", text], "max_tokens": 2})
+        truncated = await http.post(api.url + "/v1/completions", json={
+            "model": SIM_MODEL, "prompt": text, "max_tokens": 2, "error_behavior": "truncate"})
+    for refused, param in ((chat, "messages"), (completion, "prompt")):
+        assert refused.status_code == 400, refused.text
+        assert (refused.json()["error"]["code"], refused.json()["error"]["param"]) == ("context_length_exceeded", param)
+    assert truncated.status_code == 200, truncated.text
+
+
 # slow clients
 
 

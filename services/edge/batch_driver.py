@@ -24,6 +24,7 @@ from services.edge import pump
 from services.edge.auth import Caller
 from services.edge.batch_store import Batch, BatchError, BatchStore, failed_with
 from services.edge.conversation_store import keep_turn
+from services.edge.estimate import check_prompt_fits
 from services.edge.file_store import FileInfo
 from services.edge.formats import batches as shapes
 from services.edge.formats.base import openai_error
@@ -329,7 +330,9 @@ class BatchRun:
         if line.body.get("background"):
             raise InvalidRequest("`background` is not supported in a batch.", param="background")
         plan = await PLANNERS[PLAN_OF[batch.endpoint]](self.app, caller, msgspec.json.encode(line.body), None)
-        fairshare.check_fits(plan.job, self.app[GATEWAY].directory.models.get(plan.job.model))
+        info = self.app[GATEWAY].directory.models.get(plan.job.model)
+        fairshare.check_fits(plan.job, info)
+        check_prompt_fits(plan.job, info.max_model_len if info else 0)
         return plan
 
     async def _answer(self, batch: Batch, caller: Caller, plan: Plan) -> tuple[bytes, tuple[int, int]]:

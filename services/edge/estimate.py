@@ -13,10 +13,14 @@ from __future__ import annotations
 import msgspec
 
 from shared.protocol import bus
+from shared.protocol.errors import ContextLengthExceeded
 
 ASCII_BYTES_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
 """What a chat template adds around each message, roughly."""
+MAX_TOKEN_CHARS = 256
+"""The most characters one token of today's tokenizers spells (their longest, runs of spaces or of one symbol,
+stay well under it): a prompt longer than this many per token of the context cannot fit it, whatever the model."""
 MAX_BUDGET = 2**31 - 1
 """A choice's budget when the model's context is unknown: a count the bus carries whatever multiplies it."""
 
@@ -58,3 +62,23 @@ def _tools_tokens(use: bus.ToolUse | None) -> int:
     if use is None or use.choice == "none":
         return 0
     return text_tokens(msgspec.json.encode(use.tools).decode())
+
+
+def check_prompt_fits(job: bus.Job, max_model_len: int) -> None:
+    """Refuses a prompt that cannot fit the model's context whatever its tokenizer (more characters than
+    max_model_len tokens of MAX_TOKEN_CHARS each), unless the job truncates: the worker would tokenize megabytes,
+    on the one thread every request's prompt waits for, only to find so. 0: the context is not known yet."""
+    if not max_model_len or job.truncate or job.keep_last_tokens:
+        return
+    most = max_model_len * MAX_TOKEN_CHARS
+    if job.messages:
+        chars = sum(len(m.content) + len(m.reasoning) + sum(len(c.arguments) for c in m.tool_calls)
+                    for m in job.messages)
+        param = "messages"
+    else:
+        chars = max((len(prompt) for prompt in job.prompts), default=0) + len(job.instruction)
+        param = "input" if job.kind == "embedding" else "prompt"
+    if chars > most:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt's {chars} characters "
+            f"cannot fit it (no token spells more than {MAX_TOKEN_CHARS}).", param=param)

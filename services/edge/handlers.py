@@ -13,6 +13,7 @@ from aiohttp import web
 from services.edge import background, pump, sse
 from services.edge.auth import caller_of
 from services.edge.conversation_store import keep_turn
+from services.edge.estimate import check_prompt_fits
 from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.formats.models import ModelCard, ModelList
@@ -46,6 +47,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     deadline = arrival.started + settings.request_timeout_s
     info = gateway.directory.models.get(plan.job.model)
     fairshare.check_fits(plan.job, info)
+    check_prompt_fits(plan.job, info.max_model_len if info else 0)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
     resumable = plan.job.background or (plan.stream and sse.wants_ids(request))
