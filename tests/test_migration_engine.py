@@ -62,3 +62,22 @@ def test_a_job_continues_after_what_its_former_owner_sent(redis_client: redis.Re
     continued = rest[-1]
     assert isinstance(continued, bus.Final)
     assert (continued.prompt_tokens, continued.completion_tokens) == (final.prompt_tokens, final.completion_tokens)
+
+
+def test_a_job_whose_former_owner_sent_every_token_but_not_its_end_ends_as_a_length_stop(
+        redis_client: redis.Redis, worker: WorkerProcess) -> None:
+    """The former owner wrote the job's last token and died before its ending: nothing is left to generate (vLLM
+    refuses max_tokens 0), so the new owner ends the choice as a length stop (it failed as an invalid request)."""
+    whole = _run(redis_client, _job(keys.events_channel(f"test-{uuid.uuid4().hex}")))
+    tokens = [e for e in whole if isinstance(e, bus.Tokens)]
+    assert tokens[-1].finish_reason == "length"
+    job = _job(keys.events_channel(f"test-{uuid.uuid4().hex}"), handovers=1)
+    former: list[bus.Event] = [bus.Started(job=job.id, worker="a-dead-worker", seq=0, epoch=1)]
+    former += [bus.Tokens(job=job.id, text=t.text, token_ids=t.token_ids, seq=i + 1, epoch=1)
+               for i, t in enumerate(tokens)]  # every token, the last one without its finish_reason
+    redis_client.xadd(keys.job_log(job.id), {bus.EVENTS_FIELD: bus.encode_events(former)})
+    rest = _run(redis_client, job)
+    assert not any(isinstance(e, bus.Error) for e in rest), rest
+    ended = [e for e in rest if isinstance(e, bus.Tokens)]
+    assert [(e.text, e.finish_reason) for e in ended] == [("", "length")]
+    assert _text(former) == _text(whole)

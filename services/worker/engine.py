@@ -87,6 +87,17 @@ class Counts:
     """Messages truncation "auto" left out (the edge stores the history as it was run)."""
 
 
+@dataclass(frozen=True)
+class _AllHad:
+    """The parameters of a continued choice that had all its tokens: nothing for the engine to run."""
+
+    max_tokens: int = 0
+    structured_outputs: None = None
+
+
+ALL_HAD = _AllHad()
+
+
 @dataclass
 class _EngineRequest:
     """One engine request of a job: prompt `index`, its first choice number, the token ids it starts from."""
@@ -418,6 +429,9 @@ class VllmEngine:
                     continue
                 had = cont.token_ids[choice]
                 echo = choice == index * n and index not in cont.prompted
+                if len(had) >= max_tokens:  # it had all its tokens, only its ending was lost (vLLM refuses 0)
+                    reqs.append(_EngineRequest(index, choice, prompt + had, ALL_HAD, echo_ids=prompt))
+                    continue
                 params = sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
                 reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
         return reqs
