@@ -92,6 +92,16 @@ def test_a_tgi_sampling_factor_beyond_float32_never_reaches_the_engine(name: str
     assert decode(json.dumps({"inputs": "x", "parameters": {name: 1.5}}).encode(), tgi.GenerateRequest)
 
 
+def test_what_the_engine_would_refuse_after_the_queue_is_refused_at_once() -> None:
+    user = [{"role": "user", "content": "hi"}]
+    for fields, param in (({"n": 2, "temperature": 0}, "n"), ({"min_tokens": 10, "max_tokens": 5}, "min_tokens")):
+        with pytest.raises(InvalidRequest) as caught:
+            chat_job(messages=user, **fields)
+        assert caught.value.param == param, fields
+    assert chat_job(messages=user, n=2, temperature=0.5).params.n == 2
+    assert chat_job(messages=user, min_tokens=5, max_tokens=5).params.min_tokens == 5
+
+
 def test_an_embedding_instruction_is_sent_once_and_charged_per_input() -> None:
     instruction = "Represent this sentence for searching relevant passages: "
     job = _job(embeddings.EmbeddingRequest, embeddings, input=["a", "b", "c"], instruction=instruction)
