@@ -4,6 +4,7 @@ on each path, and what its end writes (acknowledgement, settlement) by whose it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
@@ -126,11 +127,10 @@ async def test_an_aborted_job_stops_and_its_log_ends_with_why(abandoned: bool) -
     assert _jobs(model, "aborted") == 1
 
 
-async def test_a_job_stopped_while_it_waits_for_its_slots_never_reaches_the_engine() -> None:
-    """Its client left while the worker's slots were all taken: once they free, it ends with why, unrun (it ran: the
-    engine's abort, made before the engine knew it, did nothing)."""
-    engine = _Engine()
-    runner, publisher, run, model = _runner(engine)
+@contextlib.asynccontextmanager
+async def _waiting_for_a_slot(runner: JobRunner, run: Run) -> AsyncIterator[None]:
+    """Every slot taken, the job started and waiting for one in the block; after it, the slots free and the job
+    ends."""
     taken, freed = asyncio.Event(), asyncio.Event()
 
     async def hold_every_slot() -> None:
@@ -142,12 +142,31 @@ async def test_a_job_stopped_while_it_waits_for_its_slots_never_reaches_the_engi
     await taken.wait()
     task = _start(runner, run)
     await asyncio.sleep(0.01)  # waiting for its slot
-    await runner.abort(run.job.id)
+    yield
     freed.set()
     await asyncio.gather(holder, task)
+
+
+async def test_a_job_stopped_while_it_waits_for_its_slots_never_reaches_the_engine() -> None:
+    """Its client left while the worker's slots were all taken: once they free, it ends with why, unrun (it ran: the
+    engine's abort, made before the engine knew it, did nothing)."""
+    engine = _Engine()
+    runner, publisher, run, model = _runner(engine)
+    async with _waiting_for_a_slot(runner, run):
+        await runner.abort(run.job.id)
     last = publisher.events[-1]
     assert engine.ran == [] and isinstance(last, bus.Error) and last.kind == "StreamAbandoned", last
     assert _jobs(model, "aborted") == 1
+
+
+async def test_a_job_taken_by_another_worker_while_it_waits_for_its_slots_never_reaches_the_engine() -> None:
+    """Another worker took the job (this one stalled, or handed it over) while it waited for a slot here: it
+    reached this engine anyway, for its whole prefill, before its first output stopped it."""
+    engine = _Engine()
+    runner, publisher, run, model = _runner(engine)
+    async with _waiting_for_a_slot(runner, run):
+        run.let_go()
+    assert engine.ran == [] and publisher.events == [] and _jobs(model, "handed_over") == 1
 
 
 async def test_a_job_let_go_publishes_nothing_more_and_is_not_acknowledged_here() -> None:

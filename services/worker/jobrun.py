@@ -141,8 +141,9 @@ class JobRunner:
     async def serve(self, run: Run, resumed: bool) -> None:
         """Runs the job in the engine and ends it: one outcome counted and, while it is this worker's, a last event."""
         outcome = "finished"
-        try:  # one stopped while it waited for its slots never reaches the engine
-            outcome = "aborted" if run.aborted else await self._generate(run, resumed)
+        try:  # one stopped, or taken by another worker, while it waited for its slots never reaches the engine
+            outcome = ("aborted" if run.aborted else "handed_over" if not run.publishes
+                       else await self._generate(run, resumed))
         except TokenbusError as exc:
             outcome = "rejected"
             self.end_with(run, exc)
