@@ -259,6 +259,8 @@ class Upkeep:
             await self._rescued(rescued[0])
         if refresh := reads.refresh.of(replies):
             for run in await self.ownership.lost(refresh, reads.runs):
+                if run.job.id not in self.jobs:  # it ended (its entry acknowledged) since the round's read
+                    continue
                 # we stalled and another worker took it: stop without a word
                 log.warning("job %s was taken over by another worker; stopping it here", run.job.id)
                 run.let_go()
