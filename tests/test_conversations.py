@@ -62,6 +62,18 @@ async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_aft
             await client.conversations.items.create(
                 conversation.id, items=[{"type": "function_call_output", "call_id": "call_9", "output": "42"}])
         assert orphan.value.body["param"].startswith("items[0]")
+        # a call whose output is in the conversation is not deleted before it (the conversation stays usable)
+        pair = await client.conversations.items.create(conversation.id, items=[
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "42"}])
+        function_call, output = pair.data
+        with pytest.raises(openai.BadRequestError) as answered:
+            await client.conversations.items.delete(function_call.id, conversation_id=conversation.id)
+        assert answered.value.body["param"] == "item_id" and output.id in answered.value.body["message"]
+        await client.conversations.items.delete(output.id, conversation_id=conversation.id)
+        await client.conversations.items.delete(function_call.id, conversation_id=conversation.id)
+        await client.conversations.items.create(
+            conversation.id, items=[{"type": "message", "role": "user", "content": "still usable"}])
         deleted = await client.conversations.delete(conversation.id)
         assert deleted.deleted and deleted.id == conversation.id
         for call in (other.conversations.retrieve(conversation.id),

@@ -108,8 +108,16 @@ async def retrieve_item(request: web.Request) -> web.Response:
 
 
 async def delete_item(request: web.Request) -> web.Response:
+    """Removes one item; a function call whose output is still there stays (its output answers nothing without
+    it, and every later turn of the conversation would be refused for it): the output goes first."""
     stored, raw = await _load(request)
-    _item_found, value = _item(stored, raw, request.match_info["item_id"])
+    found, value = _item(stored, raw, request.match_info["item_id"])
+    if found.get("type") == "function_call":
+        answer = next((item for item in stored.items if item.get("type") == "function_call_output"
+                       and item.get("call_id") == found.get("call_id")), None)
+        if answer is not None:
+            raise InvalidRequest(f"The function call's output (item '{answer.get('id')}') is still in the "
+                                 "conversation: delete it first.", param="item_id")
     await request.app[CONVERSATIONS].remove(caller_of(request).tenant, stored.header.id, value)
     return _json(_resource(stored.header))
 
