@@ -3,13 +3,16 @@ a conversation's items on any edge, and Responses turns that run after them and 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from shared.protocol import keys
 from tests.stack import Stack
+from tests.test_faults import sse_frames
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
@@ -98,3 +101,29 @@ async def test_a_conversation_holds_no_more_than_one_request_may_carry(stack: St
         assert full.value.body["param"] == "items"
         listed = await client.conversations.items.list(conversation.id)
     assert len(listed.data) == 3  # the refused items were not half added
+
+
+async def test_replaying_a_finished_turn_does_not_store_it_again(stack: Stack) -> None:
+    """A stream of a conversation's turn replayed after its end is planned again from the conversation, which
+    holds the turn by then: storing it again stored that turn twice in its history, and a turn continuing it
+    (previous_response_id) ran after both."""
+    edge = stack.edge()
+    stack.worker()
+    async with _client(edge.url) as client, httpx.AsyncClient(timeout=30) as http:
+        conversation = await client.conversations.create()
+        frames = await sse_frames(http, "POST", edge.url + "/v1/responses", json={
+            "model": stack.model, "input": "count", "max_output_tokens": 3, "stream": True,
+            "conversation": conversation.id})
+        response_id = json.loads(frames[-1][1])["response"]["id"]
+
+        async def continued_input_tokens() -> int:
+            after = await client.responses.create(model=stack.model, input="more", max_output_tokens=1,
+                                                  previous_response_id=response_id, store=False)
+            assert after.usage is not None
+            return after.usage.input_tokens
+
+        before = await continued_input_tokens()
+        replayed = await sse_frames(http, "GET", f"{edge.url}/v1/streams/{response_id}",
+                                    headers={"Last-Event-ID": frames[1][0]})
+        assert json.loads(replayed[-1][1])["type"] == "response.incomplete"
+        assert await continued_input_tokens() == before

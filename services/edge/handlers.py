@@ -22,7 +22,7 @@ from services.edge.jobevents import JobEvents
 from services.edge.plans import PLANNERS, Plan, decode_record
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
-from services.edge.store import StoredResponse
+from services.edge.store import StoredResponse, Turn
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, NotFound, RateLimited
 from shared.runtime import metrics
@@ -92,9 +92,19 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
             await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
 
 
-def _keeper(request: web.Request) -> pump.Keep:
-    """Stores a finished turn as the caller's tenant's (its response, and its conversation's items)."""
-    return functools.partial(keep_turn, request.app[STORE], request.app[CONVERSATIONS], caller_of(request).tenant)
+def _keeper(request: web.Request, once: bool = False) -> pump.Keep:
+    """Stores a finished turn as the caller's tenant's (its response, and its conversation's items); `once`:
+    unless it is stored already (a replay, planned again after its turn joined its conversation, would store it
+    with that turn twice in its history)."""
+    store, tenant = request.app[STORE], caller_of(request).tenant
+    keep = functools.partial(keep_turn, store, request.app[CONVERSATIONS], tenant)
+    if not once:
+        return keep
+
+    async def first(turn: Turn) -> None:
+        if await store.load(tenant, turn.response_id) is None:
+            await keep(turn)
+    return first
 
 
 def _kept_for(settings: Settings, events: JobEvents | None) -> float:
@@ -183,7 +193,8 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      after=after, keep=_keeper(request), write_stall_s=settings.write_stall_s)
+                                      after=after, keep=_keeper(request, once=True),
+                                      write_stall_s=settings.write_stall_s)
     except sse.ClientGone:
         if plan.job.background and events is not None and not events.finished and not cancelled:
             # its events come here now, and nowhere else: a task of this edge follows it and stores its answer
