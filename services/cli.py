@@ -21,7 +21,8 @@ EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", 
                  "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "max_queued_bytes_per_tenant", "queue_timeout_s", "fair_input_weight",
-                 "fair_output_weight", "metrics_port", "metrics_host"]
+                 "fair_output_weight", "metrics_port", "metrics_host", "write_stall_s", "dispatch", "affinity_wait_ms",
+                 "batch_window", "batch_max_open", "batch_lease_ttl_s", "event_loop"]
 WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "enable_lora", "lora", "max_loras", "max_lora_rank",
                    "engine", "sim_ttft_ms", "sim_itl_ms",
                    "sim_prefill_us_per_token",
@@ -30,11 +31,18 @@ WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "enable_lora",
                    "metrics_port", "metrics_host", "host", "log_level", "log_format", "resume_window_s", "replay_ttl_s",
                    "replay_max_events",
                    "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",
-                   "fair_input_weight", "fair_output_weight", "fair_headroom"]
+                   "fair_input_weight", "fair_output_weight", "fair_headroom", "tool_parser", "reasoning_parser",
+                   "grammar_compile_s", "prefix_summary_size", "sim_prefix_cache_blocks", "dispatch", "event_loop"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
 
 
-def parser() -> argparse.ArgumentParser:
+def _asked_for(argv: list[str] | None, command: str) -> bool:
+    """Whether the command line names `command` (None: any command may be asked for)."""
+    return argv is None or command in argv
+
+
+def parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; given the words it will parse (`argv`), one that imports only what they need."""
     top = argparse.ArgumentParser(prog="tokenbus", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     for name, names, help_text in (
@@ -44,9 +52,11 @@ def parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         settings_module.add_arguments(sub, names)
-    from services.bench.cli import add_arguments as bench_arguments
+    bench = commands.add_parser("bench", help="benchmarks: load any server, compare with vllm serve")
+    if _asked_for(argv, "bench"):  # its tools (httpx, ...) are not in the edge's image: only `bench` needs them
+        from services.bench.cli import add_arguments as bench_arguments
 
-    bench_arguments(commands.add_parser("bench", help="benchmarks: load any server, compare with vllm serve"))
+        bench_arguments(bench)
     from services.admin import add_arguments as admin_arguments
 
     admin_arguments(commands)
@@ -54,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser(argv).parse_args(argv)
     if args.command == "bench":
         from services.bench.cli import run as run_bench
 

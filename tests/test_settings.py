@@ -40,3 +40,17 @@ def test_every_setting_is_in_the_readme() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     missing = [name for name in Settings.__struct_fields__ if f"`TOKENBUS_{name.upper()}`" not in readme]
     assert missing == []
+
+
+def test_every_setting_is_a_flag_of_the_commands_that_read_it() -> None:
+    """README: every setting is a flag too (12 were only variables, `--write-stall-s` among them)."""
+    from services import cli
+
+    run_only = {"embedding_model", "embedding_model_dir"}
+    assert [name for name in Settings.__struct_fields__
+            if name not in {*cli.EDGE_SETTINGS, *cli.WORKER_SETTINGS, *run_only}] == []
+    assert set(Settings.__struct_fields__) == set(cli.RUN_SETTINGS)
+    edge = parser(["edge"]).parse_args(["edge", "--write-stall-s", "5", "--dispatch", "blind"])
+    worker = parser(["worker"]).parse_args(["worker", "--reasoning-parser", "qwen3", "--grammar-compile-s", "9"])
+    assert (load(edge, environ={}).write_stall_s, load(edge, environ={}).dispatch) == (5.0, "blind")
+    assert (load(worker, environ={}).reasoning_parser, load(worker, environ={}).grammar_compile_s) == ("qwen3", 9.0)

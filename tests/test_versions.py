@@ -3,10 +3,13 @@ Dockerfiles and the README agree with it; the locks were compiled from the curre
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -91,3 +94,50 @@ def test_the_readme_names_the_one_vllm_release() -> None:
     assert f"vLLM {VLLM}" in install
     images = set(re.findall(r"vllm/vllm-openai:v([\d.]+)", readme + (ROOT / "docs" / "capacity.md").read_text()))
     assert images <= {VLLM}
+
+
+
+EDGE_IMAGE_IMPORTS = """
+import sys
+from services import cli
+for words in (["edge"], ["keys", "list"], ["usage"], ["adapters", "list"]):
+    cli.parser(words).parse_args(words)
+from services.edge import app, main
+from shared.runtime.settings import Settings
+app.create_app(Settings())
+print("imported")
+"""
+
+
+def _only(lock: str, into: Path) -> None:
+    """Links into `into` the importable packages (and their metadata) of this environment's distributions that
+    the lock pins: a site-packages as the image holding that lock has it."""
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    pinned = set(pins(lock))
+    for top, distributions in importlib.metadata.packages_distributions().items():
+        if not {norm(d) for d in distributions} & pinned:
+            continue
+        spec = importlib.util.find_spec(top)
+        if spec is None or spec.origin in (None, "built-in", "frozen"):
+            continue
+        source = Path(next(iter(spec.submodule_search_locations))) if spec.submodule_search_locations else \
+            Path(spec.origin)
+        if "site-packages" in source.parts and not (into / source.name).exists():
+            (into / source.name).symlink_to(source)
+    for distribution in importlib.metadata.distributions():
+        path = Path(str(distribution._path))
+        if norm(distribution.metadata["Name"]) in pinned and not (into / path.name).exists():
+            (into / path.name).symlink_to(path)
+
+
+def test_the_edge_and_the_operator_commands_import_only_what_the_edge_image_installs(tmp_path: Path) -> None:
+    """The edge image installs deploy/locks/edge.txt and tokenbus alone: `tokenbus edge` (and `keys`, `usage`,
+    `adapters`, which operators run in it) import nothing else (the command line imported the benchmarks, and
+    httpx with them, and the edge image did not start). Run with no site-packages but the lock's."""
+    _only("edge", tmp_path)
+    ran = subprocess.run([sys.executable, "-I", "-S", "-c",
+                          f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]\n" + EDGE_IMAGE_IMPORTS],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "imported" in ran.stdout, ran.stderr[-2000:]
