@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.edge import framing, pump
 from services.edge.auth import caller_of
-from services.edge.conversation_store import keep_turn
+from services.edge.conversation_store import keep_turn_once
 from services.edge.formats.planners import Arrival
 from services.edge.formats.response_render import ResponsesRenderer
 from services.edge.plans import PLANNERS, Plan, StreamRecord, decode_record
@@ -68,10 +68,8 @@ async def keep_first(app: web.Application, tenant: str, renderer: ResponsesRende
     """Stores an ended background response's answer (and its conversation's turn) unless one is stored already
     (a cancel's, or another edge's), and counts how it ended, once."""
     turn = renderer.to_store()
-    if turn is None or await app[STORE].load(tenant, turn.response_id) is not None:
-        return
-    await keep_turn(app[STORE], app[CONVERSATIONS], tenant, turn)
-    metrics.BACKGROUND.labels(model, renderer.status).inc()
+    if turn is not None and await keep_turn_once(app[STORE], app[CONVERSATIONS], tenant, turn):
+        metrics.BACKGROUND.labels(model, renderer.status).inc()
 
 
 async def start(request: web.Request, plan: Plan, deadline: float, record: tuple[str, bytes, int],

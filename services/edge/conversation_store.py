@@ -119,6 +119,16 @@ async def keep_turn(store: ResponseStore, conversations: ConversationStore, tena
             log.warning("response %s's turn was not added to its conversation: %s", turn.response_id, exc.message)
 
 
+async def keep_turn_once(store: ResponseStore, conversations: ConversationStore, tenant: str, turn: Turn) -> bool:
+    """`keep_turn`, unless the turn's response is stored already (by a cancel, another edge, or an earlier read of
+    a replayed stream, which planned again after the turn joined its conversation would store it twice in its
+    history); whether it stored it."""
+    if await store.load(tenant, turn.response_id) is not None:
+        return False
+    await keep_turn(store, conversations, tenant, turn)
+    return True
+
+
 class ConversationStore:
     def __init__(self, redis: aioredis.Redis, ttl_s: float, max_bytes: int, max_items: int) -> None:
         self.redis = redis

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from services.edge import background, pump, sse
 from services.edge.auth import caller_of
-from services.edge.conversation_store import keep_turn
+from services.edge.conversation_store import keep_turn, keep_turn_once
 from services.edge.estimate import check_prompt_fits
 from services.edge.formats import response_render, tgi
 from services.edge.formats.base import decode, encode
@@ -22,7 +22,7 @@ from services.edge.jobevents import JobEvents
 from services.edge.plans import PLANNERS, Plan, decode_record
 from services.edge.server import read_body
 from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
-from services.edge.store import StoredResponse, Turn
+from services.edge.store import StoredResponse
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, NotFound, RateLimited
 from shared.runtime import metrics
@@ -96,15 +96,8 @@ def _keeper(request: web.Request, once: bool = False) -> pump.Keep:
     """Stores a finished turn as the caller's tenant's (its response, and its conversation's items); `once`:
     unless it is stored already (a replay, planned again after its turn joined its conversation, would store it
     with that turn twice in its history)."""
-    store, tenant = request.app[STORE], caller_of(request).tenant
-    keep = functools.partial(keep_turn, store, request.app[CONVERSATIONS], tenant)
-    if not once:
-        return keep
-
-    async def first(turn: Turn) -> None:
-        if await store.load(tenant, turn.response_id) is None:
-            await keep(turn)
-    return first
+    args = (request.app[STORE], request.app[CONVERSATIONS], caller_of(request).tenant)
+    return functools.partial(keep_turn_once if once else keep_turn, *args)
 
 
 def _kept_for(settings: Settings, events: JobEvents | None) -> float:

@@ -21,7 +21,7 @@ from shared.runtime import metrics
 
 log = logging.getLogger(__name__)
 
-Keep = Callable[[Turn], Awaitable[None]]
+Keep = Callable[[Turn], Awaitable[object]]
 """Stores a finished turn a renderer reports (ResponseStore.keep, with the caller's tenant)."""
 
 
