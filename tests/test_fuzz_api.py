@@ -227,7 +227,7 @@ async def test_a_budget_beyond_the_context_is_refused_at_the_edge_but_truncate_r
 async def test_a_prompt_no_tokenizer_could_fit_in_the_context_is_refused_at_the_edge(api: Edge) -> None:
     """More characters than the context's tokens could spell (256 each at most): refused at once, not tokenized on
     the worker's one tokenizing thread (a second per MiB, while every other prompt waits); one that truncates is
-    the worker's to cut."""
+    the worker's to cut, unless what truncation keeps (a conversation's last turn) is that long."""
     text = "word " * (MAX_MODEL_LEN * 256 // 5 + 1)
     async with httpx.AsyncClient(timeout=ANSWER_WITHIN_S) as http:
         chat = await http.post(api.url + "/v1/chat/completions", json={
@@ -236,6 +236,16 @@ async def test_a_prompt_no_tokenizer_could_fit_in_the_context_is_refused_at_the_
             "model": SIM_MODEL, "prompt": ["Hi", text], "max_tokens": 2})
         truncated = await http.post(api.url + "/v1/completions", json={
             "model": SIM_MODEL, "prompt": text, "max_tokens": 2, "error_behavior": "truncate"})
+        old_turns = await http.post(api.url + "/v1/responses", json={
+            "model": SIM_MODEL, "truncation": "auto", "max_output_tokens": 2,
+            "input": [{"role": "user", "content": text}, {"role": "assistant", "content": "Hm."},
+                      {"role": "user", "content": "Hi"}]})
+        last_turn = await http.post(api.url + "/v1/responses", json={
+            "model": SIM_MODEL, "truncation": "auto", "max_output_tokens": 2,
+            "input": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hm."},
+                      {"role": "user", "content": text}]})
+    assert old_turns.status_code == 200, old_turns.text  # truncation drops them
+    assert (last_turn.status_code, last_turn.json()["error"]["code"]) == (400, "context_length_exceeded")  # it keeps it
     for refused, param in ((chat, "messages"), (completion, "prompt")):
         assert refused.status_code == 400, refused.text
         assert (refused.json()["error"]["code"], refused.json()["error"]["param"]) == ("context_length_exceeded", param)

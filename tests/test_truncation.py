@@ -15,20 +15,25 @@ from services.worker import conversation
 from services.worker.engine import Counts, VllmEngine
 from services.worker.models import default_chat_model_dir
 from shared.protocol import bus
+from shared.protocol.errors import ContextLengthExceeded
 from shared.runtime.settings import Settings
+from tests.test_prompt_encoder import CountingBackend
 
 WORDS = ["the", "sea", "is", "deep", "and", "wide", "and", "ships", "go", "over", "it", "at", "night", "under", "stars"]
 
 
 class CountingTokenizer:
-    """SmolLM2's tokenizer, counting the chat template's renders and noting the threads they ran on."""
+    """SmolLM2's tokenizer, counting the chat template's renders and noting the threads they ran on and the
+    characters of the messages they were given."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.threads: list[int] = []
+        self.rendered_chars: list[int] = []
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         self.threads.append(threading.get_ident())
+        self.rendered_chars.append(sum(len(m["content"]) for m in messages))
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -49,10 +54,14 @@ def prepared(smollm2: Any) -> Iterator[VllmEngine]:
 
 
 @pytest.fixture
-def engine(prepared: VllmEngine) -> VllmEngine:
+def engine(prepared: VllmEngine) -> Iterator[VllmEngine]:
     prepared.tokenizer.threads.clear()
+    prepared.tokenizer.rendered_chars.clear()
     prepared.max_model_len = 512
-    return prepared
+    assert prepared.encoder is not None
+    backend = prepared.encoder.backend
+    yield prepared
+    prepared.encoder.backend = backend  # a test may count what it reads
 
 
 def chat(messages: list[tuple[str, str]], max_tokens: int = 16) -> bus.Job:
@@ -139,6 +148,58 @@ async def test_five_thousand_turns_take_a_few_renders_off_the_loop(engine: VllmE
         first, last = (first, middle) if fits else (middle, last)
     assert ids == rendered(smollm2, [messages[0], *messages[last:]])
     assert len(ids) <= 2048 - 16
+
+
+async def test_turns_no_truncation_could_keep_are_never_rendered(engine: VllmEngine, smollm2: Any) -> None:
+    """Eight megabytes of old turns before a short question: dropped by their length alone, not rendered and
+    tokenized (seconds of the one thread every prompt waits for) to find each too long."""
+    long = " ".join(WORDS * 2_700)  # 40 kB, more than 512 tokens of even 64 characters each
+    messages = [("system", "Be brief."), *[("user" if i % 2 == 0 else "assistant", long) for i in range(200)],
+                ("user", "And the sea?")]
+    counts = Counts()
+    [ids] = await engine.prompt_ids(chat(messages), counts)
+    assert ids == rendered(smollm2, [messages[0], messages[-1]])
+    assert counts.dropped_messages == 200
+    assert max(engine.tokenizer.rendered_chars) <= 512 * bus.MAX_TOKEN_CHARS
+
+
+async def test_a_conversation_whose_kept_turns_cannot_fit_is_refused_before_it_is_rendered(
+    engine: VllmEngine,
+) -> None:
+    huge = "sea " * (512 * bus.MAX_TOKEN_CHARS // 4 + 1)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await engine.prompt_ids(chat([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello"), ("user", huge)]))
+    assert refused.value.param == "messages"
+    assert engine.tokenizer.rendered_chars == []
+
+
+def plain(prompt: str, kind: str = "completion", **fields: Any) -> bus.Job:
+    return bus.Job(id="j", model="m", reply_to="r", deadline_ms=0, kind=kind, prompts=[prompt],
+                   params=bus.SamplingParams(max_tokens=16), **fields)
+
+
+async def test_a_prompt_that_keeps_its_end_is_tokenized_from_its_end(engine: VllmEngine, smollm2: Any) -> None:
+    """TGI's truncate and Databricks' error_behavior "truncate" on a megabyte: the ids the whole prompt ends with."""
+    text = " ".join(random.Random(7).choices(WORDS, k=250_000))
+    whole = smollm2.encode(text)
+    counting = engine.encoder.backend = CountingBackend(engine.encoder.backend)
+    assert await engine.prompt_ids(plain(text, keep_last_tokens=100)) == [whole[-100:]]
+    assert await engine.prompt_ids(plain(text, truncate=True)) == [whole[-512:]]
+    assert counting.chars < 100_000  # of the megabyte
+
+
+@pytest.mark.parametrize(("kind", "param"), [("completion", "prompt"), ("chat", "messages"), ("embedding", "input")])
+async def test_a_prompt_that_must_fit_whole_is_refused_from_its_beginning(
+    engine: VllmEngine, kind: str, param: str
+) -> None:
+    text = " ".join(random.Random(8).choices(WORDS, k=250_000))
+    job = (bus.Job(id="j", model="m", reply_to="r", deadline_ms=0, messages=[bus.Message(role="user", content=text)])
+           if kind == "chat" else plain(text, kind=kind))
+    counting = engine.encoder.backend = CountingBackend(engine.encoder.backend)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await engine.prompt_ids(job)
+    assert refused.value.param == param
+    assert counting.chars < 100_000  # of the megabyte
 
 
 def truncate(hidden: list[int], sizes: list[int], limit: int) -> tuple[int, int]:

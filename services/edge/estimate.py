@@ -18,9 +18,6 @@ from shared.protocol.errors import ContextLengthExceeded
 ASCII_BYTES_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
 """What a chat template adds around each message, roughly."""
-MAX_TOKEN_CHARS = 256
-"""The most characters one token of today's tokenizers spells (their longest, runs of spaces or of one symbol,
-stay well under it): a prompt longer than this many per token of the context cannot fit it, whatever the model."""
 MAX_BUDGET = 2**31 - 1
 """A choice's budget when the model's context is unknown: a count the bus carries whatever multiplies it."""
 
@@ -66,14 +63,17 @@ def _tools_tokens(use: bus.ToolUse | None) -> int:
 
 def check_prompt_fits(job: bus.Job, max_model_len: int) -> None:
     """Refuses a prompt that cannot fit the model's context whatever its tokenizer (more characters than
-    max_model_len tokens of MAX_TOKEN_CHARS each), unless the job truncates: the worker would tokenize megabytes,
-    on the one thread every request's prompt waits for, only to find so. 0: the context is not known yet."""
-    if not max_model_len or job.truncate or job.keep_last_tokens:
+    max_model_len tokens of bus.MAX_TOKEN_CHARS each): the worker would tokenize megabytes, on the one thread every
+    request's prompt waits for, only to find so. A conversation that truncates is held to what truncation keeps
+    (its system messages and its last turn); a plain prompt that truncates, to nothing. 0: the context is not known
+    yet."""
+    if not max_model_len or job.keep_last_tokens or (job.truncate and not job.messages):
         return
-    most = max_model_len * MAX_TOKEN_CHARS
+    most = max_model_len * bus.MAX_TOKEN_CHARS
     if job.messages:
+        messages = _never_dropped(job.messages) if job.truncate else job.messages
         chars = sum(len(m.content) + len(m.reasoning) + sum(len(c.arguments) for c in m.tool_calls)
-                    for m in job.messages)
+                    for m in messages)
         param = "messages"
     else:
         chars = max((len(prompt) for prompt in job.prompts), default=0) + len(job.instruction)
@@ -81,4 +81,10 @@ def check_prompt_fits(job: bus.Job, max_model_len: int) -> None:
     if chars > most:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_model_len} tokens; the prompt's {chars} characters "
-            f"cannot fit it (no token spells more than {MAX_TOKEN_CHARS}).", param=param)
+            f"cannot fit it (no token spells more than {bus.MAX_TOKEN_CHARS}).", param=param)
+
+
+def _never_dropped(messages: list[bus.Message]) -> list[bus.Message]:
+    """What truncation "auto" keeps of a conversation whatever its length: the system messages and the last turn."""
+    turns = [m for m in messages if m.role != "system"]
+    return [m for m in messages if m.role == "system"] + turns[-1:]

@@ -115,6 +115,23 @@ def estimate_text(message: dict[str, Any]) -> str:
     return message["content"] + message.get("reasoning", "") + (orjson.dumps(calls).decode() if calls else "")
 
 
+def reachable(messages: list[dict[str, Any]], most_chars: int) -> list[dict[str, Any]] | None:
+    """The conversation without the oldest turns no truncation could keep: with them, more than `most_chars`
+    characters of text would remain, more tokens than the context holds whatever the tokenizer. None when even its
+    system messages and last turn, which truncation keeps, are longer."""
+    turns = [i for i, m in enumerate(messages) if m["role"] != "system"][:-1]
+    chars = [len(estimate_text(m)) for m in messages]
+    room = most_chars - sum(chars) + sum(chars[i] for i in turns)
+    if room < 0:
+        return None
+    dropped = len(turns)  # the newest ones come back while they fit
+    while dropped and chars[turns[dropped - 1]] <= room:
+        dropped -= 1
+        room -= chars[turns[dropped]]
+    gone = set(turns[:dropped])
+    return [m for i, m in enumerate(messages) if i not in gone]
+
+
 class Truncation:
     """Truncation "auto": the fewest of the oldest turns to drop for the prompt to fit, in a few full renders.
 

@@ -98,6 +98,11 @@ class _AllHad:
 ALL_HAD = _AllHad()
 
 
+def _prompt_param(job: bus.Job) -> str:
+    """The request field a job's prompt came in."""
+    return {"chat": "messages", "embedding": "input"}.get(job.kind, "prompt")
+
+
 @dataclass
 class _EngineRequest:
     """One engine request of a job: prompt `index`, its first choice number, the token ids it starts from."""
@@ -272,12 +277,32 @@ class VllmEngine:
                                  param="messages") from None
         return text
 
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def _encode(self, job: bus.Job, text: str, add_special_tokens: bool) -> list[int]:
+        """A prompt's ids, tokenizing no more of it than the job can use: the end a truncating prompt keeps, and of
+        one that must fit whole, only as much as shows that it cannot (a count is of all of it, and truncation
+        "auto" counts each conversation it tries)."""
         assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
-        return await self.encoder.encode(text, add_special_tokens)
+        if job.count_only or (job.truncate and job.kind in ("chat", "embedding")):
+            return await self.encoder.encode(text, add_special_tokens)
+        if job.keep_last_tokens or job.truncate:
+            keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len + 1)
+            return await self.encoder.encode_tail(text, add_special_tokens, keep)
+        ids = await self.encoder.encode_within(text, add_special_tokens, self.max_model_len)
+        if ids is None:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"{_prompt_param(job)} alone has more.", param=_prompt_param(job))
+        return ids
 
     async def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if job.truncate and job.kind == "chat":
+            kept = conversation.reachable(messages, self.max_model_len * bus.MAX_TOKEN_CHARS)
+            if kept is None:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {self.max_model_len} tokens; the system messages and "
+                    "the last turn, which truncation keeps, are longer.", param="messages")
+            messages[:] = kept
         ids = await self._rendered(job, messages, tools)
         if not job.truncate or self._fits(job, len(ids)):
             return ids
@@ -290,7 +315,7 @@ class VllmEngine:
             text = self._template(job, messages, tools)
         else:  # a long one would hold the loop that streams every running job's tokens
             text = await asyncio.to_thread(self._template, job, messages, tools)
-        return await self._encode(text, add_special_tokens=False)
+        return await self._encode(job, text, add_special_tokens=False)
 
     async def _truncated(self, job: bus.Job, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          ids: list[int]) -> list[int]:
@@ -315,7 +340,7 @@ class VllmEngine:
         if job.chat_template:
             return list(await asyncio.gather(*(self._chat_ids(job, [{"role": "user", "content": prompt}])
                                                for prompt in job.prompts)))
-        prompts = list(await asyncio.gather(*(self._encode(job.instruction + prompt, add_special_tokens=True)
+        prompts = list(await asyncio.gather(*(self._encode(job, job.instruction + prompt, add_special_tokens=True)
                                               for prompt in job.prompts)))
         if job.keep_last_tokens:
             prompts = [ids[-job.keep_last_tokens:] for ids in prompts]
@@ -345,7 +370,7 @@ class VllmEngine:
                 return ids, room  # return what fits
             keep = self.max_model_len - min(wanted or 16, self.max_model_len // 2)
             return ids[-keep:], self.max_model_len - keep
-        param = "messages" if job.kind == "chat" else "prompt"
+        param = _prompt_param(job)
         raise ContextLengthExceeded(
             f"This model's maximum context length is {self.max_model_len} tokens. However, you "
             f"requested {len(ids) + (wanted or 0)} tokens ({len(ids)} in the {param}, {wanted or 0} in "

@@ -16,6 +16,13 @@ from typing import Any
 
 _Waiting = list[tuple[str, "asyncio.Future[list[int]]"]]
 
+LOOK_CHARS_PER_TOKEN = 8
+"""How far a first look into a long text reads, in characters per token it looks for: prose and code run 3 to 6
+characters a token, so one look usually settles it; a text that runs longer (runs of spaces) is read again, four
+times as far each time."""
+CUT_MARGIN = 64
+"""Tokens by which a text cut short may tokenize differently near the cut than the whole text there."""
+
 
 class PromptEncoder:
     """Token ids of prompt texts, as `tokenizer.encode(text, add_special_tokens=...)` gives them."""
@@ -45,6 +52,27 @@ class PromptEncoder:
             return [list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)) for text in texts]
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._encode_batch, texts, add_special_tokens)
+
+    async def encode_within(self, text: str, add_special_tokens: bool, limit: int) -> list[int] | None:
+        """The text's ids, or None once its beginning alone has more than `limit` tokens: a text far over the limit
+        costs the tokenizer a few times the characters of `limit` tokens, not its whole length."""
+        reach = (limit + CUT_MARGIN) * LOOK_CHARS_PER_TOKEN
+        while len(text) > reach:
+            if len(await self.encode(text[:reach], add_special_tokens)) > limit + CUT_MARGIN:
+                return None
+            reach *= 4
+        return await self.encode(text, add_special_tokens)
+
+    async def encode_tail(self, text: str, add_special_tokens: bool, keep: int) -> list[int]:
+        """Ids that end with the text's last `keep` tokens (all its ids when it has fewer), from only as much of its
+        end as they need. A text cut inside a word longer than the cut's margin may split that word otherwise."""
+        reach = (keep + CUT_MARGIN) * LOOK_CHARS_PER_TOKEN
+        while len(text) > reach:
+            tail = await self.encode(text[-reach:], add_special_tokens=False)
+            if len(tail) >= keep + CUT_MARGIN:
+                return tail[-keep:]
+            reach *= 4
+        return await self.encode(text, add_special_tokens)
 
     def _flush(self) -> None:
         waiting, self.waiting = self.waiting, {}

@@ -17,6 +17,10 @@ from typing import Any
 
 import msgspec
 
+MAX_TOKEN_CHARS = 256
+"""The most characters one token of today's tokenizers spells (their longest, runs of spaces or of one symbol,
+stay well under it: SmolLM2's is 81): a text longer than this many per token of a context cannot fit it."""
+
 
 class Base(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     """Internal structs: compact on the wire (defaults omitted), tolerant of fields added later."""
