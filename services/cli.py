@@ -22,6 +22,7 @@ EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", 
                  "admission_when_redis_down", "metrics_max_tenants", "scheduler", "max_queued_jobs",
                  "max_queued_per_tenant", "max_queued_bytes_per_tenant", "queue_timeout_s", "fair_input_weight",
                  "fair_output_weight", "metrics_port", "metrics_host", "write_stall_s", "dispatch", "affinity_wait_ms",
+                 "prompt_cache",
                  "batch_window", "batch_max_open", "batch_lease_ttl_s", "event_loop"]
 WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "enable_lora", "lora", "max_loras", "max_lora_rank",
                    "engine", "sim_ttft_ms", "sim_itl_ms",

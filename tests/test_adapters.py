@@ -19,7 +19,7 @@ from huggingface_hub import InferenceClient
 from shared.protocol import bus, keys
 from tests.conftest import STATIC_ADAPTER
 from tests.made_models import make_adapter
-from tests.processes import MODEL, ROOT, Edge, process_env, start_edge, stop_process
+from tests.processes import MODEL, ROOT, Edge, WorkerProcess, metric_value, process_env, start_edge, stop_process
 
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -91,6 +91,25 @@ def test_two_tenants_get_their_own_adapters_answers_and_404_for_the_others(
         listed = {model.id: model for model in acme.models.list()}
         assert listed["acme-support"].model_extra["parent"] == MODEL
         assert "globex-legal" not in listed and MODEL in listed
+
+
+def test_one_tenant_s_prompt_is_not_in_vllm_s_prefix_cache_for_another(
+        tenants: tuple[Edge, dict[str, str]], worker: WorkerProcess) -> None:
+    """vLLM answers a cached prompt sooner: another tenant sending the same long prompt (guessing a secret in it)
+    finds none of its blocks cached (its cache_salt is its tenant), the tenant that sent it finds them."""
+    edge, made = tenants
+    prompt = "The vault code is 4711. " + " ".join(f"fact {i} is that the sea is deep." for i in range(40))
+
+    def hits_after(key: str) -> float:
+        with _client(edge, key) as client:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        time.sleep(1.5)  # vLLM reports its figures each engine step, and once a second when idle
+        text = httpx.get(worker.metrics_url).text
+        return metric_value(text, "tokenbus_worker_prefix_cache_hits_total", {"model": MODEL})
+
+    before = hits_after(made["acme"])
+    assert hits_after(made["globex"]) == before
+    assert hits_after(made["acme"]) >= before + 256  # the prompt's blocks, all but the last
 
 
 def test_a_key_limited_to_an_adapter_may_use_it_and_nothing_else(tenants: tuple[Edge, dict[str, str]]) -> None:

@@ -221,6 +221,18 @@ def test_a_prompt_cache_key_heads_the_chain_of_its_tenant_only() -> None:
     assert chain(long + "a")[:4] == chain(long + "b")[:4] and chain(long + "a")[4] != chain(long + "b")[4]
 
 
+def test_salted_jobs_share_no_link_with_another_salt_s() -> None:
+    """The prompt cache kept per tenant: dispatch sees no common prefix between tenants (their engines' caches hold
+    none), and a tenant's jobs share theirs."""
+    def chain(text: str, salt: str = "") -> list[str]:
+        return prefixes.chain(bus.Job(id="j", model="m", reply_to="", deadline_ms=0, cache_salt=salt,
+                                      messages=[bus.Message(role="user", content=text)]))
+
+    long = "x" * 3000
+    assert not set(chain(long, "a")) & set(chain(long, "b")) and not set(chain(long, "a")) & set(chain(long))
+    assert chain(long + "1", "a")[:3] == chain(long + "2", "a")[:3]
+
+
 def test_an_adapter_heads_its_jobs_chains_apart_from_its_base_model() -> None:
     """An engine caches an adapter's prompts apart from its base model's: no link of one is the other's, and an
     adapter's jobs share their first link (they go where it is loaded)."""

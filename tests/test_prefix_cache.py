@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from services.worker.prefix_cache import BLOCK_TOKENS, PrefixCache, block_hashes
 from services.worker.prefix_summary import PrefixSummary
 from shared.protocol import bus, keys, prefixes
 from tests.processes import metric_value, stop_process
 from tests.stack import Stack
+from tests.test_tenancy import create_key
 
 
 def test_two_prompts_share_exactly_the_blocks_of_their_common_start() -> None:
@@ -56,6 +59,31 @@ async def test_a_simulated_prefill_costs_only_what_the_cache_does_not_hold(stack
     queried = metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model})
     hit = metric_value(text, "tokenbus_worker_prefix_cache_hits_total", {"model": stack.model})
     assert queried == 2 * 802 and hit == 800, (queried, hit)  # 802 prompt words; the blocks held: 50
+
+
+@pytest.mark.parametrize("prompt_cache", ["tenant", "shared"])
+async def test_one_tenant_finds_nothing_of_another_s_prompts_in_the_cache_unless_it_is_shared(
+    stack: Stack, prompt_cache: str
+) -> None:
+    """A cached prompt answers sooner: a tenant that sends another's prompt (a guess at a secret in it) must find
+    nothing cached, or it learns by timing what the other sent; its own prompts it finds."""
+    edge = stack.edge(auth="keys", prompt_cache=prompt_cache)
+    worker = stack.worker(sim_ttft_ms=5, sim_prefill_us_per_token=100, sim_prefix_cache_blocks=1000)
+    owner, prober = create_key(stack, "--tenant", "owner"), create_key(stack, "--tenant", "prober")
+    system = "The customer's PIN is 4711. " + " ".join(f"rule {i}." for i in range(200))  # 406 words, 25 blocks
+
+    async def hits_after(key: dict[str, Any]) -> float:
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=key["key"], max_retries=0) as client:
+            await client.chat.completions.create(model=stack.model, max_tokens=1, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(worker.metrics_url)).text
+        return metric_value(text, "tokenbus_worker_prefix_cache_hits_total", {"model": stack.model})
+
+    assert await hits_after(owner) == 0
+    probed = await hits_after(prober)
+    assert probed == (400 if prompt_cache == "shared" else 0)
+    assert await hits_after(owner) == probed + 400  # its own prompt's 25 full blocks
 
 
 def _job(job_id: str, text: str, tokens: int) -> bus.Job:

@@ -66,8 +66,9 @@ class Admitter:
     """Admits requests for their callers' keys and keeps the leases of those it serves alive."""
 
     def __init__(self, limits: Limits, settlements: Settlements, policy: str, edges: Callable[[], int],
-                 max_tenant_labels: int = 20) -> None:
+                 max_tenant_labels: int = 20, shared_prompt_cache: bool = False) -> None:
         self.limits = limits
+        self.shared_prompt_cache = shared_prompt_cache
         self.settlements = settlements
         self.policy = policy
         self.local = LocalLimits(edges)
@@ -101,7 +102,7 @@ class Admitter:
         taken already), or raises RateLimited / QuotaExceeded (with their headers on the caller's answer)
         without spending anything more."""
         prompt, output = estimate(job, max_model_len)
-        job.tenant, job.prompt_estimate, job.output_budget = caller.tenant, prompt, output
+        self._mark(caller, job, prompt, output)
         record = caller.key
         if record is None:
             job.charge = bus.Charge(key="-", tokens=prompt + output)
@@ -126,12 +127,16 @@ class Admitter:
             self.held[(record.id, lease)] = None
         return Admission(found, lease)
 
+    def _mark(self, caller: Caller, job: bus.Job, prompt: int, output: int) -> None:
+        job.tenant, job.prompt_estimate, job.output_budget = caller.tenant, prompt, output
+        job.cache_salt = "" if self.shared_prompt_cache else caller.tenant
+
     async def admit_batch(self, caller: Caller, job: bus.Job, max_model_len: int) -> None:
         """Marks a batch line's job with its caller and cost, in the batch lane (below every key's priority band,
         its usage counted apart), and charges it to the key's token quota, or raises QuotaExceeded. A batch line
         spends none of the key's rpm, tpm or concurrency: it takes only capacity nobody else waits for."""
         prompt, output = estimate(job, max_model_len)
-        job.tenant, job.prompt_estimate, job.output_budget = caller.tenant, prompt, output
+        self._mark(caller, job, prompt, output)
         job.priority = BATCH_PRIORITY
         record = caller.key
         if record is None:

@@ -192,7 +192,7 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
                          settings.key_cache_s, on_revoked=app[GATEWAY].revoked)
     app[ADMITTER] = Admitter(Limits(commands, settings.lease_ttl_s), settlements,
                              settings.admission_when_redis_down, lambda: relay.live_edges,
-                             settings.metrics_max_tenants)
+                             settings.metrics_max_tenants, settings.prompt_cache == "shared")
     if settings.auth == "none":
         log.warning("serving without API keys (--auth none): anyone who reaches this port may use every model")
     renewal_s = beats.whole_beats(settings.lease_ttl_s / 3, settings.heartbeat_interval_s)  # on the heartbeat's beats

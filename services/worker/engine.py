@@ -424,8 +424,8 @@ class VllmEngine:
         try:
             for request_id, req in running:
                 try:
-                    collector = await self.llm.add_request(request_id, engine_prompt(req.ids, arrival), req.params,
-                                                           lora_request=lora, priority=priority)
+                    collector = await self.llm.add_request(request_id, engine_prompt(req.ids, arrival, job.cache_salt),
+                                                           req.params, lora_request=lora, priority=priority)
                 except refusals() as exc:  # what vLLM refuses on arrival (a grammar it cannot compile): the caller's
                     raise InvalidRequest(f"The engine cannot serve this request: {exc}",
                                          code="invalid_structured_output" if req.params.structured_outputs else None,

@@ -95,6 +95,7 @@ async def _pooled(engine: PoolingEngine, job: bus.Job, requests: list[tuple[list
 
 async def _one(engine: PoolingEngine, job: bus.Job, request_id: str, index: int, ids: list[int], params: Any,
                priority: int, arrival: float) -> AsyncIterator[bus.Output]:
-    async for out in engine.llm.encode(engine_prompt(ids, arrival), params, request_id, priority=priority):
+    prompt = engine_prompt(ids, arrival, job.cache_salt)
+    async for out in engine.llm.encode(prompt, params, request_id, priority=priority):
         if out.finished:
             yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(), prompt_tokens=len(ids))

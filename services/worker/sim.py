@@ -180,7 +180,7 @@ class SimEngine:
         if job.count_only:
             take(bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=0))
             return
-        hashes = block_hashes(self._words(job, dropped)) if self.cache.capacity else []
+        hashes = block_hashes(self._words(job, dropped), salt=job.cache_salt) if self.cache.capacity else []
         cached = self.cache.held(hashes) * BLOCK_TOKENS
         queries, hits = self.cache_counters
         queries.inc(prompt_tokens)

@@ -26,14 +26,15 @@ def refusals() -> tuple[type[Exception], ...]:
     return (ValueError, getattr(exceptions, "VLLMClientError", ValueError))
 
 
-def engine_prompt(token_ids: list[int], arrival_time: float) -> Any:
+def engine_prompt(token_ids: list[int], arrival_time: float, cache_salt: str = "") -> Any:
     """A tokenized prompt as AsyncLLM takes it from its own renderer: no second pass through the renderer, which a
     bare `{"prompt_token_ids": ...}` gets (and which vLLM deprecates), and an arrival stamped when the worker took
     the job up (wall clock), as `vllm serve` stamps it when it starts on the request: the engine's `vllm:` queue and
-    latency figures then count the worker's preparation of the prompt, as theirs count the API server's."""
+    latency figures then count the worker's preparation of the prompt, as theirs count the API server's. Prompts of
+    different salts never share the engine's prompt cache (the job's `cache_salt`)."""
     from vllm.inputs.engine import tokens_input
 
-    prompt = tokens_input(token_ids)
+    prompt = tokens_input(token_ids, cache_salt=cache_salt or None)
     prompt["arrival_time"] = arrival_time
     return prompt
 

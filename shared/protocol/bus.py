@@ -167,6 +167,9 @@ class Job(Base):
     handovers, or one reclaimed from a dead worker, continues from its event log."""
     continuation: Continuation | None = None
     """Set by the worker that takes the job over: what the client already has, for the engine to continue."""
+    cache_salt: str = ""
+    """Jobs share the engine's prompt cache (and dispatch's prefix chains) only with jobs of the same salt: the
+    edge sets the tenant here (--prompt-cache tenant), so one tenant cannot time another's prompts; "" shares."""
     cache_key: str = ""
     """The client's prompt_cache_key: jobs of a tenant with the same one share the head of their prefix chain
     (shared.protocol.prefixes), so dispatch sends them where one ran."""

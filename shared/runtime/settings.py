@@ -19,6 +19,7 @@ AUTH_MODES = ("keys", "none")
 REDIS_DOWN_POLICIES = ("closed", "open", "local")
 SCHEDULERS = ("fair", "fifo")
 DISPATCHES = ("aware", "blind")
+PROMPT_CACHES = ("tenant", "shared")
 LOG_FORMATS = ("text", "json")
 EVENT_LOOPS = ("uvloop", "asyncio")
 
@@ -211,6 +212,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     dispatch: str = "aware"
     """Where the fair scheduler sends a job (an edge's setting): aware (to a worker whose engine holds its prompt's
     prefix, when one has room; docs/cache-aware-dispatch.md) or blind (whichever worker reads first)."""
+    prompt_cache: str = "tenant"
+    """Whose prompts share the engines' prompt cache (an edge's setting): tenant (each tenant's own: a cached prompt
+    answers sooner, so a shared cache lets one tenant tell whether another sent a prompt) or shared (every tenant's,
+    for prompts nobody keeps secret: a system prompt many tenants send is computed once)."""
     affinity_wait_ms: int = 250
     """Cache-aware dispatch: how long a job may wait for a busy worker that holds its prompt's prefix before any
     worker takes it (an edge's setting; 0: never waits)."""
@@ -310,7 +315,7 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
         raise SystemExit(f"invalid setting task={settings.task!r}: choose one of {', '.join(TASKS)}")
     for name, allowed in (("auth", AUTH_MODES), ("log_format", LOG_FORMATS), ("event_loop", EVENT_LOOPS),
                           ("admission_when_redis_down", REDIS_DOWN_POLICIES), ("scheduler", SCHEDULERS),
-                          ("dispatch", DISPATCHES)):
+                          ("dispatch", DISPATCHES), ("prompt_cache", PROMPT_CACHES)):
         if getattr(settings, name) not in allowed:
             raise SystemExit(f"invalid setting {name}={getattr(settings, name)!r}: choose one of {', '.join(allowed)}")
     if settings.engine not in ENGINES:
