@@ -294,6 +294,25 @@ async def test_a_revoked_keys_background_responses_stop_too(stack: Stack) -> Non
     await stack.settled()
 
 
+async def test_a_key_that_expires_ends_its_streams_and_background_responses_as_a_revoke_does(stack: Stack) -> None:
+    """Nothing announces an expiry: each edge that admitted the key ends its work when it expires, or a stream and
+    a background response begun a second before run on (and are charged) up to the request timeout."""
+    key = create_key(stack, "--tenant", "expiring", "--expires", "4s")
+    expires_at = key["expires_at"]
+    async with httpx.AsyncClient(timeout=30) as http:
+        streaming = asyncio.create_task(sse_frames(http, "POST", stack.edges[0].url + "/v1/chat/completions",
+                                                   json=chat_body(stack.model, 3000), headers=bearer(key)))
+        created = await http.post(stack.edges[1].url + "/v1/responses", headers=bearer(key), json={
+            "model": stack.model, "input": "count", "max_output_tokens": 3000, "background": True})  # 30 s of it
+        assert created.status_code == 200, created.text
+        frames = await asyncio.wait_for(streaming, 10)
+        assert time.time() - expires_at < 2.0
+        assert any("expired" in data for _id, data in frames[-2:])
+        await until("the jobs stopped", lambda: _none_running(stack), 5.0)
+        assert time.time() - expires_at < 4.0
+    await stack.settled()
+
+
 async def test_a_revoked_keys_resumed_stream_ends_too(stack: Stack) -> None:
     """A stream resumed on another edge is its key's as the first was: a revoke ends it, and its job."""
     key = create_key(stack, "--tenant", "revoked-resume")

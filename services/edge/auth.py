@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -87,6 +87,9 @@ class KeyCache:
         self.listening = False
         self.changes = 0
         """Key changes seen so far: a record read while one came in may be the old one, and is not kept."""
+        self.expiries: dict[str, asyncio.TimerHandle] = {}
+        """By key id: when a key this edge admitted expires, as a revoke does (nothing announces an expiry)."""
+        self.checks: set[asyncio.Task[None]] = set()
 
     async def authenticate(self, request: web.Request) -> Caller:
         key = presented_key(request)
@@ -95,7 +98,32 @@ class KeyCache:
         record = await self.find(key)
         if record is None or record.expired():
             raise Unauthenticated("Incorrect API key provided, or the key was revoked or has expired.")
+        if record.expires_at and record.id not in self.expiries:
+            self.expiries[record.id] = asyncio.get_running_loop().call_later(
+                max(0.0, record.expires_at - time.time()), self._expiring, record.id)
         return Caller(tenant=record.tenant, key=record)
+
+    def _expiring(self, key_id: str) -> None:
+        """A key this edge admitted reached its expiry: unless it was given a later one meanwhile (its next request
+        schedules that), its streams and background jobs end as at a revoke."""
+        del self.expiries[key_id]
+        task = asyncio.create_task(self._expired(key_id))
+        self.checks.add(task)
+        task.add_done_callback(self.checks.discard)
+
+    async def _expired(self, key_id: str) -> None:
+        try:
+            await self.changed(key_id)
+        except REDIS_FAILURES as exc:  # it was due to expire: it ends
+            log.warning("could not read a key at its expiry (%s); ending its requests", type(exc).__name__)
+            self.forget(key_id)
+            if self.on_revoked is not None:
+                self.on_revoked(key_id)
+
+    def close(self) -> None:
+        for handle in self.expiries.values():
+            handle.cancel()
+        self.expiries.clear()
 
     async def find(self, key: str) -> KeyRecord | None:
         cached = self.entries.get(key)
@@ -145,5 +173,10 @@ class KeyCache:
             await asyncio.sleep(RESUBSCRIBE_PAUSE_S)
 
 
-def listening(cache: KeyCache) -> contextlib.AbstractAsyncContextManager[None]:
-    return looping(key_changes=cache.listen())
+@contextlib.asynccontextmanager
+async def listening(cache: KeyCache) -> AsyncIterator[None]:
+    try:
+        async with looping(key_changes=cache.listen()):
+            yield
+    finally:
+        cache.close()
