@@ -38,6 +38,9 @@ class ModelDirectory:
         """The models this deployment serves: their live-worker gauge shows 0 until a worker beats."""
         self.counted: set[str] = set(self.expected)
         """Models whose gauges were set: a model whose last worker died goes back to 0, not away."""
+        self.came_up: set[str] = set()
+        """The expected models that have had a live worker since the edge started: once all have, the deployment
+        is up, and a model whose workers all go later (a restart) is answered per request, not by /ready."""
         for model in self.expected:
             metrics.edge_series(model)
             metrics.LIVE_WORKERS.labels(model).set(0)
@@ -121,8 +124,13 @@ class ModelDirectory:
         for model in self.counted:
             metrics.LIVE_WORKERS.labels(model).set(live.get(model, 0))
             metrics.FREE_SLOTS.labels(model).set(free.get(model, 0))
-        metrics.READY.set(all(model in live for model in self.expected))
+        self.came_up |= live.keys() & set(self.expected)
+        metrics.READY.set(self.up())
         return found
+
+    def up(self) -> bool:
+        """Every model the deployment serves has had a live worker since the edge started."""
+        return self.came_up >= set(self.expected)
 
     def visible_adapters(self, tenant: str | None) -> list[Adapter]:
         """The adapters a caller of `tenant` (None: serving without keys) may see whose model has a live worker."""

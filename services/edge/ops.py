@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from services.edge.redis_boundary import REDIS_FAILURES
-from services.edge.state import DRAINING, GATEWAY, REDIS, SETTINGS
+from services.edge.state import DRAINING, GATEWAY, REDIS
 from shared.runtime.settings import Settings
 
 
@@ -15,8 +15,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers, every model the deployment serves (or the one `?model=` names) has a live
-    worker, and the edge is not draining."""
+    """Ready when the edge is not draining, Redis answers, and every model the deployment serves has had a live
+    worker since the edge started. A model whose workers all go later (a restart) does not make the edge unready:
+    its requests get 503 model_unavailable with Retry-After, which SDKs retry, and the other models are served on
+    (an unready edge would take every model's traffic down with it). `?model=NAME`: whether that model has a live
+    worker now. The answer names no other model (it needs no key; /v1/models shows a key what it may use)."""
     if request.app[DRAINING].is_set():
         return web.json_response({"status": "draining"}, status=503)
     if request.app[GATEWAY].relay.redis_down():
@@ -26,12 +29,16 @@ async def ready(request: web.Request) -> web.Response:
         models = await request.app[GATEWAY].directory.refresh()
     except REDIS_FAILURES as exc:
         return web.json_response({"status": "unavailable", "reason": f"redis: {type(exc).__name__}"}, status=503)
-    settings = request.app[SETTINGS]
-    wanted = [request.query["model"]] if "model" in request.query else expected_models(settings)
-    if missing := [m for m in wanted if m not in models]:
-        return web.json_response({"status": "unavailable", "reason": "no live worker",
-                                  "missing": missing, "models": sorted(models)}, status=503)
-    return web.json_response({"status": "ready", "models": sorted(models)})
+    if "model" in request.query:
+        if request.query["model"] not in models:
+            return web.json_response({"status": "unavailable", "reason": "no live worker"}, status=503)
+        return web.json_response({"status": "ready"})
+    directory = request.app[GATEWAY].directory
+    if not directory.up():
+        waiting = len(set(directory.expected) - directory.came_up)
+        return web.json_response({"status": "unavailable", "reason": "no live worker yet",
+                                  "waiting_for_models": waiting}, status=503)
+    return web.json_response({"status": "ready"})
 
 
 def expected_models(settings: Settings) -> list[str]:

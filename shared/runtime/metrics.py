@@ -205,8 +205,9 @@ CLIENT_DISCONNECTS = Counter("tokenbus_edge_client_disconnects", "Clients gone b
                              registry=EDGE)
 UNKNOWN_FIELDS = Counter("tokenbus_edge_unknown_fields", "Request fields ignored as unknown", ["route"],
                          registry=EDGE)
-READY = Gauge("tokenbus_edge_ready", "1 while the edge reaches Redis and every model it is configured to serve has a "
-              "live worker (what /ready says, refreshed every heartbeat interval), else 0", registry=EDGE)
+READY = Gauge("tokenbus_edge_ready", "1 once every model the edge is configured to serve has had a live worker since "
+              "it started, while it reaches Redis (what /ready says, refreshed every heartbeat interval), else 0",
+              registry=EDGE)
 LIVE_WORKERS = Gauge("tokenbus_edge_live_workers", "Workers of a model whose heartbeat is alive (as the edge "
                      "last read them; 0 for a configured model without one)", ["model"], registry=EDGE)
 FREE_SLOTS = Gauge("tokenbus_edge_free_slots", "Free job slots of a model's live workers", ["model"],
