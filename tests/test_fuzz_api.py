@@ -210,6 +210,15 @@ async def test_hostile_requests_get_a_4xx_in_the_route_error_shape_within_second
         assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("route", ["/generate", "/", "/v1/chat/completions"])
+async def test_a_body_over_the_limit_is_a_413_in_the_route_shape(api: Edge, route: str) -> None:
+    body = json.dumps({"inputs": "x" * (8 * 1024 * 1024), "model": SIM_MODEL, "messages": []}).encode()
+    async with httpx.AsyncClient(timeout=ANSWER_WITHIN_S) as http:
+        refused = await http.post(api.url + route, content=body, headers={"content-type": "application/json"})
+    assert refused.status_code == 413
+    assert_error_shape(route, refused.status_code, refused.json())
+
+
 async def test_a_budget_beyond_the_context_is_refused_at_the_edge_but_truncate_returns_what_fits(api: Edge) -> None:
     url = api.url + "/v1/completions"
     async with httpx.AsyncClient(timeout=ANSWER_WITHIN_S) as http:

@@ -60,6 +60,21 @@ async def test_json_schema_answers_validate_at_temperature_one(client: openai.As
         jsonschema.validate(json.loads(text), PERSON)
 
 
+async def test_a_tgi_json_schema_grammar_holds_answers_to_its_schema(served: Edge) -> None:
+    """TGI's `json_schema` grammar names its schema ({"name", "schema"}): answers validate against `schema`."""
+    client = InferenceClient(base_url=served.url, timeout=60)
+    for seed in SEEDS:
+        text = await asyncio.to_thread(
+            client.text_generation, "Describe a person as JSON:", max_new_tokens=80, temperature=1.0, seed=seed,
+            grammar={"type": "json_schema", "value": {"name": "person", "schema": PERSON}})
+        jsonschema.validate(json.loads(text), PERSON)
+    async with httpx.AsyncClient(timeout=30) as http:
+        unnamed = await http.post(served.url + "/generate", json={"inputs": "Say:", "parameters": {
+            "grammar": {"type": "json_schema", "value": PERSON}}})
+    assert unnamed.status_code == 422 and unnamed.json()["error_type"] == "validation"
+    assert "schema" in unnamed.json()["error"]
+
+
 async def test_json_object_answers_parse(client: openai.AsyncOpenAI) -> None:
     for seed in SEEDS:
         answer = await client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=seed,

@@ -16,6 +16,8 @@ import httpx
 import openai
 import pytest
 import redis
+from huggingface_hub import InferenceClient
+from huggingface_hub.errors import OverloadedError
 
 from shared.protocol import keys
 from tests.processes import ROOT, metric_value
@@ -95,6 +97,16 @@ async def test_a_missing_or_unknown_key_is_a_401_in_the_route_shape(stack: Stack
                 assert answer.json()["error_type"] and isinstance(error, str)
             else:
                 assert error["code"] == "invalid_api_key"
+
+
+async def test_a_tgi_client_over_its_limit_is_told_overloaded_which_it_retries(stack: Stack) -> None:
+    """TGI has one kind of 429, `overloaded`: huggingface_hub raises OverloadedError for it (and retries on it
+    where asked), where any other error_type is an unknown error."""
+    key = create_key(stack, "--tenant", "tgi-limited", "--rpm", "1")
+    client = InferenceClient(model=stack.edges[0].url, token=key["key"], timeout=10)
+    await asyncio.to_thread(client.text_generation, "count", max_new_tokens=2)
+    with pytest.raises(OverloadedError):
+        await asyncio.to_thread(client.text_generation, "count", max_new_tokens=2)
 
 
 async def test_every_key_header_the_clients_send_is_accepted(stack: Stack) -> None:

@@ -59,10 +59,29 @@ def test_stop_sequence_and_return_full_text(hf: InferenceClient) -> None:
 def test_streaming_ends_with_the_text_and_details(hf: InferenceClient) -> None:
     whole = hf.text_generation(PROMPT, max_new_tokens=8)
     events = list(hf.text_generation(PROMPT, max_new_tokens=8, stream=True, details=True))
-    assert [e.index for e in events] == list(range(8))
+    assert [e.index for e in events] == list(range(1, 9))  # TGI counts its events from 1
     assert all(e.generated_text is None and e.details is None for e in events[:-1])
     assert events[-1].generated_text == whole == "".join(e.token.text for e in events)
     assert events[-1].details is not None and events[-1].details.generated_tokens == 8
+
+
+def test_an_inference_client_made_with_a_url_chats_with_the_served_model(hf: InferenceClient) -> None:
+    """Made with a URL, InferenceClient names no model ("dummy"; TGI's own clients send "tgi"): TGI serves its one
+    model whatever the name, and here the edge's."""
+    answer = hf.chat_completion([{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+    assert answer.model == MODEL and answer.choices[0].message.content
+    streamed = list(hf.chat_completion([{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0,
+                                       stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer.choices[0].message.content
+
+
+def test_parameters_sent_as_null_take_their_defaults(served: Edge) -> None:
+    """TGI's schema lets every optional parameter be null (clients generated from it send them so)."""
+    answer = httpx.post(served.url + "/generate", timeout=60, json={
+        "inputs": PROMPT, "parameters": {"max_new_tokens": None, "return_full_text": None, "details": True,
+                                         "do_sample": None, "seed": None, "stop": None, "truncate": None}})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["details"]["generated_tokens"] <= 20 and not answer.json()["generated_text"].startswith(PROMPT)
 
 
 def test_decoder_input_details_scores_the_prompt(hf: InferenceClient) -> None:

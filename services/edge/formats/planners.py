@@ -142,12 +142,25 @@ def _model(name: str, task: str = "generate", param: str = "model") -> Generator
     return cast(bus.WorkerInfo, (yield Model(name, task, param)))
 
 
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
+"""What TGI's clients send as `model` when they name none: TGI's own "tgi" and huggingface_hub's "dummy" (an
+InferenceClient made with a URL). TGI serves its one model whatever the name; here it is the edge's --model."""
+
+
+def _named(model: str) -> Generator[Need, Any, str]:
+    """The model a request names, a placeholder standing for the edge's default."""
+    if model in PLACEHOLDER_MODELS:
+        return cast(str, (yield ServedModel()))
+    return model
+
+
 def _arrive(prefix: str, seed: int | None = None) -> Generator[Need, Any, Arrival]:
     return cast(Arrival, (yield Arrive(prefix, seed)))
 
 
 def plan_chat(body: bytes) -> Planning:
     req = yield from _decode(body, chat.ChatCompletionRequest, "chat")
+    req.model = yield from _named(req.model)
     info = yield from _model(req.model)
     chat.check_context(req, info.max_model_len)
     arrival = yield from _arrive("chatcmpl-")
@@ -184,6 +197,7 @@ def plan_completions(body: bytes, raw_prompt_default: bool = True) -> Planning:
             req.use_raw_prompt = False
         if "max_tokens" not in msgspec.json.decode(body, type=dict[str, msgspec.Raw]):
             req.max_tokens = None
+    req.model = yield from _named(req.model)
     info = yield from _model(req.model)
     completions.check_context(req, info.max_model_len)
     arrival = yield from _arrive("cmpl-")

@@ -76,7 +76,8 @@ class StructuredOutputs(Request):
 
 
 class Grammar(Request):
-    """TGI's `parameters.grammar`: a JSON schema (as an object or its text) or a regular expression."""
+    """TGI's `parameters.grammar`: a JSON schema (as an object or its text), one named (`json_schema`: its
+    `schema`), or a regular expression."""
 
     type: Literal["json", "json_schema", "regex"]
     value: Any
@@ -236,4 +237,9 @@ def of_grammar(grammar: Grammar | None) -> bus.Constraint | None:
         return None
     if grammar.type == "regex":
         return regex(grammar.value, "parameters.grammar.value")
+    if grammar.type == "json_schema":  # TGI's JsonSchemaConfig: {"name": ..., "schema": ...}
+        if not isinstance(grammar.value, dict) or "schema" not in grammar.value:
+            raise InvalidRequest("A `json_schema` grammar's value is an object with the JSON schema in `schema`.",
+                                 param="parameters.grammar.value.schema")
+        return json_schema(grammar.value["schema"], "parameters.grammar.value.schema")
     return json_schema(grammar.value, "parameters.grammar.value")

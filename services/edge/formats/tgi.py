@@ -35,6 +35,7 @@ from shared.protocol.errors import (
     ModelUnavailable,
     NotFound,
     Overloaded,
+    PayloadTooLarge,
     TokenbusError,
     Unavailable,
     WorkerLost,
@@ -46,13 +47,16 @@ MAX_SEED = 2**64 - 1
 ENGINE_SEED_SPACE = 2**63
 """The engine's seeds are signed 64-bit: larger TGI seeds are folded into that range, the same way each time."""
 NO_ADAPTER = "None"
+DEFAULT_NEW_TOKENS = 20
+"""MindIE's default max_new_tokens."""
 MAX_FACTOR = 100.0
 """The most `repetition_penalty` may be (neither TGI nor vLLM sets a bound): beyond float32's range (3.4e38) the
 engine divides logits by infinity, and a logit of 0 times an infinite penalty is NaN, which sampling fails on."""
 
 
 class Parameters(Request):
-    max_new_tokens: Annotated[int, Meta(gt=0, le=2147483647)] = 20
+    max_new_tokens: Annotated[int, Meta(gt=0, le=2147483647)] | None = DEFAULT_NEW_TOKENS
+    """None (TGI's schema lets a client send null): the default."""
     do_sample: bool | None = None
     temperature: Annotated[float, Meta(gt=1e-6, le=2.0)] | None = None
     """TGI sets no upper bound; vLLM refuses more than 2 (here, at once: not after the job waited for a slot)."""
@@ -65,7 +69,7 @@ class Parameters(Request):
     """Up to 2**64 - 1, the most a JSON integer decodes to here."""
     stop: StopString | StopList | None = None
     truncate: Annotated[int, Meta(gt=0, le=2147483647)] | None = None
-    return_full_text: bool = False
+    return_full_text: bool | None = False
     details: bool = False
     decoder_input_details: bool = False
     watermark: bool = False
@@ -81,6 +85,10 @@ class GenerateRequest(Request):
     stream: bool = False
     model: str | None = None
     """Our extension: which served model answers (default: the edge's --model)."""
+
+
+def new_tokens(p: Parameters) -> int:
+    return DEFAULT_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens
 
 
 def input_text(inputs: str | list[Any]) -> str | None:
@@ -122,7 +130,7 @@ def _refuse_unsupported(req: GenerateRequest, stream: bool) -> None:
 
 def check_context(req: GenerateRequest, max_model_len: int) -> None:
     """max_new_tokens must leave room for the inputs, as TGI's max_total_tokens demands."""
-    refuse_beyond_context(req.parameters.max_new_tokens, max_model_len, "parameters.max_new_tokens")
+    refuse_beyond_context(new_tokens(req.parameters), max_model_len, "parameters.max_new_tokens")
 
 
 def draw_seed(req: GenerateRequest) -> int:
@@ -139,7 +147,7 @@ def to_job(
         v is not None for v in (p.temperature, p.top_k, p.top_p))
     per_token = stream or p.details or p.decoder_input_details
     params = bus.SamplingParams(
-        max_tokens=p.max_new_tokens,
+        max_tokens=new_tokens(p),
         temperature=(p.temperature or 1.0) if sampling else 0.0,
         top_p=p.top_p or 1.0,
         top_k=p.top_k or 0,
@@ -232,7 +240,12 @@ def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
 
 
 def error_status(error: TokenbusError) -> tuple[int, str]:
-    """TGI's status codes and error types: 422 validation, 429 overloaded, 424 generation."""
+    """TGI's status codes and error types: 422 validation, 429 overloaded (TGI's one kind of 429, which its
+    clients retry: a key's limits too), 424 generation."""
+    if isinstance(error, PayloadTooLarge):
+        return 413, "validation"
+    if error.status == 429:
+        return 429, "overloaded"
     if isinstance(error, InvalidRequest) and error.code in ("unsupported_parameter", "unknown_adapter"):
         return 400, "validation"
     if isinstance(error, InvalidRequest | ContextLengthExceeded):
@@ -285,7 +298,8 @@ class TgiRenderer(Unstored):
 
     def _stream_event(self, token: Token, top: list[Token]) -> StreamResponse:
         with_top = self.req.parameters.top_n_tokens
-        return StreamResponse(index=len(self.tokens), token=token, top_tokens=top if with_top else UNSET)
+        return StreamResponse(index=len(self.tokens) + 1, token=token,  # TGI counts its events from 1
+                              top_tokens=top if with_top else UNSET)
 
     def render(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Prompt):
