@@ -124,7 +124,20 @@ async def test_a_model_the_key_may_not_use_does_not_exist_for_it(stack: Stack) -
         with pytest.raises(openai.NotFoundError) as refused:
             await client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "hi"}])
         assert [m.id async for m in client.models.list()] == []
+        with pytest.raises(openai.NotFoundError) as unseen:
+            await client.models.retrieve(stack.model)
     assert refused.value.code == "model_not_found"
+    assert unseen.value.code == "model_not_found"
+
+
+async def test_a_model_the_key_may_use_is_retrieved_as_the_list_shows_it(stack: Stack) -> None:
+    key = create_key(stack, "--tenant", "retriever")
+    async with openai.AsyncOpenAI(base_url=stack.edges[0].url + "/v1", api_key=key["key"], max_retries=0) as client:
+        listed = {m.id: m async for m in client.models.list()}
+        found = await client.models.retrieve(stack.model)
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("no-such/model")
+    assert found == listed[stack.model] and found.object == "model"
 
 
 async def test_a_revoked_key_is_refused_by_every_edge_within_a_second(stack: Stack) -> None:

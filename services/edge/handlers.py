@@ -24,7 +24,7 @@ from services.edge.server import read_body
 from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
 from services.edge.store import StoredResponse
 from shared.protocol import bus, keys
-from shared.protocol.errors import InvalidRequest, NotFound, RateLimited
+from shared.protocol.errors import InvalidRequest, ModelNotFound, NotFound, RateLimited
 from shared.runtime import metrics
 from shared.runtime.settings import Settings
 from shared.tenancy import fairshare
@@ -270,6 +270,19 @@ async def delete_response(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     """The models with a live worker and their adapters the caller may use (an adapter names its `parent`)."""
+    return web.Response(body=encode(ModelList(data=_model_cards(request))), content_type="application/json")
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One of the models `list_models` shows the caller; any other does not exist for it."""
+    name = request.match_info["model"]
+    card = next((card for card in _model_cards(request) if card.id == name), None)
+    if card is None:
+        raise ModelNotFound(f"The model `{name}` does not exist or has no live worker.", param="model")
+    return web.Response(body=encode(card), content_type="application/json")
+
+
+def _model_cards(request: web.Request) -> list[ModelCard]:
     directory, caller = request.app[GATEWAY].directory, caller_of(request)
     cards = [ModelCard(id=name, root=name, task=info.task, max_model_len=info.max_model_len)
              for name, info in sorted(directory.models.items()) if caller.key is None or caller.key.may_use(name)]
@@ -278,7 +291,7 @@ async def list_models(request: web.Request) -> web.Response:
                         max_model_len=directory.models[adapter.base].max_model_len)
               for adapter in directory.visible_adapters(caller.sees)
               if adapter.name not in directory.models and (caller.key is None or caller.key.may_use(adapter.name))]
-    return web.Response(body=encode(ModelList(data=cards)), content_type="application/json")
+    return cards
 
 
 # Databricks

@@ -45,7 +45,7 @@ def document(routes: tuple[Any, ...]) -> bytes:
     refs = dict(zip(kinds, schemas, strict=True))
     paths: dict[str, dict[str, Any]] = {}
     for r in routes:
-        paths.setdefault(r.path, {})[r.method] = _operation(r.summary, r.request, r.response, r.streams, refs,
+        paths.setdefault(r.template, {})[r.method] = _operation(r.summary, r.request, r.response, r.streams, refs,
                                                             ERRORS.get(r.family, base.ErrorBody))
     return msgspec.json.encode({
         "openapi": "3.1.0",

@@ -9,6 +9,7 @@ The metrics are served on a port of their own (--metrics-port), not here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from services.edge.formats import (
     tgi,
 )
 from services.edge.formats import files as files_shapes
-from services.edge.formats.models import ModelList
+from services.edge.formats.models import ModelCard, ModelList
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -50,6 +51,12 @@ class Route:
     streams: bool = False
     runs_model: bool = False
     """It spends the key's limits (generation, embeddings); other key routes only report them."""
+
+    @property
+    def template(self) -> str:
+        """The path as aiohttp names its resource, and OpenAPI its path: a variable's pattern left out
+        (`{model:.+}` is `{model}`)."""
+        return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", self.path)
 
     @property
     def needs_key(self) -> bool:
@@ -130,6 +137,8 @@ ROUTES: list[Route] = [
              rerank.ScoreResponse, runs_model=True),
     *_openai("get", "/v1/models", handlers.list_models, "The models and LoRA adapters the key may use",
              response=ModelList),
+    *_openai("get", "/v1/models/{model:.+}", handlers.retrieve_model, "A model or LoRA adapter the key may use",
+             response=ModelCard),
     *_openai("get", "/v1/streams/{stream_id}", handlers.resume_stream,
              "Resume a stream after Last-Event-ID (header or `last_event_id` query)"),
     *_openai("post", "/serving-endpoints/{name}/invocations", handlers.invocations,
@@ -155,8 +164,8 @@ ROUTES: list[Route] = [
 
 UNMATCHED = Route("", "unmatched", ops.health, "ops")
 """What a request no route matched is treated as: refused with a 404 or 405 in OpenAI's shape."""
-BY_METHOD_AND_PATH = {(r.method.upper(), r.path): r for r in ROUTES}
-BY_PATH = {r.path: r for r in ROUTES}
+BY_METHOD_AND_PATH = {(r.method.upper(), r.template): r for r in ROUTES}
+BY_PATH = {r.template: r for r in ROUTES}
 """A path's routes share a family: a method a path does not serve is refused in that family's shape."""
 
 
