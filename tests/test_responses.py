@@ -149,6 +149,19 @@ async def test_top_logprobs_fill_the_output_text(client: openai.AsyncOpenAI) -> 
     assert part.type == "output_text" and part.logprobs
     assert "".join(lp.token for lp in part.logprobs) == part.text
     assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token for lp in part.logprobs)
+    assert all(top.bytes == list(top.token.encode()) for lp in part.logprobs for top in lp.top_logprobs)
+
+
+async def test_include_asks_for_the_output_text_s_logprobs(client: openai.AsyncOpenAI) -> None:
+    """OpenAI's documented way to have them: `include`, no top_logprobs."""
+    response = await client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=6,
+                                             include=["message.output_text.logprobs"])
+    part = response.output[0].content[0]
+    assert part.type == "output_text" and "".join(lp.token for lp in part.logprobs or []) == part.text != ""
+    async with client.responses.stream(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=6,
+                                       include=["message.output_text.logprobs"]) as stream:
+        deltas = [event async for event in stream if event.type == "response.output_text.delta"]
+    assert all(len(delta.logprobs) == 1 for delta in deltas)
 
 
 async def test_truncation_auto_drops_the_oldest_turns(client: openai.AsyncOpenAI) -> None:

@@ -13,29 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.edge.formats.base import Out
+from services.edge.formats.common import TokenLogprobOut, token_logprobs_out
 from shared.protocol import bus
 
 Event = tuple[str, dict[str, Any]]
 """A stream event's type and fields (the renderer numbers it)."""
 
 
-class TopLogprob(Out):
-    token: str
-    logprob: float
-
-
-class LogProb(Out):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
 class OutputText(Out, kw_only=True):
     type: str = "output_text"
     text: str
     annotations: list[Any] = []
-    logprobs: list[LogProb] = []
+    logprobs: list[TokenLogprobOut] = []
 
 
 class OutputMessage(Out, kw_only=True, tag_field="type", tag="message"):
@@ -67,12 +56,6 @@ class ReasoningItem(Out, kw_only=True, tag_field="type", tag="reasoning"):
 OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
-def logprobs_out(logprobs: list[bus.TokenLogprob]) -> list[LogProb]:
-    return [LogProb(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-                    top_logprobs=[TopLogprob(token=t.token, logprob=t.logprob) for t in lp.top])
-            for lp in logprobs]
-
-
 @dataclass
 class _Item:
     id: str
@@ -90,7 +73,7 @@ class _Item:
         return self.call is None and not self.reasoning
 
     def part(self) -> OutputText:
-        return OutputText(text="".join(self.texts), logprobs=logprobs_out(self.logprobs))
+        return OutputText(text="".join(self.texts), logprobs=token_logprobs_out(self.logprobs))
 
     def summary(self) -> SummaryText:
         return SummaryText(text="".join(self.texts))
@@ -132,7 +115,7 @@ class OutputItems:
             message.logprobs.extend(event.logprobs or [])
             if event.text:
                 out.append(("response.output_text.delta", {
-                    "delta": event.text, "logprobs": logprobs_out(event.logprobs or []), **message.ids(),
+                    "delta": event.text, "logprobs": token_logprobs_out(event.logprobs or []), **message.ids(),
                     "content_index": 0}))
         for delta in event.tool_calls:
             out += self._call_delta(delta)

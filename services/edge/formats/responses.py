@@ -15,6 +15,9 @@ from services.edge.store import Conversation
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""What `include` names to have the output text's logprobs (OpenAI's way to ask for them)."""
+
 
 class InputContent(Request):
     type: str
@@ -273,7 +276,8 @@ def to_job(
 ) -> bus.Job:
     """The job for this turn: instructions first, then the earlier turns, then the new input."""
     instructions = [bus.Message(role="system", content=req.instructions)] if req.instructions else []
-    logprobs = req.top_logprobs if req.top_logprobs is not None else (0 if req.logprobs else None)
+    asked = req.logprobs or LOGPROBS_INCLUDE in (req.include or ())
+    logprobs = req.top_logprobs if req.top_logprobs is not None else (0 if asked else None)
     params = sampling_params(req, max_tokens=req.max_output_tokens, logprobs=logprobs)
     params.include_stop_str_in_output = bool(req.include_stop_str_in_output)
     tool_use = _tool_use(req)
