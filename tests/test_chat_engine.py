@@ -100,11 +100,20 @@ async def test_a_seed_makes_sampling_repeatable(client: openai.AsyncOpenAI) -> N
     assert first.choices[0].message.content != other.choices[0].message.content
 
 
+async def test_top_p_zero_keeps_the_most_likely_token_alone(client: openai.AsyncOpenAI) -> None:
+    """OpenAI allows top_p 0 (vLLM takes only more): the answer is the greedy one, whatever the temperature."""
+    greedy = await client.chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=20)
+    for seed in (1, 2):
+        nucleus = await client.chat.completions.create(model=MODEL, messages=STORY, temperature=1.5, top_p=0,
+                                                       max_tokens=20, seed=seed)
+        assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"temperature": 2.5}, "temperature"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop[0]"),
         ({"n": 17}, "n"),

@@ -28,7 +28,7 @@ def job_of(body: bytes) -> bus.Job:
     [
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": -0.1}, "temperature"),
-        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "ten"}, "max_tokens"),

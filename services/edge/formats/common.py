@@ -27,7 +27,8 @@ def page_limit(given: str, maximum: int) -> int:
 
 
 Temperature = Annotated[float, Meta(ge=0, le=2)]
-TopP = Annotated[float, Meta(gt=0, le=1)]
+TopP = Annotated[float, Meta(ge=0, le=1)]
+"""OpenAI allows 0 (the most likely token alone); vLLM takes more than 0, so 0 runs as top_k 1."""
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 PositiveInt = Annotated[int, Meta(gt=0, le=INT64_MAX)]
 """Token budgets: anything the bus can carry; the edge refuses those beyond the model's context."""
@@ -113,8 +114,8 @@ def sampling_params(
     return bus.SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
+        top_p=1.0 if not req.top_p else req.top_p,
+        top_k=1 if req.top_p == 0 else max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
         seed=req.seed,
         stop=stop_list(req.stop),
