@@ -15,7 +15,8 @@ REDIS_SETTINGS = ["redis_url", "redis_cluster", "redis_username", "redis_passwor
 """How a process reaches Redis and logs in (services.admin takes the same flags)."""
 EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", "response_ttl_s", "storage_bytes",
                  "storage_items", "redis_pool_size",
-                 "max_body_bytes", "keepalive_interval_s", "log_level", "log_format", "resume_window_s",
+                 "max_body_bytes", "max_stop_sequences", "keepalive_interval_s", "log_level", "log_format",
+                 "resume_window_s",
                  "replay_ttl_s", "background_ttl_s",
                  "shutdown_grace_s", "redis_down_after_s", "max_buffered_events", "heartbeat_interval_s",
                  "heartbeat_ttl_s", "read_timeout_s", "ready_models", "auth", "key_cache_s", "lease_ttl_s",

@@ -25,6 +25,29 @@ def _texts(items: list[Any]) -> list[tuple[str, str]]:
             for item in items]
 
 
+async def test_a_stored_response_lists_its_own_input_items_on_any_edge(stack: Stack) -> None:
+    edge, other_edge = stack.edge(), stack.edge()
+    stack.worker()
+    given = [{"type": "message", "role": "user", "content": "one"},
+             {"type": "message", "role": "assistant", "content": "two", "id": "msg_mine"},
+             {"type": "message", "role": "user", "content": "three"}]
+    async with _client(edge.url) as client, _client(other_edge.url) as other:
+        first = await client.responses.create(model=stack.model, input=given, max_output_tokens=2)
+        listed = await other.responses.input_items.list(first.id)
+        assert _texts(listed.data) == [("user", "three"), ("assistant", "two"), ("user", "one")]  # newest first
+        assert listed.data[1].id == "msg_mine" and len({item.id for item in listed.data}) == 3
+        page = await other.responses.input_items.list(first.id, order="asc", limit=2)
+        assert _texts(page.data) == [("user", "one"), ("assistant", "two")] and page.has_more
+        rest = await client.responses.input_items.list(first.id, order="asc", after=page.last_id)
+        assert _texts(rest.data) == [("user", "three")] and not rest.has_more
+        second = await client.responses.create(model=stack.model, input="four", max_output_tokens=2,
+                                               previous_response_id=first.id)
+        assert _texts((await client.responses.input_items.list(second.id)).data) == [("user", "four")]  # its own
+        unstored = await client.responses.create(model=stack.model, input="five", max_output_tokens=2, store=False)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.input_items.list(unstored.id)
+
+
 async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_after_them(stack: Stack) -> None:
     edge, other_edge = stack.edge(), stack.edge()
     stack.worker()

@@ -210,6 +210,38 @@ async def test_hostile_requests_get_a_4xx_in_the_route_error_shape_within_second
         assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+async def test_more_stop_strings_than_the_edge_serves_are_refused_naming_the_field(api: Edge) -> None:
+    """The engine checks every stop string on every token, on the loop that streams everyone's tokens: more than
+    --max-stop-sequences (16, as /info reports) is the caller's error, on every route."""
+    stops = [f"stop{i}" for i in range(17)]
+    async with httpx.AsyncClient(timeout=ANSWER_WITHIN_S) as http:
+        info = (await http.get(api.url + "/info")).json()
+        served = await http.post(api.url + "/v1/chat/completions", json={
+            "model": SIM_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stop": stops[:16]})
+        refused = {
+            "stop": await http.post(api.url + "/v1/chat/completions", json={
+                "model": SIM_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stop": stops}),
+            "parameters.stop": await http.post(api.url + "/generate", json={
+                "inputs": "Hi", "parameters": {"max_new_tokens": 2, "stop": stops}}),
+            "stop_sequences": await http.post(api.url + "/v1/messages", json={
+                "model": SIM_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                "stop_sequences": stops}),
+        }
+    assert info["max_stop_sequences"] == 16
+    assert served.status_code == 200, served.text
+    assert refused["stop"].status_code == 400 and refused["stop"].json()["error"]["param"] == "stop"
+    assert refused["parameters.stop"].status_code == 422 and "16" in refused["parameters.stop"].json()["error"]
+    assert refused["stop_sequences"].status_code == 400 and "16" in refused["stop_sequences"].text
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/messages", "/v1/chat/completions"])
+async def test_a_method_a_path_does_not_serve_is_a_405_in_its_family_s_shape(api: Edge, route: str) -> None:
+    async with httpx.AsyncClient(timeout=ANSWER_WITHIN_S) as http:
+        refused = await http.get(api.url + route)
+    assert refused.status_code == 405
+    assert_error_shape(route, refused.status_code, refused.json())
+
+
 @pytest.mark.parametrize("route", ["/generate", "/", "/v1/chat/completions"])
 async def test_a_body_over_the_limit_is_a_413_in_the_route_shape(api: Edge, route: str) -> None:
     body = json.dumps({"inputs": "x" * (8 * 1024 * 1024), "model": SIM_MODEL, "messages": []}).encode()

@@ -101,15 +101,16 @@ class StartFailed(RuntimeError):
 
 def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen[bytes]], log: Path,
                ready_path: str = "/v1/models") -> None:
-    """Until the server lists the model: on /v1/models (OpenAI's shape), or tokenbus's /ready (needs no key)."""
+    """Until the server lists the model on /v1/models (OpenAI's shape), or its /ready says it has a live worker
+    (`?model=`: tokenbus's needs no key, and names no model)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):
             raise StartFailed(f"a process exited while starting; see {log}")
         try:
-            reply = httpx.get(base_url + ready_path, timeout=2)
-            found = reply.json() if reply.status_code == 200 else {}
-            if model in found.get("models", ()) or any(m["id"] == model for m in found.get("data", ())):
+            asked = ready_path == "/ready"
+            reply = httpx.get(base_url + ready_path, params={"model": model} if asked else None, timeout=2)
+            if reply.status_code == 200 and (asked or any(m["id"] == model for m in reply.json().get("data", ()))):
                 return
         except httpx.HTTPError:
             pass

@@ -24,7 +24,7 @@ from services.edge import pump
 from services.edge.auth import Caller
 from services.edge.batch_store import Batch, BatchError, BatchStore, failed_with
 from services.edge.conversation_store import keep_turn
-from services.edge.estimate import check_prompt_fits
+from services.edge.estimate import check_prompt_fits, check_stops
 from services.edge.file_store import FileInfo
 from services.edge.formats import batches as shapes
 from services.edge.formats.base import openai_error
@@ -333,6 +333,7 @@ class BatchRun:
         info = self.app[GATEWAY].directory.models.get(plan.job.model)
         fairshare.check_fits(plan.job, info)
         check_prompt_fits(plan.job, info.max_model_len if info else 0)
+        check_stops(plan.job, self.app[SETTINGS].max_stop_sequences, plan.route)
         return plan
 
     async def _answer(self, batch: Batch, caller: Caller, plan: Plan) -> tuple[bytes, tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
@@ -68,20 +69,27 @@ def _limit(request: web.Request) -> int:
 
 async def list_items(request: web.Request) -> web.Response:
     """Its items, newest first (`order=desc`, the default) or oldest first, `limit` at a time after `after`."""
+    _limit(request)  # a bad limit is refused before anything is read
+    stored, _ = await _load(request)
+    return _json(item_page(request, stored.items, "the conversation"))
+
+
+def item_page(request: web.Request, items: list[dict[str, Any]], whose: str) -> shapes.ItemList:
+    """A page of items (a conversation's, a stored response's input) as the query asks: newest first
+    (`order=desc`, the default) or oldest first, `limit` at a time after the item `after`."""
     order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("`order` is asc or desc.", param="order")
     limit = _limit(request)
-    stored, _ = await _load(request)
-    items = stored.items if order == "asc" else stored.items[::-1]
+    items = items if order == "asc" else items[::-1]
     if after := request.query.get("after"):
         at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
         if at is None:
-            raise NotFound(f"No item with id '{after}' in the conversation.", param="after")
+            raise NotFound(f"No item with id '{after}' in {whose}.", param="after")
         items = items[at + 1:]
     page = items[:limit]
-    return _json(shapes.ItemList(data=page, first_id=page[0]["id"] if page else None,
-                                 last_id=page[-1]["id"] if page else None, has_more=len(items) > limit))
+    return shapes.ItemList(data=page, first_id=page[0]["id"] if page else None,
+                           last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
 
 
 async def add_items(request: web.Request) -> web.Response:

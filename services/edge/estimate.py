@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.protocol import bus
-from shared.protocol.errors import ContextLengthExceeded
+from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
 
 ASCII_BYTES_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
@@ -82,6 +82,17 @@ def check_prompt_fits(job: bus.Job, max_model_len: int) -> None:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_model_len} tokens; the prompt's {chars} characters "
             f"cannot fit it (no token spells more than {bus.MAX_TOKEN_CHARS}).", param=param)
+
+
+STOP_FIELDS = {"tgi": "parameters.stop", "messages": "stop_sequences"}
+"""Where a route's requests give their stop strings, by the plan's route (else `stop`)."""
+
+
+def check_stops(job: bus.Job, most: int, route: str) -> None:
+    """Refuses more stop strings than --max-stop-sequences: each costs the worker a check on every token."""
+    if len(job.params.stop) > most:
+        raise InvalidRequest(f"At most {most} stop sequences are served; this request gives {len(job.params.stop)}.",
+                             param=STOP_FIELDS.get(route, "stop"))
 
 
 def _never_dropped(messages: list[bus.Message]) -> list[bus.Message]:

@@ -10,11 +10,11 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from services.edge import background, pump, sse
+from services.edge import background, conversations, pump, sse
 from services.edge.auth import caller_of
 from services.edge.conversation_store import keep_turn, keep_turn_once
-from services.edge.estimate import check_prompt_fits
-from services.edge.formats import response_render, tgi
+from services.edge.estimate import check_prompt_fits, check_stops
+from services.edge.formats import conversation_items, response_render, tgi
 from services.edge.formats.base import decode, encode
 from services.edge.formats.models import ModelCard, ModelList
 from services.edge.formats.planners import Arrival
@@ -48,6 +48,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     info = gateway.directory.models.get(plan.job.model)
     fairshare.check_fits(plan.job, info)
     check_prompt_fits(plan.job, info.max_model_len if info else 0)
+    check_stops(plan.job, settings.max_stop_sequences, plan.route)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)
     resumable = plan.job.background or (plan.stream and sse.wants_ids(request))
@@ -260,6 +261,17 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     return await background.retrieve(request, response_id)
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    """The input items of a stored response (`limit`, `order`, `after`, as a conversation's items)."""
+    response_id = request.match_info["response_id"]
+    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
+    if stored is None or not caller_of(request).owns(stored.tenant):
+        raise _not_found(response_id)
+    items = [conversation_items.decode_item(item) for item in stored.inputs]
+    page = conversations.item_page(request, items, "the response's input")
+    return web.Response(body=encode(page), content_type="application/json")
+
+
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     await _stored(request, response_id)
@@ -337,7 +349,8 @@ async def tgi_info(request: web.Request) -> web.Response:
     caller_of(request).check_model(settings.model)
     info, _ = await request.app[GATEWAY].require_model(settings.model)
     body = tgi.Info(model_id=settings.model, max_concurrent_requests=info.slots,
-                    max_input_tokens=info.max_model_len - 1, max_total_tokens=info.max_model_len, version=_version())
+                    max_input_tokens=info.max_model_len - 1, max_total_tokens=info.max_model_len, version=_version(),
+                    max_stop_sequences=settings.max_stop_sequences)
     return web.Response(body=encode(body), content_type="application/json")
 
 

@@ -94,6 +94,8 @@ ROUTES: list[Route] = [
              response_render.Response, streams=True, runs_model=True),
     *_openai("get", "/v1/responses/{response_id}", handlers.get_response, "A stored response",
              response=response_render.Response),
+    *_openai("get", "/v1/responses/{response_id}/input_items", handlers.list_input_items,
+             "A stored response's input items (`limit`, `order`, `after`)", response=conversation_items.ItemList),
     *_openai("delete", "/v1/responses/{response_id}", handlers.delete_response, "Delete a stored response",
              response=response_render.Deleted),
     *_openai("post", "/v1/responses/{response_id}/cancel", background.cancel, "Cancel a background response",
@@ -171,8 +173,8 @@ BY_PATH = {r.template: r for r in ROUTES}
 
 def route_of(request: web.Request) -> Route:
     resource = request.match_info.route.resource
-    if resource is None:
-        return UNMATCHED
+    if resource is None:  # no route, or (a 405) none of this method: a fixed path still names its family
+        return BY_PATH.get(request.path, UNMATCHED)
     path = resource.canonical
     return BY_METHOD_AND_PATH.get((request.method, path)) or BY_PATH.get(path, UNMATCHED)
 

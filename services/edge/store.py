@@ -98,6 +98,8 @@ class StoredResponse(msgspec.Struct, forbid_unknown_fields=False):
     """Whose response it is: no other tenant may read, continue or delete it."""
     previous: str = ""
     """The response whose history comes before `history`; empty: `history` is whole."""
+    inputs: list[msgspec.Raw] = []
+    """This turn's input items as listed (GET /v1/responses/{id}/input_items): each with its id."""
     depth: int = 0
     """Records before this one back to a whole history (0: this one is whole)."""
 
@@ -130,6 +132,8 @@ class Turn:
     """The Conversations-API conversation it ran in (`conversation`), which takes `items` ("": none)."""
     items: tuple[bytes, ...] = ()
     """This turn's input items and the response's output items, as the conversation keeps them."""
+    inputs: tuple[bytes, ...] = ()
+    """This turn's input items as the stored response lists them (conversation_items.kept)."""
 
 
 @dataclass(frozen=True)
@@ -208,18 +212,20 @@ class ResponseStore:
                                      "a streamed request is kept to be resumed", None)
 
     async def save(self, tenant: str, response_id: str, response: bytes, conversation: Conversation,
-                   added: list[bus.Message], dropped: int = 0) -> None:
+                   added: list[bus.Message], dropped: int = 0, inputs: tuple[bytes, ...] = ()) -> None:
         """Stores a finished response: what it added to the conversation, or its whole history as it ran (see the
         module's docstring). Past the quota too: its room was checked before it ran, and a tenant overshoots by
         at most the answers it had in flight when its storage filled."""
         chain: list[str] = []
         if conversation.previous and not dropped and conversation.depth + 1 < SNAPSHOT_EVERY:
             record = StoredResponse(response=msgspec.Raw(response), history=added, tenant=tenant,
-                                    previous=conversation.previous, depth=conversation.depth + 1)
+                                    previous=conversation.previous, depth=conversation.depth + 1,
+                                    inputs=[msgspec.Raw(item) for item in inputs])
             chain = conversation.chain
         else:
             whole = as_run(conversation.history + added, dropped)
-            record = StoredResponse(response=msgspec.Raw(response), history=whole, tenant=tenant)
+            record = StoredResponse(response=msgspec.Raw(response), history=whole, tenant=tenant,
+                                    inputs=[msgspec.Raw(item) for item in inputs])
         data = _encoder.encode(record)
         more = ([keys.stored_response(tenant, name) for name in chain], [f"r:{name}" for name in chain])
         await self._run_charge(tenant, Quota(0, 0), f"r:{response_id}", len(data), bus.now_ms() + self.ttl_ms,
@@ -227,7 +233,8 @@ class ResponseStore:
 
     async def keep(self, tenant: str, turn: Turn) -> None:
         """Stores a finished turn (see `save`)."""
-        await self.save(tenant, turn.response_id, turn.response, turn.conversation, turn.added, turn.dropped)
+        await self.save(tenant, turn.response_id, turn.response, turn.conversation, turn.added, turn.dropped,
+                        turn.inputs)
 
     async def load(self, tenant: str, response_id: str) -> StoredResponse | None:
         with redis_boundary(Overloaded):

@@ -143,6 +143,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Redis connections an edge uses for commands (one more reads its events); a worker uses three more."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body the edge accepts."""
+    max_stop_sequences: int = 16
+    """Stop strings one request may give (TGI's --max-stop-sequences, which its /info reports; OpenAI allows 4,
+    MindIE 1,024): the engine checks each on every token of the request, on the loop that streams every request's
+    tokens (1,024 cost a millisecond a token)."""
     keepalive_interval_s: float = 15.0
     """Seconds between SSE keep-alive comments while a stream waits."""
     metrics_port: int = 0

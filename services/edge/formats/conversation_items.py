@@ -111,4 +111,9 @@ def added(items: list[InputItem], before: list[dict[str, Any]], field: str = "it
         if exc.param and exc.param.startswith("input["):
             exc.param = field + exc.param.removeprefix("input")
         raise
+    return listed(items)
+
+
+def listed(items: list[InputItem]) -> list[bytes]:
+    """Items as a conversation keeps them and a stored response lists its input (each with an id)."""
     return [_encode(kept(item)) for item in items]

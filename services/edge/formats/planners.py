@@ -218,8 +218,11 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
         items = cast(list[dict[str, Any]], (yield ConversationItems(conversation_id)))
         conversation = Conversation(history=conversation_items.history(items))
         new_items = conversation_items.added(responses.input_items(req), items, field="input")
-    elif req.previous_response_id:
-        conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
+    else:
+        if req.previous_response_id:
+            conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
+        if req.store:  # its input items are listed with it (input_items)
+            new_items = conversation_items.listed(responses.input_items(req))
     added = responses.input_messages(req, conversation.history)
     responses.check_length(req, conversation, added)
     if req.store or conversation_id:

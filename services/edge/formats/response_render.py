@@ -161,7 +161,8 @@ class ResponsesRenderer:
         self.conversation_id = conversation_id
         """The Conversations-API conversation the turn runs in ("": none)."""
         self.new_items = new_items or []
-        """This turn's input items as that conversation keeps them (its output's follow at the end)."""
+        """This turn's input items as a conversation keeps them (its output's follow at the end) and the stored
+        response lists them."""
         self.ovms = ovms
         """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
         `max_tokens`, as its page documents."""
@@ -250,7 +251,7 @@ class ResponsesRenderer:
         outputs = [encode(item) for item in self.items.output()] if answered else []
         return Turn(self.id, encode(self.response()), self.conversation, [*self.added, self.items.answer()],
                     dropped, stored=self.req.store, conversation_id=self.conversation_id if answered else "",
-                    items=(*self.new_items, *outputs))
+                    items=(*self.new_items, *outputs), inputs=tuple(self.new_items))
 
     def done(self) -> list[Payload]:
         return [END] if self.ovms else []

@@ -32,6 +32,7 @@ from shared.protocol.errors import (
     ContextLengthExceeded,
     EngineError,
     InvalidRequest,
+    MethodNotAllowed,
     ModelUnavailable,
     NotFound,
     Overloaded,
@@ -218,7 +219,7 @@ class Info(Out, kw_only=True):
     model_pipeline_tag: str = "text-generation"
     max_concurrent_requests: int
     max_best_of: int = 1
-    max_stop_sequences: int = 1024
+    max_stop_sequences: int
     max_input_tokens: int
     max_total_tokens: int
     validation_workers: int = 1
@@ -242,8 +243,8 @@ def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
 def error_status(error: TokenbusError) -> tuple[int, str]:
     """TGI's status codes and error types: 422 validation, 429 overloaded (TGI's one kind of 429, which its
     clients retry: a key's limits too), 424 generation."""
-    if isinstance(error, PayloadTooLarge):
-        return 413, "validation"
+    if isinstance(error, PayloadTooLarge | MethodNotAllowed):
+        return error.status, "validation"
     if error.status == 429:
         return 429, "overloaded"
     if isinstance(error, InvalidRequest) and error.code in ("unsupported_parameter", "unknown_adapter"):
