@@ -38,6 +38,26 @@ async def test_batch_with_n_gives_choices_per_prompt_in_order(client: openai.Asy
     assert reply.choices[0].text != reply.choices[1].text or reply.choices[2].text != reply.choices[3].text
 
 
+async def test_greedy_n_gives_n_choices_of_the_one_answer(client: openai.AsyncOpenAI) -> None:
+    """OpenAI takes n > 1 at temperature 0 (vLLM refuses it): every choice is the greedy answer, each counted."""
+    one = await client.completions.create(model=MODEL, prompt=[PARIS, "Once upon a time"], max_tokens=8,
+                                          temperature=0, logprobs=1)
+    three = await client.completions.create(model=MODEL, prompt=[PARIS, "Once upon a time"], n=3, max_tokens=8,
+                                            temperature=0, logprobs=1)
+    assert [c.index for c in three.choices] == list(range(6))
+    assert [c.text for c in three.choices] == [one.choices[0].text] * 3 + [one.choices[1].text] * 3
+    assert three.choices[4].logprobs == one.choices[1].logprobs
+    assert one.usage is not None and three.usage is not None
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    streamed = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PARIS}],
+                                                    n=2, max_tokens=8, temperature=0, stream=True)
+    texts = ["", ""]
+    async for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] != ""
+
+
 async def test_a_seed_repeats_n_distinct_choices(client: openai.AsyncOpenAI) -> None:
     kwargs = {"model": MODEL, "prompt": "Once upon a time", "n": 3, "max_tokens": 12, "temperature": 1.0,
               "seed": 42}

@@ -113,6 +113,8 @@ class _EngineRequest:
     params: Any
     echo_ids: list[int] | None = None
     """The prompt alone, when `ids` continues it with tokens generated before (for echo logprobs)."""
+    copies: int = 1
+    """Choices its one sequence answers: a greedy prompt's n choices are one answer (vLLM runs n=1 greedily)."""
 
 
 def _failed(req: _EngineRequest, generated: int) -> InvalidRequest | EngineError:
@@ -144,13 +146,13 @@ class _Outputs:
             if choice.finish_reason == FAILED:
                 raise _failed(req, self.generated)
             self.generated += len(token_ids)
-            self.counts.completion_tokens += len(token_ids)
-            events.append(bus.Tokens(
-                job=job.id, text=choice.text, token_ids=token_ids, choice=req.choice + choice.index,
-                logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
-                                                                 self.engine.special_ids),
-                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-            ))
+            self.counts.completion_tokens += len(token_ids) * req.copies
+            logprobs = None if top is None else token_logprobs(token_ids, choice.logprobs, top,
+                                                               self.engine.special_ids)
+            events += [bus.Tokens(job=job.id, text=choice.text, token_ids=token_ids,
+                                  choice=req.choice + choice.index + copy, logprobs=logprobs,
+                                  finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+                       for copy in range(req.copies)]
         return events
 
 
@@ -447,7 +449,8 @@ class VllmEngine:
             prompt, max_tokens = self._budget(job, ids)
             counts.prompt_tokens += len(prompt)
             if cont is None:
-                reqs.append(_EngineRequest(index, index * n, prompt, sampling_params(job, max_tokens)))
+                reqs.append(_EngineRequest(index, index * n, prompt, sampling_params(job, max_tokens),
+                                           copies=n if job.params.greedy else 1))
                 continue
             for choice in range(index * n, index * n + n):
                 if choice >= len(cont.finished) or cont.finished[choice]:

@@ -63,7 +63,7 @@ def sampling_params(job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = 
     p = job.params
     try:
         return SamplingParams(
-            n=1 if one else p.n,
+            n=1 if one or p.greedy else p.n,  # greedy: one sequence, which each choice repeats (vLLM takes n=1)
             max_tokens=max_tokens - had,
             temperature=p.temperature,
             top_p=p.top_p,

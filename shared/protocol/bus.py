@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy sampling (vLLM's _SAMPLING_EPS)."""
 MAX_TOKEN_CHARS = 256
 """The most characters one token of today's tokenizers spells (their longest, runs of spaces or of one symbol,
 stay well under it: SmolLM2's is 81): a text longer than this many per token of a context cannot fit it."""
@@ -99,6 +101,11 @@ class SamplingParams(Base):
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
     """Structured output the engine must guarantee (a JSON schema, any JSON object, a regex)."""
+
+    @property
+    def greedy(self) -> bool:
+        """The likeliest token each time: every choice of a prompt is the same answer."""
+        return self.temperature < GREEDY_BELOW
 
 
 class Constraint(Base):

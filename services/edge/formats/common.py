@@ -13,8 +13,6 @@ from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1
-GREEDY_BELOW = 1e-5
-"""A temperature below this is greedy sampling (vLLM's _SAMPLING_EPS)."""
 INT64_MAX = 2**63 - 1
 
 def page_limit(given: str, maximum: int) -> int:
@@ -105,9 +103,6 @@ def sampling_params(
 ) -> bus.SamplingParams:
     """The engine-neutral sampling of a request; absent fields take OpenAI's defaults. What vLLM refuses is
     refused here, at once, not once the job has waited for a worker's slot."""
-    if req.n > 1 and req.temperature is not None and req.temperature < GREEDY_BELOW:
-        raise InvalidRequest("`n` must be 1 with greedy sampling (`temperature` 0): its choices would all be the "
-                             "same.", param="n")
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise InvalidRequest(f"`min_tokens` ({req.min_tokens}) must not exceed the most tokens the request allows "
                              f"({max_tokens}).", param="min_tokens")
