@@ -186,6 +186,10 @@ async def test_a_prompt_that_keeps_its_end_is_tokenized_from_its_end(engine: Vll
     assert await engine.prompt_ids(plain(text, keep_last_tokens=100)) == [whole[-100:]]
     assert await engine.prompt_ids(plain(text, truncate=True)) == [whole[-512:]]
     assert counting.chars < 100_000  # of the megabyte
+    counting.chars = 0  # Databricks' templated completions: the template's end, as the engine gets it
+    [templated] = await engine.prompt_ids(plain(text, truncate=True, chat_template=True))
+    assert templated == rendered(smollm2, [("user", text)])[-512:]
+    assert counting.chars < 100_000
 
 
 @pytest.mark.parametrize(("kind", "param"), [("completion", "prompt"), ("chat", "messages"), ("embedding", "input")])

@@ -306,8 +306,8 @@ class VllmEngine:
                     "the last turn, which truncation keeps, are longer.", param="messages")
             messages[:] = kept
         ids = await self._rendered(job, messages, tools)
-        if not job.truncate or self._fits(job, len(ids)):
-            return ids
+        if not job.truncate or job.kind != "chat" or self._fits(job, len(ids)):
+            return ids  # a templated completion that truncates keeps its end (_budget): it has no turns to drop
         return await self._truncated(job, messages, tools, ids)
 
     async def _rendered(self, job: bus.Job, messages: list[dict[str, Any]],
