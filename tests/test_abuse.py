@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import statistics
 import time
@@ -310,6 +311,22 @@ async def test_a_key_that_expires_ends_its_streams_and_background_responses_as_a
         assert any("expired" in data for _id, data in frames[-2:])
         await until("the jobs stopped", lambda: _none_running(stack), 5.0)
         assert time.time() - expires_at < 4.0
+    await stack.settled()
+
+
+async def test_a_key_whose_expiry_is_brought_forward_ends_its_work_at_the_new_one(stack: Stack) -> None:
+    """The edge admitted the key with an expiry an hour away; the operator brings it to seconds from now."""
+    key = create_key(stack, "--tenant", "shortened", "--expires", "1h")
+    async with httpx.AsyncClient(timeout=30) as http:
+        streaming = asyncio.create_task(sse_frames(http, "POST", stack.edges[0].url + "/v1/chat/completions",
+                                                   json=chat_body(stack.model, 3000), headers=bearer(key)))
+        await until("the job running", lambda: _some_running(stack), 5.0)
+        updated = tokenbus(stack, "keys", "--json", "update", key["id"], "--expires", "3s")
+        assert updated.returncode == 0, updated.stderr
+        expires_at = json.loads(updated.stdout)["expires_at"]
+        frames = await asyncio.wait_for(streaming, 10)
+    assert time.time() - expires_at < 2.0
+    assert any("expired" in data for _id, data in frames[-2:])
     await stack.settled()
 
 

@@ -151,15 +151,17 @@ async def test_five_thousand_turns_take_a_few_renders_off_the_loop(engine: VllmE
 
 
 async def test_turns_no_truncation_could_keep_are_never_rendered(engine: VllmEngine, smollm2: Any) -> None:
-    """Eight megabytes of old turns before a short question: dropped by their length alone, not rendered and
-    tokenized (seconds of the one thread every prompt waits for) to find each too long."""
-    long = " ".join(WORDS * 2_700)  # 40 kB, more than 512 tokens of even 64 characters each
+    """Eight megabytes of old turns before a short question: those no truncation could keep (more characters
+    than 512 tokens of 256 each) dropped by their length alone, not rendered and tokenized (seconds of the one
+    thread every prompt waits for) to find each too long; the newest three, which could fit by length, tried."""
+    long = " ".join(WORDS * 600)  # 40 kB: more than 512 tokens of even 64 characters each
     messages = [("system", "Be brief."), *[("user" if i % 2 == 0 else "assistant", long) for i in range(200)],
                 ("user", "And the sea?")]
     counts = Counts()
     [ids] = await engine.prompt_ids(chat(messages), counts)
     assert ids == rendered(smollm2, [messages[0], messages[-1]])
     assert counts.dropped_messages == 200
+    assert engine.tokenizer.rendered_chars[0] == len("Be brief.") + 3 * len(long) + len("And the sea?")
     assert max(engine.tokenizer.rendered_chars) <= 512 * bus.MAX_TOKEN_CHARS
 
 

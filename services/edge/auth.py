@@ -87,8 +87,9 @@ class KeyCache:
         self.listening = False
         self.changes = 0
         """Key changes seen so far: a record read while one came in may be the old one, and is not kept."""
-        self.expiries: dict[str, asyncio.TimerHandle] = {}
-        """By key id: when a key this edge admitted expires, as a revoke does (nothing announces an expiry)."""
+        self.expiries: dict[str, tuple[int, asyncio.TimerHandle]] = {}
+        """By key id: the expiry of a key this edge admitted, and the timer that ends its work then, as a revoke
+        does (nothing announces an expiry); set again when the key's expiry changes."""
         self.checks: set[asyncio.Task[None]] = set()
 
     async def authenticate(self, request: web.Request) -> Caller:
@@ -98,10 +99,20 @@ class KeyCache:
         record = await self.find(key)
         if record is None or record.expired():
             raise Unauthenticated("Incorrect API key provided, or the key was revoked or has expired.")
-        if record.expires_at and record.id not in self.expiries:
-            self.expiries[record.id] = asyncio.get_running_loop().call_later(
-                max(0.0, record.expires_at - time.time()), self._expiring, record.id)
+        self._arm(record.id, record.expires_at)
         return Caller(tenant=record.tenant, key=record)
+
+    def _arm(self, key_id: str, expires_at: int) -> None:
+        """The key's expiry timer, for the expiry it has now (0: none)."""
+        armed = self.expiries.get(key_id)
+        if armed is not None and armed[0] == expires_at:
+            return
+        if armed is not None:
+            armed[1].cancel()
+            del self.expiries[key_id]
+        if expires_at:
+            handle = asyncio.get_running_loop().call_later(max(0.0, expires_at - time.time()), self._expiring, key_id)
+            self.expiries[key_id] = (expires_at, handle)
 
     def _expiring(self, key_id: str) -> None:
         """A key this edge admitted reached its expiry: unless it was given a later one meanwhile (its next request
@@ -121,7 +132,7 @@ class KeyCache:
                 self.on_revoked(key_id)
 
     def close(self) -> None:
-        for handle in self.expiries.values():
+        for _expires_at, handle in self.expiries.values():
             handle.cancel()
         self.expiries.clear()
 
@@ -138,13 +149,17 @@ class KeyCache:
         return record
 
     async def changed(self, key_id: str) -> None:
-        """A key changed: its cached records go, and if it no longer admits anyone its streams end."""
+        """A key changed: its cached records go, and if it no longer admits anyone its streams end; else its expiry
+        timer follows its expiry (shortened, given, extended or taken away)."""
         self.forget(key_id)
         if self.on_revoked is None:
             return
         record = await apikeys.get(self.redis, key_id)
         if record is None or record.expired():
+            self._arm(key_id, 0)
             self.on_revoked(key_id)
+        else:
+            self._arm(key_id, record.expires_at)
 
     def forget(self, key_id: str) -> None:
         self.changes += 1

@@ -19,7 +19,7 @@ def block_hashes(tokens: Sequence[int | str], block: int = BLOCK_TOKENS, salt: s
     """The chained hash of each full block of the tokens (token ids, or the simulated engine's words), in order:
     64 bits each, the same in every process; a salt goes into the first block's, as vLLM's cache_salt does."""
     hashes: list[int] = []
-    parent = salt.encode()
+    parent = salt.encode() + b"\0" if salt else b""
     for start in range(0, len(tokens) - block + 1, block):
         digest = hashlib.blake2b(parent + "\x1f".join(map(str, tokens[start:start + block])).encode(),
                                  digest_size=8).digest()

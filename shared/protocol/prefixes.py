@@ -1,11 +1,11 @@
 """A job's prompt prefix as placement sees it, the same in every process: a chain of hashes over its leading parts,
 where link k names everything up to the end of part k. The parts are text, not tokens (the edge has no tokenizer):
-the job's cache salt (its tenant, unless the prompt cache is shared), if any, the job's LoRA adapter, if any (an
-engine caches an adapter's prompts apart from its base model's, and the adapter's jobs go where it is loaded), then
-the client's prompt_cache_key, if any (with its tenant), then a chat's tools, if any, then each message in
-CHUNK_CHARS pieces, its last piece however short (so a long system prompt or document shared by many requests gives
-them many links in common, and each message boundary one); a completion's first prompt in whole CHUNK_CHARS pieces.
-Two jobs share link k exactly when they share parts 1..k. See docs/cache-aware-dispatch.md."""
+the job's LoRA adapter, if any (an engine caches an adapter's prompts apart from its base model's, and the adapter's
+jobs go where it is loaded), then the client's prompt_cache_key, if any (with its tenant), then a chat's tools, if
+any, then each message in CHUNK_CHARS pieces, its last piece however short (so a long system prompt or document
+shared by many requests gives them many links in common, and each message boundary one); a completion's first prompt
+in whole CHUNK_CHARS pieces. Two jobs share link k exactly when they share parts 1..k and their cache salt (the
+tenant, unless the prompt cache is shared), which seeds every link. See docs/cache-aware-dispatch.md."""
 
 from __future__ import annotations
 
@@ -27,9 +27,7 @@ def chain(job: bus.Job) -> list[str]:
     prompt (it fills no cache)."""
     if job.count_only:
         return []
-    parts: list[bytes] = [b"salt\0" + job.cache_salt.encode()] if job.cache_salt else []
-    if job.adapter:
-        parts.append(b"adapter\0" + job.adapter.encode())
+    parts: list[bytes] = [b"adapter\0" + job.adapter.encode()] if job.adapter else []
     if job.cache_key:
         parts.append(b"key\0" + _encode([job.tenant, job.cache_key]))
     if job.kind == "chat":
@@ -48,7 +46,9 @@ def chain(job: bus.Job) -> list[str]:
         text = job.prompts[0][:CHUNK_CHARS * MAX_LINKS]
         parts += [text[at:at + CHUNK_CHARS].encode() for at in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS)]
     links: list[str] = []
-    digest = b""
+    # the salt seeds every link rather than being one: it names no text, and a link of its own would send all its
+    # tenant's jobs where one of them ran
+    digest = hashlib.blake2b(b"salt\0" + job.cache_salt.encode(), digest_size=8).digest() if job.cache_salt else b""
     for part in parts[:MAX_LINKS]:
         digest = hashlib.blake2b(digest + part, digest_size=8).digest()
         links.append(digest.hex())
