@@ -3,6 +3,7 @@ a conversation's items on any edge, and Responses turns that run after them and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -46,6 +47,26 @@ async def test_a_stored_response_lists_its_own_input_items_on_any_edge(stack: St
         unstored = await client.responses.create(model=stack.model, input="five", max_output_tokens=2, store=False)
         with pytest.raises(openai.NotFoundError):
             await client.responses.input_items.list(unstored.id)
+
+
+async def test_a_background_response_lists_its_input_items_while_it_runs_as_it_will_once_stored(
+    stack: Stack,
+) -> None:
+    edge, other_edge = stack.edge(), stack.edge()
+    stack.worker(sim_itl_ms=20)
+    given = [{"type": "message", "role": "user", "content": "one"},
+             {"type": "message", "role": "user", "content": "two"}]
+    async with _client(edge.url) as client, _client(other_edge.url) as other:
+        running = await client.responses.create(model=stack.model, input=given, max_output_tokens=150, background=True)
+        while_running = await other.responses.input_items.list(running.id, order="asc")
+        assert (await other.responses.retrieve(running.id)).status in ("queued", "in_progress")
+        for _ in range(100):  # its 150 tokens take 3 s
+            if (await client.responses.retrieve(running.id)).status not in ("queued", "in_progress"):
+                break
+            await asyncio.sleep(0.2)
+        stored = await client.responses.input_items.list(running.id, order="asc")
+    assert _texts(while_running.data) == [("user", "one"), ("user", "two")]
+    assert [item.id for item in stored.data] == [item.id for item in while_running.data]
 
 
 async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_after_them(stack: Stack) -> None:

@@ -189,6 +189,17 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
     return body
 
 
+async def input_items(request: web.Request, response_id: str) -> list[bytes] | None:
+    """The input items of the caller's background response still running (planned again from its record: their
+    ids are those it will be stored with), or None: no such response."""
+    found = await _record(request, response_id)
+    if found is None:
+        return None
+    plan = await _replan(request, response_id, found[0])
+    assert isinstance(plan.renderer, ResponsesRenderer)  # nosec B101: an invariant (tokenbus never runs with -O)
+    return plan.renderer.new_items
+
+
 async def retrieve(request: web.Request, response_id: str) -> web.Response:
     body = await snapshot(request, response_id)
     if body is None:

@@ -265,9 +265,13 @@ async def list_input_items(request: web.Request) -> web.Response:
     """The input items of a stored response (`limit`, `order`, `after`, as a conversation's items)."""
     response_id = request.match_info["response_id"]
     stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
-    if stored is None or not caller_of(request).owns(stored.tenant):
+    if stored is not None and caller_of(request).owns(stored.tenant):
+        inputs: list[bytes] | None = [bytes(item) for item in stored.inputs]
+    else:  # a background response still running
+        inputs = await background.input_items(request, response_id)
+    if inputs is None:
         raise _not_found(response_id)
-    items = [conversation_items.decode_item(item) for item in stored.inputs]
+    items = [conversation_items.decode_item(item) for item in inputs]
     page = conversations.item_page(request, items, "the response's input")
     return web.Response(body=encode(page), content_type="application/json")
 

@@ -3,6 +3,7 @@ input items as a conversation keeps them (each with an id and a status, a messag
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Annotated, Any
 
@@ -53,7 +54,10 @@ class ItemList(Out):
     object: str = "list"
 
 
-def _id(prefix: str) -> str:
+def _id(prefix: str, seed: str = "") -> str:
+    """A new item id; the same each time for the same `seed` (a response's input items, however often planned)."""
+    if seed:
+        return f"{prefix}_{hashlib.blake2b(seed.encode(), digest_size=16).hexdigest()}"
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -72,23 +76,24 @@ def _texts(parts: list[InputContent] | None, kind: str) -> list[dict[str, Any]]:
     return [{"type": kind, "text": part.text or ""} for part in parts or []]
 
 
-def kept(item: InputItem) -> dict[str, Any]:
-    """An input item as a conversation keeps it (and lists it): with an id (its own, or a new one) and a status."""
+def kept(item: InputItem, seed: str = "") -> dict[str, Any]:
+    """An input item as a conversation keeps it (and lists it): with an id (its own, or a new one, made from
+    `seed` if given) and a status."""
     if item.type == "function_call":
-        return {"type": "function_call", "id": item.id or _id("fc"), "call_id": item.call_id, "name": item.name,
+        return {"type": "function_call", "id": item.id or _id("fc", seed), "call_id": item.call_id, "name": item.name,
                 "arguments": calling.arguments_text(item.arguments or "", "arguments"),
                 "status": "completed"}
     if item.type == "function_call_output":
         output = item.output
         text = calling.arguments_text(output, "output") if isinstance(output, dict) else (
             output if isinstance(output, str) else "".join(part.text or "" for part in output or []))
-        return {"type": "function_call_output", "id": item.id or _id("fco"), "call_id": item.call_id,
+        return {"type": "function_call_output", "id": item.id or _id("fco", seed), "call_id": item.call_id,
                 "output": text, "status": "completed"}
     if item.type == "reasoning":
-        return {"type": "reasoning", "id": item.id or _id("rs"), "summary": _texts(item.summary, "summary_text"),
+        return {"type": "reasoning", "id": item.id or _id("rs", seed), "summary": _texts(item.summary, "summary_text"),
                 "content": _texts(item.content if isinstance(item.content, list) else None, "reasoning_text")}
     role = item.role or "user"
-    return {"type": "message", "id": item.id or _id("msg"), "status": "completed", "role": role,
+    return {"type": "message", "id": item.id or _id("msg", seed), "status": "completed", "role": role,
             "content": _parts(role, item.content)}
 
 
@@ -114,6 +119,7 @@ def added(items: list[InputItem], before: list[dict[str, Any]], field: str = "it
     return listed(items)
 
 
-def listed(items: list[InputItem]) -> list[bytes]:
-    """Items as a conversation keeps them and a stored response lists its input (each with an id)."""
-    return [_encode(kept(item)) for item in items]
+def listed(items: list[InputItem], seed: str = "") -> list[bytes]:
+    """Items as a conversation keeps them and a stored response lists its input (each with an id; new ones made
+    from `seed`, a response's id, are the same however often its request is planned)."""
+    return [_encode(kept(item, f"{seed}:{i}" if seed else "")) for i, item in enumerate(items)]

@@ -218,16 +218,15 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
         items = cast(list[dict[str, Any]], (yield ConversationItems(conversation_id)))
         conversation = Conversation(history=conversation_items.history(items))
         new_items = conversation_items.added(responses.input_items(req), items, field="input")
-    else:
-        if req.previous_response_id:
-            conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
-        if req.store:  # its input items are listed with it (input_items)
-            new_items = conversation_items.listed(responses.input_items(req))
+    elif req.previous_response_id:
+        conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
     added = responses.input_messages(req, conversation.history)
     responses.check_length(req, conversation, added)
     if req.store or conversation_id:
         yield Room(len(body))
     arrival = yield from _arrive("resp_")
+    if req.store and not conversation_id:  # its input items are listed with it (input_items), ids and all
+        new_items = conversation_items.listed(responses.input_items(req), seed=arrival.job_id)
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = response_render.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
