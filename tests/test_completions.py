@@ -46,7 +46,9 @@ async def test_greedy_n_gives_n_choices_of_the_one_answer(client: openai.AsyncOp
                                             temperature=0, logprobs=1)
     assert [c.index for c in three.choices] == list(range(6))
     assert [c.text for c in three.choices] == [one.choices[0].text] * 3 + [one.choices[1].text] * 3
-    assert three.choices[4].logprobs == one.choices[1].logprobs
+    assert three.choices[3].logprobs == three.choices[4].logprobs == three.choices[5].logprobs  # one sequence
+    assert three.choices[4].logprobs is not None and one.choices[1].logprobs is not None
+    assert three.choices[4].logprobs.tokens == one.choices[1].logprobs.tokens  # (their last digits vary by batch)
     assert one.usage is not None and three.usage is not None
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
     streamed = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PARIS}],
