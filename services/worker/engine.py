@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
+
 from services.worker import conversation, pooling, template_kwargs
 from services.worker.engine_feed import JobFeed, Take
 from services.worker.grammar_gate import GrammarGate
@@ -147,12 +149,14 @@ class _Outputs:
                 raise _failed(req, self.generated)
             self.generated += len(token_ids)
             self.counts.completion_tokens += len(token_ids) * req.copies
-            logprobs = None if top is None else token_logprobs(token_ids, choice.logprobs, top,
-                                                               self.engine.special_ids)
-            events += [bus.Tokens(job=job.id, text=choice.text, token_ids=token_ids,
-                                  choice=req.choice + choice.index + copy, logprobs=logprobs,
-                                  finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
-                       for copy in range(req.copies)]
+            tokens = bus.Tokens(
+                job=job.id, text=choice.text, token_ids=token_ids, choice=req.choice + choice.index,
+                logprobs=None if top is None else token_logprobs(token_ids, choice.logprobs, top,
+                                                                 self.engine.special_ids),
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+            )
+            events.append(tokens)
+            events += [msgspec.structs.replace(tokens, choice=tokens.choice + copy) for copy in range(1, req.copies)]
         return events
 
 
