@@ -238,19 +238,24 @@ def _wait_for_cluster(url: str, masters: int, timeout_s: float = 30.0) -> None:
 
 
 def _wait_for_redis(url: str, proc: subprocess.Popen[bytes], options: dict[str, Any] | None = None,
-                    timeout_s: float = 10.0) -> None:
-    """Until Redis answers a PING (with `options` that log in as a user allowed to)."""
+                    timeout_s: float = 30.0) -> None:
+    """Until Redis answers a PING (with `options` that log in as a user allowed to). A machine busy enough that a
+    PING times out is waited for as one still starting; a server that never answers is stopped, not left behind."""
     client = redis.Redis.from_url(url, **(options or {}))
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.ping()
-            client.close()
-            return
-        except redis.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"redis-server did not start on {url}") from None
-            time.sleep(0.05)
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait(timeout=10)
+                    raise SystemExit(f"redis-server did not start on {url}") from None
+                time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def child_env(settings: Settings) -> dict[str, str]:
