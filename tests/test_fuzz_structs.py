@@ -86,6 +86,8 @@ FORMATS = {
                     planned(planners.plan_score)),
     "count_tokens": Format(messages.CountTokensRequest, {"model": "m", "messages": [
         {"role": "user", "content": "Hi"}]}, planned(planners.plan_count_tokens)),
+    "input_tokens": Format(responses.InputTokensRequest, {"model": "m", "input": "Hi"},
+                           planned(planners.plan_response_input_tokens)),
 }
 
 # values at the edges of what the structs' types hold: 64-bit and 32-bit limits, huge, negative, odd text

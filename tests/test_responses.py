@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -105,6 +106,30 @@ async def test_a_conversation_continues_on_another_edge(client: openai.AsyncOpen
     # the second turn saw the whole first one: its question, the answer, then the new question
     assert first.usage is not None and second.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+async def test_input_tokens_counts_what_the_response_reads(client: openai.AsyncOpenAI) -> None:
+    """responses.input_tokens.count counts the input as the model reads it (the instructions, the responses it
+    continues, the tools the template shows), exactly the usage of the same turn run."""
+    first = await client.responses.create(model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=8)
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    turn: dict[str, Any] = {"model": MODEL, "input": "What is my name?", "instructions": "Answer briefly.",
+                            "previous_response_id": first.id, "tools": tools}
+    raw = await client.responses.input_tokens.with_raw_response.count(**turn)
+    validate("TokenCountsResource", raw.http_response.json())
+    counted = raw.parse()
+    ran = await client.responses.create(**turn, max_output_tokens=1, store=False)
+    assert ran.usage is not None and counted.input_tokens == ran.usage.input_tokens
+    bare = await client.responses.input_tokens.count(model=MODEL, input="What is my name?")
+    assert counted.object == "response.input_tokens" and 0 < bare.input_tokens < counted.input_tokens
+    assert (await client.responses.input_tokens.count(input="What is my name?")).input_tokens == bare.input_tokens
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.responses.input_tokens.count(model=MODEL, input="Hi", previous_response_id="resp_missing")
+    assert caught.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.input_tokens.count(model=MODEL)
+    assert refused.value.body["param"] == "input"
 
 
 async def test_a_deleted_response_is_gone(client: openai.AsyncOpenAI, second_edge: Edge) -> None:

@@ -214,6 +214,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return await _planned(request, "responses_ovms" if request.path.startswith(OVMS_PREFIX + "/") else "responses")
 
 
+async def count_input_tokens(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "responses_input_tokens")
+
+
 async def create_embeddings(request: web.Request) -> web.StreamResponse:
     return await _planned(request, "embeddings")
 

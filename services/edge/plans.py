@@ -162,6 +162,8 @@ PLANNERS: dict[str, Planner] = {
     "responses": checked(planned("responses", "responses", planners.plan_responses)),
     "responses_ovms": checked(planned("responses_ovms", "responses", functools.partial(
         planners.plan_responses, ovms=True))),
+    "responses_input_tokens": checked(planned("responses_input_tokens", "responses",
+                                              planners.plan_response_input_tokens)),
     "embeddings": planned("embeddings", "embeddings", planners.plan_embeddings),
     "messages": checked(planned("messages", "messages", planners.plan_messages)),
     "messages_count": checked(planned("messages_count", "messages", planners.plan_count_tokens)),

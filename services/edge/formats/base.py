@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
@@ -280,6 +281,30 @@ class Unstored:
 
     def to_store(self) -> Turn | None:
         return None
+
+
+class PromptCount(Unstored):
+    """A prompt counted and not run (count_only): the worker's Final carries the count; `answer` shapes it and
+    `error_shape` a refusal, in the API's own shapes (never streamed)."""
+
+    def __init__(self, answer: Callable[[int], Any], error_shape: Callable[[TokenbusError], Any]) -> None:
+        self.answer = answer
+        self.error_shape = error_shape
+        self.final: bus.Final | None = None
+
+    def render(self, event: bus.Output) -> list[Payload]:
+        if isinstance(event, bus.Final):
+            self.final = event
+        return []
+
+    def done(self) -> list[Payload]:
+        return []
+
+    def error(self, error: TokenbusError) -> list[Payload]:
+        return [self.error_shape(error)]
+
+    def body(self) -> Any:
+        return self.answer(self.final.prompt_tokens if self.final else 0)
 
 
 class OpenAIStreamEnd(Unstored):

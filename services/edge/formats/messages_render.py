@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from services.edge.formats.base import Choices, Named, Out, Payload, Unstored
+from services.edge.formats.base import Choices, Named, Out, Payload, PromptCount, Unstored
 from services.edge.formats.messages import MessagesRequest
 from shared.protocol import bus
 from shared.protocol.errors import TokenbusError
@@ -200,22 +200,6 @@ class MessagesRenderer(Unstored):
                        usage=Usage(input_tokens=final.prompt_tokens, output_tokens=final.completion_tokens))
 
 
-class CountRenderer(Unstored):
-    """count_tokens: the prompt's tokens, as the worker counted them (never streamed)."""
-
-    def __init__(self) -> None:
-        self.final: bus.Final | None = None
-
-    def render(self, event: bus.Output) -> list[Payload]:
-        if isinstance(event, bus.Final):
-            self.final = event
-        return []
-
-    def done(self) -> list[Payload]:
-        return []
-
-    def error(self, error: TokenbusError) -> list[Payload]:
-        return [error_body(error)]
-
-    def body(self) -> CountTokens:
-        return CountTokens(input_tokens=self.final.prompt_tokens if self.final else 0)
+def count_renderer() -> PromptCount:
+    """count_tokens' answer: the prompt's tokens, as the worker counted them."""
+    return PromptCount(lambda counted: CountTokens(input_tokens=counted), error_body)

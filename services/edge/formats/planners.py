@@ -187,7 +187,7 @@ def plan_count_tokens(body: bytes) -> Planning:
     yield from _model(req.model)
     arrival = yield from _arrive("count_")
     job = messages.count_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
-    return Planned(job, messages_render.CountRenderer(), False, arrival)
+    return Planned(job, messages_render.count_renderer(), False, arrival)
 
 
 def plan_completions(body: bytes, raw_prompt_default: bool = True) -> Planning:
@@ -213,15 +213,7 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
     responses.refuse_unsupported(req)
     info = yield from _model(req.model)
     responses.check_context(req, info.max_model_len)
-    conversation, new_items = Conversation(), []
-    if conversation_id := responses.conversation_id(req):
-        items = cast(list[dict[str, Any]], (yield ConversationItems(conversation_id)))
-        conversation = Conversation(history=conversation_items.history(items))
-        new_items = conversation_items.added(responses.input_items(req), items, field="input")
-    elif req.previous_response_id:
-        conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
-    added = responses.input_messages(req, conversation.history)
-    responses.check_length(req, conversation, added)
+    conversation, conversation_id, new_items, added = yield from _turn(req)
     if req.store or conversation_id:
         yield Room(len(body))
     arrival = yield from _arrive("resp_")
@@ -233,6 +225,38 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
                                                   conversation=conversation, added=added, ovms=ovms,
                                                   conversation_id=conversation_id or "", new_items=new_items)
     return Planned(job, renderer, req.stream, arrival)
+
+
+def _turn(req: responses.ResponsesRequest) -> Generator[
+        Need, Any, tuple[Conversation, str | None, list[bytes], list[bus.Message]]]:
+    """The turn a Responses request runs: the conversation it continues (a Conversations-API one, with the items
+    this turn adds to it, or the responses before `previous_response_id`) and its input as messages."""
+    conversation, new_items = Conversation(), []
+    if conversation_id := responses.conversation_id(req):
+        items = cast(list[dict[str, Any]], (yield ConversationItems(conversation_id)))
+        conversation = Conversation(history=conversation_items.history(items))
+        new_items = conversation_items.added(responses.input_items(req), items, field="input")
+    elif req.previous_response_id:
+        conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
+    added = responses.input_messages(req, conversation.history)
+    responses.check_length(req, conversation, added)
+    return conversation, conversation_id, new_items, added
+
+
+def plan_response_input_tokens(body: bytes) -> Planning:
+    """POST /v1/responses/input_tokens: the worker renders the turn's prompt (instructions, the conversation it
+    continues, tools) and counts it, running nothing (one output token in its budget, as count_tokens)."""
+    counted = yield from _decode(body, responses.InputTokensRequest, "responses")
+    model = counted.model or cast(str, (yield ServedModel()))
+    req = responses.counted_request(counted, (yield from _named(model)))
+    responses.refuse_unsupported(req)
+    yield from _model(req.model)
+    conversation, _, _, added = yield from _turn(req)
+    arrival = yield from _arrive("count_")
+    job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
+                           deadline_ms=arrival.deadline_ms)
+    job = msgspec.structs.replace(job, count_only=True, params=bus.SamplingParams(max_tokens=1))
+    return Planned(job, response_render.input_tokens_renderer(), False, arrival)
 
 
 def plan_embeddings(body: bytes) -> Planning:

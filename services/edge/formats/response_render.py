@@ -9,7 +9,7 @@ from typing import Any
 from msgspec import UNSET, UnsetType
 
 from services.edge.formats import calling
-from services.edge.formats.base import END, Named, Out, Payload, encode
+from services.edge.formats.base import END, Named, Out, Payload, PromptCount, encode, openai_error_body
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.formats.responses import ResponsesRequest, TextFormat
 from services.edge.store import Conversation, Turn
@@ -130,6 +130,17 @@ class Response(Out, kw_only=True):
     metadata: dict[str, str]
     background: bool = False
     conversation: ConversationRef | None = None
+
+
+class InputTokens(Out, kw_only=True):
+    """POST /v1/responses/input_tokens' answer."""
+
+    object: str = "response.input_tokens"
+    input_tokens: int
+
+
+def input_tokens_renderer() -> PromptCount:
+    return PromptCount(lambda counted: InputTokens(input_tokens=counted), openai_error_body)
 
 
 class Deleted(Out):

@@ -104,6 +104,35 @@ class ResponsesRequest(Sampling, kw_only=True):
     prompt: msgspec.Raw = unbuilt()
 
 
+class InputTokensRequest(Request, kw_only=True):
+    """POST /v1/responses/input_tokens: a response's input, counted as the model would read it (OpenAI's
+    TokenCountsBody; a missing `model` is the edge's own)."""
+
+    model: str = ""
+    input: Annotated[str, Meta(min_length=1)] | Annotated[list[InputItem], Meta(min_length=1,
+                                                                                max_length=MAX_MESSAGES)] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    tools: list[calling.ResponsesTool] | None = None
+    tool_choice: calling.ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextParam | None = None
+    reasoning: ReasoningParam | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
+def counted_request(counted: InputTokensRequest, model: str) -> ResponsesRequest:
+    """The Responses request whose input a count is of: nothing stored, nothing run."""
+    if counted.input is None and not counted.instructions:
+        raise InvalidRequest("Give the `input` to count (or `instructions`).", param="input")
+    return ResponsesRequest(
+        model=model, input=counted.input if counted.input is not None else [], instructions=counted.instructions,
+        previous_response_id=counted.previous_response_id, conversation=counted.conversation, tools=counted.tools,
+        tool_choice=counted.tool_choice, parallel_tool_calls=counted.parallel_tool_calls, text=counted.text,
+        reasoning=counted.reasoning, truncation=counted.truncation, store=False)
+
+
 def _refuse_decoding_extras(req: ResponsesRequest) -> None:
     """OVMS's beam-search and speculative-decoding fields: named, never ignored."""
     if req.n != 1:
