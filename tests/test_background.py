@@ -81,7 +81,10 @@ async def test_a_cancelled_background_response_stops_its_job_and_says_cancelled(
         finished = await client.responses.create(model=stack.model, input="count", max_output_tokens=3,
                                                  background=True)
         done = await _until(client, finished.id, "incomplete")
-        assert (await client.responses.cancel(finished.id)).status == "incomplete"  # it ended before the cancel
+        with pytest.raises(openai.BadRequestError) as ended:  # it ended before the cancel: it stays as it ended
+            await client.responses.cancel(finished.id)
+        assert ended.value.body["message"] == "Cannot cancel an incomplete response."
+        assert (await client.responses.retrieve(finished.id)).status == "incomplete"
         foreground = await client.responses.create(model=stack.model, input="count", max_output_tokens=3)
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.cancel(foreground.id)
@@ -91,7 +94,7 @@ async def test_a_cancelled_background_response_stops_its_job_and_says_cancelled(
         with pytest.raises(openai.BadRequestError) as unstored:
             await client.responses.create(model=stack.model, input="count", background=True, store=False)
         assert unstored.value.body["param"] == "store"
-    assert done.output_text == _counted(3)
+    assert done.output_text == _counted(3) and done.completed_at is None  # OpenAI's is set once completed only
     assert worker.process.poll() is None
     async with httpx.AsyncClient(timeout=10) as http:
         taken, asked = (await http.get(edge.metrics_url)).text, (await http.get(other_edge.metrics_url)).text
@@ -112,9 +115,11 @@ async def test_a_streamed_background_response_runs_on_when_its_client_leaves_and
     async with _client(first.url) as client, _client(second.url) as other:
         stream = await client.responses.create(model=stack.model, input="count", max_output_tokens=200,
                                                background=True, stream=True)
-        seen, text, response_id = -1, "", ""
+        seen, text, response_id, opening = -1, "", "", []
         async for event in stream:
             seen = event.sequence_number
+            if seen < 3:
+                opening.append((event.type, event.model_dump()["response"]["status"]))
             if event.type == "response.created":
                 response_id = event.response.id
                 assert event.response.background is True
@@ -126,6 +131,8 @@ async def test_a_streamed_background_response_runs_on_when_its_client_leaves_and
         await asyncio.sleep(0.5)
         rest = await other.responses.retrieve(response_id, stream=True, starting_after=seen)
         events = [event async for event in rest]
+    assert opening == [("response.created", "queued"), ("response.queued", "queued"),  # OpenAI's opening
+                       ("response.in_progress", "in_progress")]
     assert events[0].sequence_number == seen + 1
     text += "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert text == _counted(200) and events[-1].type == "response.incomplete"
@@ -178,3 +185,33 @@ async def test_a_background_response_streamed_on_another_edge_is_stored_when_its
         await asyncio.sleep(0.2)
     async with _client(first.url) as client:
         assert (await client.responses.retrieve(created.id)).output_text == _counted(150)
+
+
+async def test_a_deleted_background_response_is_gone_from_every_route_running_or_ended(stack: Stack) -> None:
+    """DELETE of a background response: gone for good (its record and log with it, never rebuilt from them nor
+    stored again by the edge that follows it), and one still running is cancelled first."""
+    edge, other_edge = stack.edge(), stack.edge()
+    stack.worker()
+    async with _client(edge.url) as client, _client(other_edge.url) as other:
+        ended = await client.responses.create(model=stack.model, input="count", max_output_tokens=3, background=True)
+        await _until(client, ended.id, "incomplete")
+        running = await client.responses.create(model=stack.model, input="count", max_output_tokens=2000,
+                                                background=True)
+        await _until(client, running.id, "in_progress")
+        for response_id in (ended.id, running.id):
+            await other.responses.delete(response_id)  # any edge deletes it (the SDK raises on an error)
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(response_id)
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.input_items.list(response_id)
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.delete(response_id)
+            with pytest.raises(openai.BadRequestError) as continued:
+                await client.responses.create(model=stack.model, input="more", previous_response_id=response_id)
+            assert continued.value.code == "previous_response_not_found"
+        assert not stack.client.exists(keys.job_log(ended.id), keys.job_record(ended.id), keys.job_record(running.id))
+        await stack.settled(timeout_s=10)  # the running one was cancelled: its slot is free long before 40 s
+        await asyncio.sleep(1)  # its follower saw it end: it stored nothing
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(running.id)
+    assert not stack.client.exists(keys.stored_response("", ended.id), keys.stored_response("", running.id))

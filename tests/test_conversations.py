@@ -121,6 +121,18 @@ async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_aft
         await client.conversations.items.delete(function_call.id, conversation_id=conversation.id)
         await client.conversations.items.create(
             conversation.id, items=[{"type": "message", "role": "user", "content": "still usable"}])
+        # a turn without input runs on the conversation's items alone (input is optional, as OpenAI's is)
+        counted = await client.responses.input_tokens.count(conversation=conversation.id)
+        alone = await client.responses.create(model=stack.model, max_output_tokens=2, conversation=conversation.id)
+        assert alone.usage is not None and alone.usage.input_tokens == counted.input_tokens > 0
+        assert _texts((await other.conversations.items.list(conversation.id, limit=2)).data) == [
+            ("assistant", " t1 t2"), ("user", "still usable")]
+        with pytest.raises(openai.BadRequestError) as nothing:
+            await client.responses.create(model=stack.model, max_output_tokens=2)
+        assert nothing.value.body["param"] == "input"
+        with pytest.raises(openai.BadRequestError) as unknown:  # OpenAI's IncludeEnum, checked
+            await client.responses.create(model=stack.model, input="x", include=["bogus.value"])  # type: ignore[list-item]
+        assert unknown.value.body["param"] == "include[0]"
         deleted = await client.conversations.delete(conversation.id)
         assert deleted.deleted and deleted.id == conversation.id
         for call in (other.conversations.retrieve(conversation.id),

@@ -124,9 +124,9 @@ async def test_input_tokens_counts_what_the_response_reads(client: openai.AsyncO
     bare = await client.responses.input_tokens.count(model=MODEL, input="What is my name?")
     assert counted.object == "response.input_tokens" and 0 < bare.input_tokens < counted.input_tokens
     assert (await client.responses.input_tokens.count(input="What is my name?")).input_tokens == bare.input_tokens
-    with pytest.raises(openai.NotFoundError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:
         await client.responses.input_tokens.count(model=MODEL, input="Hi", previous_response_id="resp_missing")
-    assert caught.value.body["param"] == "previous_response_id"
+    assert (caught.value.code, caught.value.param) == ("previous_response_not_found", "previous_response_id")
     with pytest.raises(openai.BadRequestError) as refused:
         await client.responses.input_tokens.count(model=MODEL)
     assert refused.value.body["param"] == "input"
@@ -138,9 +138,9 @@ async def test_a_deleted_response_is_gone(client: openai.AsyncOpenAI, second_edg
         await other.responses.delete(response.id)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(response.id)
-    with pytest.raises(openai.NotFoundError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:  # OpenAI's 400: a client sends its whole history again
         await client.responses.create(model=MODEL, input="Again", previous_response_id=response.id)
-    assert caught.value.body["param"] == "previous_response_id"
+    assert (caught.value.code, caught.value.param) == ("previous_response_not_found", "previous_response_id")
 
 
 async def test_store_false_keeps_nothing(client: openai.AsyncOpenAI) -> None:

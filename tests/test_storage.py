@@ -179,9 +179,9 @@ async def test_deleting_a_response_removes_its_turn_from_the_conversations_that_
         third = await ask(chat, "three", previous_response_id=second.id)
         await chat.responses.delete(second.id)
         assert (await chat.responses.retrieve(third.id)).output_text == third.output_text
-        with pytest.raises(openai.NotFoundError) as caught:
+        with pytest.raises(openai.BadRequestError) as caught:
             await ask(chat, "four", previous_response_id=third.id)
-        assert caught.value.body["param"] == "previous_response_id"
+        assert (caught.value.code, caught.value.param) == ("previous_response_not_found", "previous_response_id")
         assert (await ask(chat, "again", previous_response_id=first.id)).usage.input_tokens == 1 + 4 + 1
 
 

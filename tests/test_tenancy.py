@@ -287,7 +287,7 @@ async def test_a_tenant_cannot_touch_another_tenants_work(stack: Stack) -> None:
         assert (await http.delete(f"{base}/v1/responses/{rid}", headers=bearer(other))).status_code == 404
         continued = await http.post(base + "/v1/responses", json={"model": stack.model, "input": "more",
                                                                    "previous_response_id": rid}, headers=bearer(other))
-        assert continued.status_code == 404
+        assert continued.status_code == 400 and continued.json()["error"]["code"] == "previous_response_not_found"
         assert (await http.get(f"{base}/v1/responses/{rid}", headers=bearer(owner))).status_code == 200
         async with http.stream("POST", base + "/v1/chat/completions", json=chat(stack.model, tokens=5, stream=True),
                                headers={**bearer(owner), "Accept": "text/event-stream"}) as streamed:

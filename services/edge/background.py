@@ -66,9 +66,14 @@ SNAPSHOTS = web.AppKey("background_snapshots", Snapshots)
 
 async def keep_first(app: web.Application, tenant: str, renderer: ResponsesRenderer, model: str) -> None:
     """Stores an ended background response's answer (and its conversation's turn) unless one is stored already
-    (a cancel's, or another edge's), and counts how it ended, once."""
+    (a cancel's, or another edge's), or the response was deleted (its record is gone), and counts how it ended,
+    once."""
     turn = renderer.to_store()
-    if turn is not None and await keep_turn_once(app[STORE], app[CONVERSATIONS], tenant, turn):
+    if turn is None:
+        return
+    with redis_boundary():
+        deleted = not await app[REDIS].exists(keys.job_record(turn.response_id))
+    if not deleted and await keep_turn_once(app[STORE], app[CONVERSATIONS], tenant, turn):
         metrics.BACKGROUND.labels(model, renderer.status).inc()
 
 
@@ -173,12 +178,15 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
     renderer = plan.renderer
     if not plan.job.background or not isinstance(renderer, ResponsesRenderer):
         return None
-    if cancel:
-        await request.app[GATEWAY].cancel(response_id, time.monotonic() + request.app[SETTINGS].request_timeout_s)
-        cancelled = True
     with redis_boundary():
         events, _conflict = sequence.in_order(await joblog.read(request.app[REDIS], response_id))
     _replay(renderer, events)
+    if cancel and not cancelled:
+        if renderer.ended:  # as OpenAI: what ended stays as it ended (cancelling a cancelled one is no error)
+            article = "an" if renderer.status[0] in "aeiou" else "a"
+            raise InvalidRequest(f"Cannot cancel {article} {renderer.status} response.")
+        await request.app[GATEWAY].cancel(response_id, time.monotonic() + request.app[SETTINGS].request_timeout_s)
+        cancelled = True
     if not renderer.ended and cancelled:
         renderer.error(StreamAbandoned("The response was cancelled."))
     if renderer.ended:
@@ -187,6 +195,23 @@ async def snapshot(request: web.Request, response_id: str, cancel: bool = False)
     body = framing.body(renderer.body())
     snapshots.keep(response_id, body)
     return body
+
+
+async def forget(request: web.Request, response_id: str, ended: bool) -> bool:
+    """DELETE of a response: the caller's response's record goes (nothing can read, resume or store it again from
+    its log) and, if it had not `ended`, its job is cancelled; an ended one's log goes too (a running job's expires
+    after it: its worker may write to it until the cancel reaches it). False: the caller has no such record."""
+    if await _record(request, response_id) is None:
+        return False
+    pipe = request.app[REDIS].pipeline(transaction=False)
+    pipe.delete(keys.job_record(response_id))
+    if ended:
+        pipe.delete(keys.job_log(response_id))
+    with redis_boundary():
+        await pipe.execute()
+    if not ended:
+        await request.app[GATEWAY].cancel(response_id, time.monotonic() + request.app[SETTINGS].request_timeout_s)
+    return True
 
 
 async def input_items(request: web.Request, response_id: str) -> list[bytes] | None:
@@ -208,8 +233,8 @@ async def retrieve(request: web.Request, response_id: str) -> web.Response:
 
 
 async def cancel(request: web.Request) -> web.Response:
-    """POST /v1/responses/{id}/cancel: only a background response can be cancelled; one that ended stays as it
-    ended."""
+    """POST /v1/responses/{id}/cancel: only a background response can be cancelled, and only before it ends (a
+    400 after, as OpenAI's; again once cancelled, the cancelled response)."""
     response_id = request.match_info["response_id"]
     body = await snapshot(request, response_id, cancel=True)
     if body is None:

@@ -245,12 +245,10 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"No response with id '{response_id}' is stored.", param="response_id")
 
 
-async def _stored(request: web.Request, response_id: str) -> StoredResponse:
+async def _stored(request: web.Request, response_id: str) -> StoredResponse | None:
     """A stored response of the caller's tenant; another tenant's is as absent as a missing one."""
     stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
-    if stored is None or not caller_of(request).owns(stored.tenant):
-        raise _not_found(response_id)
-    return stored
+    return stored if stored is not None and caller_of(request).owns(stored.tenant) else None
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -259,8 +257,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     if request.query.get("stream", "").lower() == "true":
         request[RATE_HEADERS] = await request.app[ADMITTER].take_request(caller_of(request))
         return await resume(request, response_id, background.starting_after(request), background_only=True)
-    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
-    if stored is not None and caller_of(request).owns(stored.tenant):
+    if (stored := await _stored(request, response_id)) is not None:
         return web.Response(body=bytes(stored.response), content_type="application/json")
     return await background.retrieve(request, response_id)
 
@@ -268,8 +265,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
 async def list_input_items(request: web.Request) -> web.Response:
     """The input items of a stored response (`limit`, `order`, `after`, as a conversation's items)."""
     response_id = request.match_info["response_id"]
-    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
-    if stored is not None and caller_of(request).owns(stored.tenant):
+    if (stored := await _stored(request, response_id)) is not None:
         inputs: list[bytes] | None = [bytes(item) for item in stored.inputs]
     else:  # a background response still running
         inputs = await background.input_items(request, response_id)
@@ -281,9 +277,14 @@ async def list_input_items(request: web.Request) -> web.Response:
 
 
 async def delete_response(request: web.Request) -> web.Response:
+    """Deletes a stored response, and the record a background or resumable one ran from (a background response
+    still running is cancelled): from then on it is gone from every route, as OpenAI's is."""
     response_id = request.match_info["response_id"]
-    await _stored(request, response_id)
-    if not await request.app[STORE].delete(caller_of(request).tenant, response_id):
+    owned = await _stored(request, response_id) is not None
+    recorded = await background.forget(request, response_id, ended=owned)
+    if owned:
+        owned = await request.app[STORE].delete(caller_of(request).tenant, response_id)
+    if not owned and not recorded:
         raise _not_found(response_id)
     return web.Response(body=encode(response_render.Deleted(id=response_id)), content_type="application/json")
 

@@ -25,7 +25,7 @@ from services.edge.formats.base import Renderer
 from services.edge.formats.planners import Arrival, Planning
 from services.edge.state import CHECKER, CONVERSATIONS, GATEWAY, SETTINGS, STORE
 from shared.protocol import bus
-from shared.protocol.errors import NotFound
+from shared.protocol.errors import PreviousResponseNotFound
 from shared.runtime import metrics
 from shared.tenancy.adapters import Adapter
 
@@ -100,8 +100,8 @@ async def _answer(app: web.Application, caller: Caller, need: planners.Need, giv
         case planners.PreviousTurns(response_id):
             found = await app[STORE].conversation(caller.tenant, response_id)
             if found is None:
-                raise NotFound(f"Previous response with id '{response_id}' not found.",
-                               param="previous_response_id")
+                raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
+                                               param="previous_response_id")
             return found
         case planners.Room(size):
             if given is None:  # a resumed stream was checked when it began

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary
 from shared.protocol import bus, keys
-from shared.protocol.errors import NotFound, Overloaded, StorageFull
+from shared.protocol.errors import Overloaded, PreviousResponseNotFound, StorageFull
 from shared.runtime import beats, metrics
 from shared.runtime.background import looping
 from shared.tenancy.apikeys import KeyRecord
@@ -254,8 +254,9 @@ class ResponseStore:
             name = record.previous
             found = await self.load(tenant, name)
             if found is None:  # deleted: its part of the conversation is gone with it
-                raise NotFound(f"The conversation of '{response_id}' cannot be continued: an earlier response of it, "
-                               f"'{name}', was deleted.", param="previous_response_id")
+                raise PreviousResponseNotFound(
+                    f"The conversation of '{response_id}' cannot be continued: an earlier response of it, "
+                    f"'{name}', was deleted.", param="previous_response_id")
             record = found
             parts.append(record.history)
             chain.append(name)

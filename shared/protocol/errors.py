@@ -63,6 +63,13 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class PreviousResponseNotFound(InvalidRequest):
+    """A `previous_response_id` that names no stored response (or a chain with one deleted): OpenAI's 400, which
+    clients that keep their own history answer by sending the whole conversation again."""
+
+    code = "previous_response_not_found"
+
+
 class PayloadTooLarge(InvalidRequest):
     status = 413
     code = "body_too_large"

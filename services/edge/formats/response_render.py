@@ -231,12 +231,14 @@ class ResponsesRenderer:
         return [self._event(kind, **fields) for kind, fields in events]
 
     def _opening(self) -> list[Payload]:
+        """response.created, then (a background response, queued until a worker takes it, as OpenAI's stream
+        says) response.queued, then response.in_progress."""
         self.started = True
+        created = [self._event("response.created", response=self.response())]
+        if self.status == "queued":
+            created.append(self._event("response.queued", response=self.response()))
         self.status = "in_progress"
-        return [
-            self._event("response.created", response=self.response()),
-            self._event("response.in_progress", response=self.response()),
-        ]
+        return [*created, self._event("response.in_progress", response=self.response())]
 
     def render(self, event: bus.Output) -> list[Payload]:
         if not isinstance(event, bus.Tokens | bus.Final):
@@ -246,8 +248,8 @@ class ResponsesRenderer:
             self.cut = self.cut or event.finish_reason == "length"
             return out + self._events(self.items.tokens(event))
         self.final = event
-        self.completed_at = int(time.time())
         self.status = "incomplete" if self.cut else "completed"
+        self.completed_at = int(time.time()) if self.status == "completed" else None  # OpenAI: only then
         closing = self._events(self.items.finish(self.status))
         return [*out, *closing, self._event(f"response.{self.status}", response=self.response())]
 

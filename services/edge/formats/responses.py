@@ -17,6 +17,11 @@ from shared.protocol.errors import InvalidRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """What `include` names to have the output text's logprobs (OpenAI's way to ask for them)."""
+Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+"""OpenAI's IncludeEnum: any other value is a 400. Only the logprobs change an answer here; the others name
+outputs of tools not served, or (encrypted reasoning) one never made: agents that always ask for it are served."""
 
 
 class InputContent(Request):
@@ -75,7 +80,8 @@ class ResponsesRequest(Sampling, kw_only=True):
 
     model: str
     input: Annotated[str, Meta(min_length=1)] | Annotated[list[InputItem], Meta(min_length=1,
-                                                                                max_length=MAX_MESSAGES)]
+                                                                                max_length=MAX_MESSAGES)] | None = None
+    """Optional, as OpenAI's: a turn may run on its conversation's items alone (see check_length)."""
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -97,7 +103,7 @@ class ResponsesRequest(Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     tools: list[calling.ResponsesTool] | None = None
     tool_choice: calling.ToolChoice | None = None
-    include: list[str] | None = None
+    include: Annotated[list[Includable], Meta(max_length=16)] | None = None
     background: bool | None = None
     conversation: Any = None
     service_tier: str | None = None
@@ -124,10 +130,8 @@ class InputTokensRequest(Request, kw_only=True):
 
 def counted_request(counted: InputTokensRequest, model: str) -> ResponsesRequest:
     """The Responses request whose input a count is of: nothing stored, nothing run."""
-    if counted.input is None and not counted.instructions:
-        raise InvalidRequest("Give the `input` to count (or `instructions`).", param="input")
     return ResponsesRequest(
-        model=model, input=counted.input if counted.input is not None else [], instructions=counted.instructions,
+        model=model, input=counted.input, instructions=counted.instructions,
         previous_response_id=counted.previous_response_id, conversation=counted.conversation, tools=counted.tools,
         tool_choice=counted.tool_choice, parallel_tool_calls=counted.parallel_tool_calls, text=counted.text,
         reasoning=counted.reasoning, truncation=counted.truncation, store=False)
@@ -179,7 +183,7 @@ def conversation_id(req: ResponsesRequest) -> str | None:
 
 def input_items(req: ResponsesRequest) -> list[InputItem]:
     """The turn's input as items (a string is one user message)."""
-    return [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    return [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input or []
 
 
 def check_context(req: ResponsesRequest, max_model_len: int) -> None:
@@ -234,8 +238,10 @@ def _result(item: InputItem, i: int) -> bus.Message:
 
 def check_length(req: ResponsesRequest, conversation: Conversation, added: list[bus.Message]) -> None:
     """A conversation continued with `previous_response_id` holds at most MAX_MESSAGES messages, as one sent
-    whole does (the history comes from the store, so the request struct cannot bound it)."""
+    whole does (the history comes from the store, so the request struct cannot bound it); and at least one."""
     total = len(conversation.history) + len(added)
+    if not total and not req.instructions:
+        raise InvalidRequest("Give the `input` (or `instructions`, or a conversation to continue).", param="input")
     if total > MAX_MESSAGES:
         raise InvalidRequest(f"The conversation would hold {total} messages with the responses it continues; at "
                              f"most {MAX_MESSAGES} are served. Start a new one (with a summary of this one).",
@@ -248,7 +254,7 @@ def input_messages(req: ResponsesRequest, history: list[bus.Message] | None = No
     goes with the assistant turn after it (its raw content, else its summary)."""
     if isinstance(req.input, str):
         return [bus.Message(role="user", content=req.input)]
-    return messages_of(req.input, history)
+    return messages_of(req.input or [], history)
 
 
 def messages_of(items: list[InputItem], history: list[bus.Message] | None = None) -> list[bus.Message]:
