@@ -14,7 +14,7 @@ REDIS_SETTINGS = ["redis_url", "redis_cluster", "redis_username", "redis_passwor
                   "redis_tls_cert_file", "redis_tls_key_file"]
 """How a process reaches Redis and logs in (services.admin takes the same flags)."""
 EDGE_SETTINGS = [*REDIS_SETTINGS, "model", "host", "port", "request_timeout_s", "response_ttl_s", "storage_bytes",
-                 "storage_items", "redis_pool_size",
+                 "storage_items", "redis_pool_size", "max_tenant_calls_in_flight",
                  "max_body_bytes", "max_stop_sequences", "keepalive_interval_s", "log_level", "log_format",
                  "resume_window_s",
                  "replay_ttl_s", "background_ttl_s",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -518,3 +520,71 @@ async def test_a_revoked_keys_background_response_stops_though_no_edge_follows_i
             assert await running(1)  # it runs on without its edge
             assert tokenbus(small, "keys", "revoke", key["id"]).returncode == 0
             await until("the job stopped", lambda: running(0), 5.0)
+
+
+def rss_mb(pid: int) -> float:
+    """The process's resident memory now (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def _unread_download(port: int, path: str, key: str) -> socket.socket:
+    """A client that asks for a file and reads none of it (a 4 kB receive buffer)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    request = f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n"
+    await asyncio.get_running_loop().sock_sendall(sock, request.encode())
+    return sock
+
+
+async def test_a_tenant_s_downloads_uploads_and_lists_take_a_bounded_part_of_an_edge(stack: Stack) -> None:
+    """Files spend no rpm, so they are bounded otherwise: a download is sent a chunk at a time (12 clients that
+    read nothing of a 7 MB file held 16 MB each on the edge), a tenant has at most 8 such calls in flight on an
+    edge (more are 429 concurrency, and another tenant is served meanwhile), and a list sends a page of at most
+    100 (it read and sent all 10,000 a tenant may hold, 0.13 s of the loop each)."""
+    hoarder, other = create_key(stack, "--tenant", "hoarder")["key"], create_key(stack, "--tenant", "bystander")["key"]
+    edge = stack.edges[0]
+    port = int(edge.url.rsplit(":", 1)[1])
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=hoarder, max_retries=0, timeout=60) as client:
+        big = await client.files.create(file=("big.bin", os.urandom(7 << 20)), purpose="user_data")
+        before = rss_mb(edge.process.pid)
+        held = [await _unread_download(port, f"/v1/files/{big.id}/content", hoarder) for _ in range(12)]
+        try:
+            await asyncio.sleep(2)
+            grown = rss_mb(edge.process.pid) - before
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.files.list()
+            assert refused.value.body["type"] == "concurrency"
+            async with httpx.AsyncClient(timeout=10) as http:
+                asked = time.monotonic()
+                assert (await http.get(edge.url + "/v1/files", headers=bearer({"key": other}))).status_code == 200
+                assert time.monotonic() - asked < 1.0
+        finally:
+            for sock in held:
+                sock.close()
+        assert grown < 40, f"12 unread downloads of a 7 MB file grew the edge by {grown:.0f} MB"
+        deadline = time.monotonic() + 10  # the edge sees the closed sockets at its next write
+        while True:
+            try:
+                assert (await client.files.content(big.id)).content[:16]
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "the closed downloads still hold their calls"
+                await asyncio.sleep(0.2)
+        gate = asyncio.Semaphore(4)
+
+        async def upload(n: int) -> str:
+            async with gate:
+                return (await client.files.create(file=(f"{n}.txt", b"x"), purpose="user_data")).id
+        small = await asyncio.gather(*(upload(n) for n in range(120)))
+        page = await client.files.list(extra_query={"limit": 10000})
+        assert len(page.data) == 100 and page.has_more
+        listed = [f.id async for f in client.files.list(order="asc")]  # the SDK pages on
+        assert sorted(listed) == sorted([big.id, *small]) and listed[0] == big.id
+        assert [f.id for f in (await client.files.list(order="asc", after=listed[9], limit=3)).data] == listed[10:13]
+        with pytest.raises(openai.NotFoundError):
+            await client.files.content(big.id + ":chunks")

@@ -14,6 +14,7 @@ from services.edge import background, batch_driver, keyless, routes
 from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
 from services.edge.batch_store import BatchStore
+from services.edge.call_gate import CallGate
 from services.edge.conversation_store import ConversationStore
 from services.edge.directory import ModelDirectory
 from services.edge.file_store import FileStore
@@ -29,6 +30,7 @@ from services.edge.sse import ClientGone
 from services.edge.state import (
     ADMITTER,
     BATCHES,
+    CALL_GATE,
     CHECKER,
     CONVERSATIONS,
     DRAINING,
@@ -88,8 +90,17 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> TokenbusError:
     return TokenbusError(exc.reason)
 
 
+def _check_ids(request: web.Request) -> None:
+    """An id in a path (a file's, a conversation's, a batch's, a response's) names one of its kind: one with a `:`
+    would name a key beside it in Redis (a file's chunks, a conversation's items), so none exists."""
+    for name, value in request.match_info.items():
+        if name.endswith("_id") and ":" in value:
+            raise NotFound(f"No {name.removesuffix('_id')} with id '{value}' exists.", param=name)
+
+
 async def _admit(request: web.Request, route: Route) -> None:
     """Who is calling (when the edge needs keys), and the key's limits for routes that run no model."""
+    _check_ids(request)
     if route.needs_redis:
         request.app[GATEWAY].check_redis()
     settings = request.app[SETTINGS]
@@ -101,6 +112,7 @@ async def _admit(request: web.Request, route: Route) -> None:
     caller = await request.app[KEYS].authenticate(request)
     request[CALLER] = caller
     if not route.runs_model:
+        request.app[CALL_GATE].enter(request, caller.tenant)
         request[RATE_HEADERS] = await request.app[ADMITTER].peek(caller)
 
 
@@ -132,6 +144,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         log.exception("unexpected failure on %s", route.path)
         response = _error_response(route, TokenbusError("The server failed to handle the request."))
+    finally:
+        request.app[CALL_GATE].leave(request)
     metrics.REQUESTS.labels(route.path, str(response.status)).inc()
     return response
 
@@ -149,6 +163,7 @@ def create_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[DRAINING] = asyncio.Event()
+    app[CALL_GATE] = CallGate(settings.max_tenant_calls_in_flight)
     background.add_to(app)
     batch_driver.add_to(app)
     app.cleanup_ctx.append(_bus)

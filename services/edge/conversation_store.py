@@ -99,8 +99,13 @@ class Stored:
     """Its items, oldest first, as the API shows them."""
 
 
+class _ItemId(msgspec.Struct):
+    id: str = ""
+
+
 _decode_header = msgspec.json.Decoder(Header).decode
 _decode_item = msgspec.json.Decoder(dict[str, Any]).decode
+_decode_item_id = msgspec.json.Decoder(_ItemId).decode
 
 
 def not_found(conversation_id: str, param: str = "conversation_id") -> NotFound:
@@ -179,6 +184,50 @@ class ConversationStore:
 
     async def delete(self, tenant: str, conversation_id: str) -> None:
         await self._run(tenant, Quota(0, 0), conversation_id, "delete")
+
+    async def header(self, tenant: str, conversation_id: str) -> Header:
+        """The conversation's header alone (none of its items read); NotFound if there is none."""
+        with redis_boundary(Overloaded):
+            header = await self.redis.get(keys.conversation(tenant, conversation_id))
+        if header is None:
+            raise not_found(conversation_id)
+        return _decode_header(header)
+
+    async def page(self, tenant: str, conversation_id: str, limit: int, newest_first: bool,
+                   after: str = "") -> tuple[list[dict[str, Any]], bool] | None:
+        """Up to `limit` items after the item `after` (none: from the first), oldest or newest first, and whether
+        more follow; None: no item `after`. Only the page's items are decoded whole (finding `after` reads the
+        others' ids only), and without `after` only the page is read."""
+        items_key = keys.conversation_items(tenant, conversation_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(keys.conversation(tenant, conversation_id))
+        if after:
+            pipe.lrange(items_key, 0, -1)
+        elif newest_first:
+            pipe.lrange(items_key, -(limit + 1), -1)
+        else:
+            pipe.lrange(items_key, 0, limit)
+        with redis_boundary(Overloaded):
+            exists, raw = await pipe.execute()
+        if not exists:
+            raise not_found(conversation_id)
+        raw = raw[::-1] if newest_first else raw
+        if after:
+            at = next((i for i, item in enumerate(raw) if _decode_item_id(item).id == after), None)
+            if at is None:
+                return None
+            raw = raw[at + 1:]
+        return [_decode_item(item) for item in raw[:limit]], len(raw) > limit
+
+    async def item(self, tenant: str, conversation_id: str,
+                   item_id: str) -> tuple[Header, dict[str, Any], bytes] | None:
+        """The conversation's header, and its item `item_id` decoded and as stored (the others' ids only are
+        read); None: no such item."""
+        header = await self.header(tenant, conversation_id)
+        with redis_boundary(Overloaded):
+            raw: list[bytes] = await self.redis.lrange(keys.conversation_items(tenant, conversation_id), 0, -1)  # type: ignore[assignment]
+        found = next((item for item in raw if _decode_item_id(item).id == item_id), None)
+        return None if found is None else (header, _decode_item(found), found)
 
     async def load(self, tenant: str, conversation_id: str,
                    param: str = "conversation_id") -> tuple[Stored, list[bytes]]:

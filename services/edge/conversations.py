@@ -43,16 +43,19 @@ async def create(request: web.Request) -> web.Response:
     return _json(_resource(header))
 
 
+async def _header(request: web.Request) -> Header:
+    return await request.app[CONVERSATIONS].header(caller_of(request).tenant, request.match_info["conversation_id"])
+
+
 async def retrieve(request: web.Request) -> web.Response:
-    stored, _ = await _load(request)
-    return _json(_resource(stored.header))
+    return _json(_resource(await _header(request)))
 
 
 async def update(request: web.Request) -> web.Response:
     req = decode(await read_body(request), shapes.UpdateConversationBody)
-    stored, _ = await _load(request)
+    stored = await _header(request)
     caller = caller_of(request)
-    header = Header(id=stored.header.id, created_at=stored.header.created_at, metadata=req.metadata)
+    header = Header(id=stored.id, created_at=stored.created_at, metadata=req.metadata)
     await request.app[CONVERSATIONS].set_header(caller.tenant, request.app[STORE].quota(caller.key), header)
     return _json(_resource(header))
 
@@ -68,20 +71,31 @@ def _limit(request: web.Request) -> int:
 
 
 async def list_items(request: web.Request) -> web.Response:
-    """Its items, newest first (`order=desc`, the default) or oldest first, `limit` at a time after `after`."""
-    _limit(request)  # a bad limit is refused before anything is read
-    stored, _ = await _load(request)
-    return _json(item_page(request, stored.items, "the conversation"))
+    """Its items, newest first (`order=desc`, the default) or oldest first, `limit` at a time after `after`: only
+    the page is read whole (see ConversationStore.page)."""
+    limit, newest_first = _limit(request), _newest_first(request)
+    after = request.query.get("after", "")
+    found = await request.app[CONVERSATIONS].page(caller_of(request).tenant, request.match_info["conversation_id"],
+                                                  limit, newest_first, after)
+    if found is None:
+        raise NotFound(f"No item with id '{after}' in the conversation.", param="after")
+    page, more = found
+    return _json(shapes.ItemList(data=page, first_id=page[0]["id"] if page else None,
+                                 last_id=page[-1]["id"] if page else None, has_more=more))
+
+
+def _newest_first(request: web.Request) -> bool:
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("`order` is asc or desc.", param="order")
+    return order == "desc"
 
 
 def item_page(request: web.Request, items: list[dict[str, Any]], whose: str) -> shapes.ItemList:
     """A page of items (a conversation's, a stored response's input) as the query asks: newest first
     (`order=desc`, the default) or oldest first, `limit` at a time after the item `after`."""
-    order = request.query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("`order` is asc or desc.", param="order")
     limit = _limit(request)
-    items = items if order == "asc" else items[::-1]
+    items = items[::-1] if _newest_first(request) else items
     if after := request.query.get("after"):
         at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
         if at is None:
@@ -103,29 +117,30 @@ async def add_items(request: web.Request) -> web.Response:
     return _json(shapes.ItemList(data=data, first_id=data[0]["id"], last_id=data[-1]["id"], has_more=False))
 
 
-def _item(stored: Stored, raw: list[bytes], item_id: str) -> tuple[dict[str, object], bytes]:
-    for item, value in zip(stored.items, raw, strict=True):
-        if item.get("id") == item_id:
-            return item, value
-    raise NotFound(f"No item with id '{item_id}' in the conversation.", param="item_id")
+async def _item(request: web.Request) -> tuple[Header, dict[str, Any], bytes]:
+    item_id = request.match_info["item_id"]
+    found = await request.app[CONVERSATIONS].item(caller_of(request).tenant, request.match_info["conversation_id"],
+                                                  item_id)
+    if found is None:
+        raise NotFound(f"No item with id '{item_id}' in the conversation.", param="item_id")
+    return found
 
 
 async def retrieve_item(request: web.Request) -> web.Response:
-    stored, raw = await _load(request)
-    return _json(_item(stored, raw, request.match_info["item_id"])[0])
+    return _json((await _item(request))[1])
 
 
 async def delete_item(request: web.Request) -> web.Response:
     """Removes one item; a function call whose output is still there stays (its output answers nothing without
     it, and every later turn of the conversation would be refused for it): the output goes first."""
-    stored, raw = await _load(request)
-    found, value = _item(stored, raw, request.match_info["item_id"])
+    header, found, value = await _item(request)
     if found.get("type") == "function_call":
+        stored, _ = await _load(request)
         answer = next((item for item in stored.items if item.get("type") == "function_call_output"
                        and item.get("call_id") == found.get("call_id")), None)
         if answer is not None:
             raise InvalidRequest(f"The function call's output (item '{answer.get('id')}') is still in the "
                                  "conversation: delete it first.", param="item_id")
-    await request.app[CONVERSATIONS].remove(caller_of(request).tenant, stored.header.id, value)
-    return _json(_resource(stored.header))
+    await request.app[CONVERSATIONS].remove(caller_of(request).tenant, header.id, value)
+    return _json(_resource(header))
 

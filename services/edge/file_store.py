@@ -5,7 +5,8 @@ one script each: the quota check, the writes and the tally together."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -111,16 +112,48 @@ class FileStore:
             chunks: list[bytes] = await self.redis.lrange(keys.file_chunks(tenant, file_id), 0, -1)  # type: ignore[assignment]
         return b"".join(chunks)
 
-    async def listed(self, tenant: str) -> list[FileInfo]:
-        """The tenant's files, oldest first (an expired one's index entry is dropped on the way)."""
+    async def chunks(self, tenant: str, file_id: str) -> tuple[FileInfo, AsyncIterator[bytes]]:
+        """A file's description and its bytes, a chunk (CHUNK_BYTES) read at a time as they are sent: one download
+        holds one chunk, however large the file (one deleted meanwhile ends short)."""
+        info = await self.info(tenant, file_id)
+
+        async def read() -> AsyncIterator[bytes]:
+            for at in range(-(-info.bytes // CHUNK_BYTES)):
+                with redis_boundary(Overloaded):
+                    chunk: bytes | None = await self.redis.lindex(keys.file_chunks(tenant, file_id), at)  # type: ignore[assignment]
+                if chunk is None:
+                    return
+                yield chunk
+        return info, read()
+
+    async def page(self, tenant: str, limit: int, newest_first: bool, after: str = "",
+                   purpose: str = "") -> tuple[list[FileInfo], bool]:
+        """Up to `limit` of the tenant's files after the one named `after` (none: from the first), in upload
+        order or newest first, of one `purpose` if given; and whether more follow. Reads the tenant's index a page
+        at a time from where the page starts, never the whole of it (an expired file's entry is dropped on the
+        way)."""
+        index = keys.files(tenant)
+        start = 0
         with redis_boundary(Overloaded):
-            members: list[bytes] = await self.redis.zrange(keys.files(tenant), 0, -1)  # type: ignore[assignment]
-            ids = [member.decode() for member in members]
-            raws = await self.redis.mget([keys.file(tenant, i) for i in ids]) if ids else []
-            gone = [file_id for file_id, raw in zip(ids, raws, strict=True) if raw is None]
-            if gone:
-                await self.redis.zrem(keys.files(tenant), *gone)
-        return [_decode_info(raw) for raw in raws if raw is not None]
+            if after:
+                rank = await (self.redis.zrevrank(index, after) if newest_first else self.redis.zrank(index, after))
+                if rank is None:
+                    return [], False
+                start = cast(int, rank) + 1
+            found: list[FileInfo] = []
+            while len(found) <= limit:
+                members: list[bytes] = await self.redis.zrange(index, start, start + limit, desc=newest_first)  # type: ignore[assignment]
+                if not members:
+                    break
+                start += len(members)
+                ids = [member.decode() for member in members]
+                raws = await self.redis.mget([keys.file(tenant, i) for i in ids])
+                if gone := [file_id for file_id, raw in zip(ids, raws, strict=True) if raw is None]:
+                    await self.redis.zrem(index, *gone)
+                    start -= len(gone)
+                described = (_decode_info(raw) for raw in raws if raw is not None)
+                found += [info for info in described if not purpose or info.purpose == purpose]
+        return found[:limit], len(found) > limit
 
     async def delete(self, tenant: str, file_id: str) -> None:
         with redis_boundary(Overloaded):

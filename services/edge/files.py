@@ -15,10 +15,13 @@ from services.edge.formats import files as shapes
 from services.edge.formats.base import encode
 from services.edge.formats.common import page_limit
 from services.edge.sse import ClientGone
-from services.edge.state import FILES, STORE
+from services.edge.state import FILES, SETTINGS, STORE
 from shared.protocol.errors import InvalidRequest
 
 MAX_LISTED = 10_000
+"""The largest `limit` OpenAI's files list takes."""
+MAX_PAGE = 100
+"""The most files one page holds."""
 
 
 def _json(value: object) -> web.Response:
@@ -44,10 +47,13 @@ async def _form(request: web.Request) -> tuple[str, str, bytes]:
 
 
 async def create(request: web.Request) -> web.Response:
+    caller = caller_of(request)
+    if request.content_length:  # a full store refuses the upload before its bytes are read
+        await request.app[STORE].check_room(caller.tenant, caller.key, request.content_length,
+                                            "the file could not be stored", "file")
     purpose, filename, data = await _form(request)
     if purpose == "batch":
         await asyncio.to_thread(shapes.batch_lines, data)  # a large file's lines, off the loop
-    caller = caller_of(request)
     info = FileInfo(id=f"file-{uuid.uuid4().hex}", bytes=len(data), created_at=int(time.time()), filename=filename,
                     purpose=purpose)
     return _json(await request.app[FILES].put(caller.tenant, request.app[STORE].quota(caller.key), info, data))
@@ -57,9 +63,24 @@ async def retrieve(request: web.Request) -> web.Response:
     return _json(await request.app[FILES].info(caller_of(request).tenant, request.match_info["file_id"]))
 
 
-async def content(request: web.Request) -> web.Response:
-    data = await request.app[FILES].content(caller_of(request).tenant, request.match_info["file_id"])
-    return web.Response(body=data, content_type="application/octet-stream")
+async def content(request: web.Request) -> web.StreamResponse:
+    """A file's bytes, sent a chunk at a time; a client that leaves a chunk unread for --write-stall-s is dropped
+    (a download holds one chunk on the edge, and not for good)."""
+    info, chunks = await request.app[FILES].chunks(caller_of(request).tenant, request.match_info["file_id"])
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    response.content_length = info.bytes
+    stall_s = request.app[SETTINGS].write_stall_s
+    try:
+        await response.prepare(request)
+        async for chunk in chunks:
+            async with asyncio.timeout(stall_s):
+                await response.write(chunk)
+        await response.write_eof()
+    except (TimeoutError, ConnectionError):
+        if request.transport is not None:
+            request.transport.abort()
+        raise ClientGone() from None
+    return response
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -70,17 +91,14 @@ async def delete(request: web.Request) -> web.Response:
 
 async def list_files(request: web.Request) -> web.Response:
     """The tenant's files, newest first (`order=desc`, the default), `limit` at a time after `after`; `purpose`
-    keeps one kind."""
-    limit, order = page_limit(request.query.get("limit", "10000"), MAX_LISTED), request.query.get("order", "desc")
+    keeps one kind. Any `limit` OpenAI takes (up to 10,000) is taken; a page holds at most MAX_PAGE (`has_more`
+    and `after` page on, as the SDKs do), so one call reads and sends a bounded part of the tenant's files."""
+    limit = min(page_limit(request.query.get("limit", str(MAX_PAGE)), MAX_LISTED), MAX_PAGE)
+    order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("`order` is asc or desc.", param="order")
-    found = await request.app[FILES].listed(caller_of(request).tenant)
-    if purpose := request.query.get("purpose"):
-        found = [info for info in found if info.purpose == purpose]
-    found = found if order == "asc" else found[::-1]
-    if after := request.query.get("after"):
-        at = next((i for i, info in enumerate(found) if info.id == after), None)
-        found = found[at + 1:] if at is not None else []
-    page = found[:limit]
+    page, more = await request.app[FILES].page(caller_of(request).tenant, limit, newest_first=order == "desc",
+                                               after=request.query.get("after", ""),
+                                               purpose=request.query.get("purpose", ""))
     return _json(shapes.FileList(data=page, first_id=page[0].id if page else None,
-                                 last_id=page[-1].id if page else None, has_more=len(found) > limit))
+                                 last_id=page[-1].id if page else None, has_more=more))

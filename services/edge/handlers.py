@@ -21,7 +21,17 @@ from services.edge.formats.planners import Arrival
 from services.edge.jobevents import JobEvents
 from services.edge.plans import PLANNERS, Plan, decode_record
 from services.edge.server import read_body
-from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, RATE_HEADERS, REDIS, REQUEST_ID, SETTINGS, STORE
+from services.edge.state import (
+    ADMITTER,
+    CALL_GATE,
+    CONVERSATIONS,
+    GATEWAY,
+    RATE_HEADERS,
+    REDIS,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+)
 from services.edge.store import StoredResponse
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, ModelNotFound, NotFound, RateLimited
@@ -155,6 +165,7 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
     rest live: the job's owner sends its events here from now on. The job's concurrency lease is this edge's to
     renew while it serves the stream."""
     settings, gateway, admitter = request.app[SETTINGS], request.app[GATEWAY], request.app[ADMITTER]
+    request.app[CALL_GATE].leave(request)  # a stream for as long as it runs: its rpm and readers' cap meter it
     gateway.check_redis()
     pipe = request.app[REDIS].pipeline(transaction=False)
     pipe.get(keys.job_record(job_id))

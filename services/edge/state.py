@@ -10,6 +10,7 @@ from aiohttp import web
 from services.edge.admission import Admitter
 from services.edge.auth import KeyCache
 from services.edge.batch_store import BatchStore
+from services.edge.call_gate import CallGate
 from services.edge.conversation_store import ConversationStore
 from services.edge.file_store import FileStore
 from services.edge.gateway import Gateway
@@ -28,6 +29,8 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 """Set on SIGTERM: /ready answers 503 while the edge finishes its streams."""
 KEYS = web.AppKey("keys", KeyCache)
 ADMITTER = web.AppKey("admitter", Admitter)
+CALL_GATE = web.AppKey("call_gate", CallGate)
+"""Each tenant's calls in flight here to the routes that run no model (services.edge.call_gate)."""
 CHECKER = web.AppKey("checker", Checker)
 """The edge's process for the schema and pattern checks that cost by the byte (services.edge.schema_checks)."""
 RATE_HEADERS = web.RequestKey("rate_headers", dict[str, str])

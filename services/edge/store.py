@@ -195,11 +195,11 @@ class ResponseStore:
             f"responses (DELETE /v1/responses/{{id}}), send `store: false`, or wait for stored items to expire.",
             param=param, retry_after_s=wait_s)
 
-    async def check_room(self, tenant: str, key: KeyRecord | None, size: int) -> None:
-        """Refuses a response to be stored when its tenant's storage cannot take `size` more bytes and an item;
-        checked before the job runs, so that a full store costs no tokens."""
-        await self._charge_or_refuse(tenant, self.quota(key), "r:", size, 0,
-                                     "this response could not be stored", "store")
+    async def check_room(self, tenant: str, key: KeyRecord | None, size: int,
+                         what: str = "this response could not be stored", param: str = "store") -> None:
+        """Refuses a response (or `what` else) to be stored when its tenant's storage cannot take `size` more bytes
+        and an item; checked before the job runs (or the upload is read), so that a full store costs nothing."""
+        await self._charge_or_refuse(tenant, self.quota(key), "r:", size, 0, what, param)
 
     async def charge_stream(self, tenant: str, key: KeyRecord | None, job: bus.Job, body_bytes: int) -> None:
         """Charges a resumable stream's request (kept to resume it, up to --max-body-bytes) until its log expires

@@ -143,6 +143,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Redis connections an edge uses for commands (one more reads its events); a worker uses three more."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body the edge accepts."""
+    max_tenant_calls_in_flight: int = 8
+    """Calls one tenant may have in flight on an edge at once to the routes that run no model (files,
+    conversations, stored responses, batches, models), which spend no rpm; one more is a 429. 0: no bound."""
     max_stop_sequences: int = 16
     """Stop strings one request may give (TGI's --max-stop-sequences, which its /info reports; OpenAI allows 4,
     MindIE 1,024): the engine checks each on every token of the request, on the loop that streams every request's
