@@ -63,6 +63,9 @@ def test_the_compose_stack_is_ready_for_production() -> None:
     assert "COMPOSE_PROFILES=gpu" in (ROOT / ".env").read_text()  # plain `docker compose up` is the GPU stack
     for name in ("worker-gpu", "worker-cpu", "embedder"):
         assert services[name]["environment"]["TOKENBUS_REDIS_URL"] == "redis://redis:6379/0"
+    for name, service in services.items():  # tokenbus's images are built here, never pulled from Docker Hub
+        if service.get("image", "").startswith("tokenbus/"):
+            assert service["pull_policy"] == ("build" if "build" in service else "never"), name
     mounted = {volume.split(":")[0] for name in ("prometheus", "grafana", "redis")
                for volume in services[name]["volumes"]}
     for path in (p for p in mounted if p.startswith("./")):
@@ -220,11 +223,22 @@ def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert {"PodDisruptionBudget"} <= {kind for kind, _name in docs}
     assert ("HorizontalPodAutoscaler", "tokenbus-edge") in docs and ("ScaledObject", "tokenbus-worker") in docs
+    scaled = {d["spec"]["scaleTargetRef"]["name"] for (kind, _), d in docs.items()
+              if kind in ("HorizontalPodAutoscaler", "ScaledObject")}
+    for name in scaled:  # the autoscaler owns the count: `kubectl apply` must not reset it
+        assert "replicas" not in docs[("Deployment", name)]["spec"], name
     worker = docs[("Deployment", "tokenbus-worker")]["spec"]["template"]["spec"]["containers"][0]
     assert ("nvidia.com/gpu" in worker["resources"]["limits"]) == (overlay == "gpu")
+    if overlay == "gpu":  # a rollout needs no spare GPU
+        rolling = docs[("Deployment", "tokenbus-worker")]["spec"]["strategy"]["rollingUpdate"]
+        assert rolling == {"maxSurge": 0, "maxUnavailable": 1}
     redis_pod = docs[("StatefulSet", "tokenbus-redis")]["spec"]["template"]["spec"]
     redis_container = redis_pod["containers"][0]
     assert redis_container["args"] == ["redis-server", *REDIS_ARGS]
+    memory = redis_container["resources"]["requests"]["memory"]
+    assert memory == redis_container["resources"]["limits"]["memory"] and memory.endswith("Gi")
+    maxmemory = int(REDIS_ARGS[REDIS_ARGS.index("--maxmemory") + 1])
+    assert 0.5 <= maxmemory / (int(memory.removesuffix("Gi")) << 30) <= 0.75  # room above maxmemory: no OOM kill
     assert_redis_requires_its_users(docs, redis_pod)
     assert_only_tokenbus_reaches_redis(docs)
 
@@ -284,6 +298,7 @@ def test_every_pod_is_hardened_and_every_image_pinned() -> None:
         pods += [(d["spec"]["template"]["spec"], d["metadata"]["name"]) for d in rendered(overlay)
                  if d["kind"] in POD_KINDS]
     images = [service["image"] for service in compose()["services"].values() if "image" in service]
+    built_here = len(images)
     for pod, name in pods:
         assert pod["automountServiceAccountToken"] is False, name
         assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] >= 10000, name
@@ -299,8 +314,10 @@ def test_every_pod_is_hardened_and_every_image_pinned() -> None:
             images.append(container["image"])
     moving = [image for image in images if not re.search(r":v?\d+\.\d+\.\d+(-[a-z]+)?$", image)]
     assert not moving, moving  # no `latest`, no bare minor: nothing moves under a deployment
-    ours = {image.rsplit(":", 1)[1] for image in images if image.startswith("tokenbus/")}
+    ours = {image.rsplit(":", 1)[1] for image in images if re.match(r"([^/]+/)?tokenbus/", image)}
     assert ours == {version}, ours
+    pulled = [image for image in images[built_here:] if image.startswith("tokenbus/")]
+    assert not pulled, pulled  # the pods' from the operator's registry, never Docker Hub's tokenbus/ namespace
 
 
 def test_the_metrics_are_scraped_off_the_api_port() -> None:

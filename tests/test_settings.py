@@ -54,3 +54,24 @@ def test_every_setting_is_a_flag_of_the_commands_that_read_it() -> None:
     worker = parser(["worker"]).parse_args(["worker", "--reasoning-parser", "qwen3", "--grammar-compile-s", "9"])
     assert (load(edge, environ={}).write_stall_s, load(edge, environ={}).dispatch) == (5.0, "blind")
     assert (load(worker, environ={}).reasoning_parser, load(worker, environ={}).grammar_compile_s) == ("qwen3", 9.0)
+
+
+def test_every_setting_the_readme_gives_a_command_is_a_flag_of_it() -> None:
+    """A row of the README's settings table that says what "an edge" or "a worker" does with it documents a flag
+    of `tokenbus edge` or `tokenbus worker` (`--redis-pool-size` was read by workers but refused as their flag)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z0-9-]+)` \| `TOKENBUS_\w+` \| [^|]* \| (.*) \|$", readme, re.MULTILINE)
+    assert len(rows) == len(Settings.__struct_fields__)
+    documented = [(command.split()[-1].lower(), flag) for flag, meaning in rows
+                  for command in sorted(set(re.findall(r"\b(?:an edge|a worker)\b", meaning, re.IGNORECASE)))]
+    assert ("worker", "--redis-pool-size") in documented and ("edge", "--shutdown-grace-s") in documented
+    refused = []
+    for command, flag in documented:
+        try:
+            parser([command]).parse_args([command, flag, "1"])
+        except SystemExit:
+            refused.append((command, flag))
+    assert refused == []
