@@ -73,11 +73,12 @@ async def test_a_response_streams_a_reasoning_item_before_its_message(served: Ed
     for event in events:
         validate("ResponseStreamEvent", event)
     kinds = [e["type"] for e in events]
-    assert kinds.index("response.reasoning_summary_text.delta") < kinds.index("response.output_text.delta")
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
     final = events[-1]["response"]
     assert final["status"] == "completed" and [item["type"] for item in final["output"]] == ["reasoning", "message"]
-    thought = final["output"][0]["summary"][0]["text"]
+    thought = final["output"][0]["content"][0]["text"]  # the raw reasoning, as OpenAI's and vLLM's
+    assert final["output"][0]["summary"] == []
     assert re.fullmatch(THOUGHT, thought) and re.fullmatch(ANSWER, final["output_text"])
-    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta") == thought
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
     assert final["reasoning"]["effort"] == "low"

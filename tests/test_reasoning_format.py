@@ -85,25 +85,34 @@ def responses_request(**fields: Any) -> responses.ResponsesRequest:
     return decode(json.dumps({"model": "m", "input": "2 + 2?", **fields}).encode(), responses.ResponsesRequest)
 
 
-def test_a_streamed_response_opens_a_reasoning_item_with_ovms_summary_events_before_the_message() -> None:
+@pytest.mark.parametrize("ovms", [False, True], ids=["openai", "ovms"])
+def test_a_streamed_response_opens_a_reasoning_item_before_the_message(ovms: bool) -> None:
+    """OpenAI's (and vLLM's) form: the raw reasoning is the item's reasoning_text content, its summary empty; on
+    OVMS's /v3, OVMS's form: the reasoning is the item's one summary part."""
     req = responses_request(stream=True)
-    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1)
+    renderer = response_render.ResponsesRenderer(req, response_id="resp_1", created_at=1, ovms=ovms)
     frames = [f for event in thinking("resp_1") for f in framing.frames(renderer.render(event))]
-    events = [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
+    events = [json.loads(f.split(b"data: ", 1)[1]) for f in frames if f.startswith(b"event:")]
     for event in events:
         validate("ResponseStreamEvent", event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kind, part = ("reasoning_summary", "summary") if ovms else ("reasoning", "content")
+    part_kind = "response.reasoning_summary_part" if ovms else "response.content_part"
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
-        "response.output_item.added", "response.reasoning_summary_part.added",
-        "response.reasoning_summary_text.delta", "response.reasoning_summary_text.delta",
-        "response.reasoning_summary_text.done", "response.reasoning_summary_part.done", "response.output_item.done",
+        "response.output_item.added", f"{part_kind}.added",
+        f"response.{kind}_text.delta", f"response.{kind}_text.delta",
+        f"response.{kind}_text.done", f"{part_kind}.done", "response.output_item.done",
         "response.output_item.added", "response.content_part.added", "response.output_text.delta",
         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
         "response.output_item.done", "response.completed"]
-    assert events[2]["item"] == {"id": "rs_1", "type": "reasoning", "summary": [], "status": "in_progress"}
+    opened = {"id": "rs_1", "type": "reasoning", "summary": [], "status": "in_progress"}
+    assert events[2]["item"] == (opened if ovms else {**opened, "content": []})
     assert events[6]["text"] == "Two and two." and events[6]["output_index"] == 0
-    assert events[8]["item"]["summary"] == [{"type": "summary_text", "text": "Two and two."}]
+    thought = {"type": "summary_text" if ovms else "reasoning_text", "text": "Two and two."}
+    assert events[8]["item"][part] == [thought] and events[7]["part"] == thought
+    if not ovms:
+        assert events[8]["item"]["summary"] == []  # no summary is made of it
     assert events[9]["output_index"] == 1 and events[9]["item"]["type"] == "message"
     final = events[-1]["response"]
     validate("Response", final)

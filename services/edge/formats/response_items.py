@@ -1,7 +1,9 @@
 """The output items of a response as the model writes them: its reasoning, messages (its text) and function
 calls, in the order they come, each with the stream events that open it, fill it and close it.
 
-A reasoning item (one summary part, as OVMS sends it) opens at the first reasoning text; a message opens at
+A reasoning item opens at the first reasoning text: its raw text is its one `reasoning_text` content part, as
+OpenAI's and vLLM's are (`summary` stays empty: no summary is made), or on OVMS's /v3 its one summary part, as OVMS
+sends it. A message opens at
 the first text after the start, the reasoning or a call; a call opens with its first delta (id and name). An
 item closes when the next one opens or the response ends: one closed along the way is completed, the last one
 takes the response's status. A response without any item still gets one (empty) message.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from msgspec import UNSET, UnsetType
 
 from services.edge.formats.base import Out
 from services.edge.formats.common import TokenLogprobOut, token_logprobs_out
@@ -47,9 +51,15 @@ class SummaryText(Out, kw_only=True):
     text: str
 
 
+class ReasoningText(Out, kw_only=True):
+    type: str = "reasoning_text"
+    text: str
+
+
 class ReasoningItem(Out, kw_only=True, tag_field="type", tag="reasoning"):
     id: str
     summary: list[SummaryText]
+    content: list[ReasoningText] | UnsetType = UNSET
     status: str
 
 
@@ -63,6 +73,8 @@ class _Item:
     call: bus.ToolCall | None = None
     """A function call; None for a message or reasoning."""
     reasoning: bool = False
+    summarized: bool = False
+    """A reasoning item whose text is its summary (OVMS's form), not its content."""
     texts: list[str] = field(default_factory=list)
     """A message's text, or the reasoning."""
     logprobs: list[bus.TokenLogprob] = field(default_factory=list)
@@ -78,10 +90,15 @@ class _Item:
     def summary(self) -> SummaryText:
         return SummaryText(text="".join(self.texts))
 
+    def thought(self) -> ReasoningText:
+        return ReasoningText(text="".join(self.texts))
+
     def out(self) -> OutputItem:
         if self.reasoning:
-            return ReasoningItem(id=self.id, status=self.status,
-                                 summary=[self.summary()] if self.status != "in_progress" else [])
+            done = self.status != "in_progress"
+            if self.summarized:
+                return ReasoningItem(id=self.id, status=self.status, summary=[self.summary()] if done else [])
+            return ReasoningItem(id=self.id, status=self.status, summary=[], content=[self.thought()] if done else [])
         if self.call is None:
             content = [self.part()] if self.status != "in_progress" else []
             return OutputMessage(id=self.id, status=self.status, content=content)
@@ -97,9 +114,11 @@ class OutputItems:
     """The items of one response; `eager`: every token belongs to one message, opened at the first event with
     text or logprobs (a request without tools)."""
 
-    def __init__(self, message_id: str, eager: bool) -> None:
+    def __init__(self, message_id: str, eager: bool, summarized: bool = False) -> None:
         self.message_id = message_id
         self.eager = eager
+        self.summarized = summarized
+        """Reasoning as OVMS sends it: its text is the item's summary (else its reasoning_text content)."""
         self.items: list[_Item] = []
         self.open: _Item | None = None
 
@@ -150,11 +169,18 @@ class OutputItems:
         if item is None or not item.reasoning:
             count = sum(1 for item in self.items if item.reasoning)
             item_id = "rs_" + self.message_id.removeprefix("msg_") + (f"_{count}" if count else "")
-            item = _Item(id=item_id, index=len(self.items), reasoning=True)
-            out += [*self._add(item), ("response.reasoning_summary_part.added", {
-                **item.ids(), "summary_index": 0, "part": SummaryText(text="")})]
+            item = _Item(id=item_id, index=len(self.items), reasoning=True, summarized=self.summarized)
+            if item.summarized:
+                out += [*self._add(item), ("response.reasoning_summary_part.added", {
+                    **item.ids(), "summary_index": 0, "part": SummaryText(text="")})]
+            else:
+                out += [*self._add(item), ("response.content_part.added", {
+                    **item.ids(), "content_index": 0, "part": ReasoningText(text="")})]
         item.texts.append(text)
-        return [*out, ("response.reasoning_summary_text.delta", {**item.ids(), "summary_index": 0, "delta": text})]
+        if item.summarized:
+            return [*out, ("response.reasoning_summary_text.delta", {**item.ids(), "summary_index": 0,
+                                                                     "delta": text})]
+        return [*out, ("response.reasoning_text.delta", {**item.ids(), "content_index": 0, "delta": text})]
 
     def _message(self) -> list[Event]:
         if self.open is not None and self.open.message:
@@ -181,11 +207,16 @@ class OutputItems:
         if item is None:
             return []
         item.status = status
-        if item.reasoning:
+        if item.reasoning and item.summarized:
             summary = item.summary()
             closing: list[Event] = [
                 ("response.reasoning_summary_text.done", {**item.ids(), "summary_index": 0, "text": summary.text}),
                 ("response.reasoning_summary_part.done", {**item.ids(), "summary_index": 0, "part": summary})]
+        elif item.reasoning:
+            thought = item.thought()
+            closing = [
+                ("response.reasoning_text.done", {**item.ids(), "content_index": 0, "text": thought.text}),
+                ("response.content_part.done", {**item.ids(), "content_index": 0, "part": thought})]
         elif item.call is None:
             part = item.part()
             closing = [

@@ -179,7 +179,7 @@ class ResponsesRenderer:
         `max_tokens`, as its page documents."""
         self.sequence = 0
         self.items = OutputItems("msg_" + response_id.removeprefix("resp_"),
-                                 eager=not req.tools or req.tool_choice == "none")
+                                 eager=not req.tools or req.tool_choice == "none", summarized=ovms)
         self.final: bus.Final | None = None
         self.cut = False
         """The answer ended at its token budget."""
