@@ -130,6 +130,9 @@ async def test_a_conversation_keeps_its_turns_on_any_edge_and_each_turn_runs_aft
         with pytest.raises(openai.BadRequestError) as nothing:
             await client.responses.create(model=stack.model, max_output_tokens=2)
         assert nothing.value.body["param"] == "input"
+        with pytest.raises(openai.BadRequestError) as too_long:  # the field a response's prompt comes in
+            await client.responses.create(model=stack.model, input="sea " * 2_000_000)
+        assert (too_long.value.code, too_long.value.param) == ("context_length_exceeded", "input")
         with pytest.raises(openai.BadRequestError) as unknown:  # OpenAI's IncludeEnum, checked
             await client.responses.create(model=stack.model, input="x", include=["bogus.value"])  # type: ignore[list-item]
         assert unknown.value.body["param"] == "include[0]"

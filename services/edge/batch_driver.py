@@ -332,7 +332,7 @@ class BatchRun:
         plan = await PLANNERS[PLAN_OF[batch.endpoint]](self.app, caller, msgspec.json.encode(line.body), None)
         info = self.app[GATEWAY].directory.models.get(plan.job.model)
         fairshare.check_fits(plan.job, info)
-        check_prompt_fits(plan.job, info.max_model_len if info else 0)
+        check_prompt_fits(plan.job, info.max_model_len if info else 0, plan.route)
         check_stops(plan.job, self.app[SETTINGS].max_stop_sequences, plan.route)
         return plan
 

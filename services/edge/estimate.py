@@ -61,7 +61,7 @@ def _tools_tokens(use: bus.ToolUse | None) -> int:
     return text_tokens(msgspec.json.encode(use.tools).decode())
 
 
-def check_prompt_fits(job: bus.Job, max_model_len: int) -> None:
+def check_prompt_fits(job: bus.Job, max_model_len: int, route: str = "") -> None:
     """Refuses a prompt that cannot fit the model's context whatever its tokenizer (more characters than
     max_model_len tokens of bus.MAX_TOKEN_CHARS each): the worker would tokenize megabytes, on the one thread every
     request's prompt waits for, only to find so. A conversation that truncates is held to what truncation keeps
@@ -74,7 +74,7 @@ def check_prompt_fits(job: bus.Job, max_model_len: int) -> None:
         messages = _never_dropped(job.messages) if job.truncate else job.messages
         chars = sum(len(m.content) + len(m.reasoning) + sum(len(c.arguments) for c in m.tool_calls)
                     for m in messages)
-        param = "messages"
+        param = "input" if route == "responses" else "messages"
     else:
         chars = max((len(prompt) for prompt in job.prompts), default=0) + len(job.instruction)
         param = "input" if job.kind == "embedding" else "prompt"

@@ -57,7 +57,7 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
     deadline = arrival.started + settings.request_timeout_s
     info = gateway.directory.models.get(plan.job.model)
     fairshare.check_fits(plan.job, info)
-    check_prompt_fits(plan.job, info.max_model_len if info else 0)
+    check_prompt_fits(plan.job, info.max_model_len if info else 0, plan.route)
     check_stops(plan.job, settings.max_stop_sequences, plan.route)
     plan.job.request_id = request.get(REQUEST_ID, "")
     tenant = (admitter.tenants.label(caller.tenant), plan.job.model)

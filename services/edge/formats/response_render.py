@@ -273,6 +273,8 @@ class ResponsesRenderer:
         """An `error` event (its type, code, message and param, as OpenAI's stream sends them), then the
         response, failed (or cancelled: a background response its client cancelled)."""
         out = [] if self.started else self._opening()
+        if error.param == "messages":  # the worker names a chat prompt's field; a response's is its input
+            error.param = "input"
         if self.req.background and isinstance(error, StreamAbandoned):
             self.status = "cancelled"  # OpenAI's stream has no event of its own for it: the closing one says so
             return [*out, self._event("response.failed", response=self.response()), *self.done()]
