@@ -7,7 +7,9 @@ from typing import Any
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from services.worker.models import default_chat_model_dir
 from tests.openapi import sse_events, validate
 from tests.processes import MODEL, Edge
 
@@ -128,6 +130,29 @@ async def test_echo_with_logprobs_scores_the_prompt_too(client: openai.AsyncOpen
     assert lp.token_logprobs[0] is None
     assert all(v is not None and v <= 0 and not math.isnan(v) for v in lp.token_logprobs[1:])
     assert len(lp.tokens) == prompt_len + reply.usage.completion_tokens
+
+
+async def test_a_prompt_of_token_ids_runs_as_its_text_does_and_echoes_it(client: openai.AsyncOpenAI) -> None:
+    """OpenAI's and vLLM's prompt as token ids (what evaluation harnesses send, with echo and logprobs to score a
+    continuation): the same answer as its text's, its text echoed, its tokens scored and counted exactly."""
+    ids = AutoTokenizer.from_pretrained(default_chat_model_dir()).encode(PARIS)
+    as_text = await client.completions.create(model=MODEL, prompt=PARIS, max_tokens=6, temperature=0)
+    as_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids)
+    scored = await client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=1, temperature=0,
+                                             logprobs=1, echo=True)
+    first = scored.choices[0]
+    assert first.text.startswith(PARIS) and scored.choices[1].text.startswith(PARIS[:5])
+    assert first.logprobs is not None and "".join(first.logprobs.tokens) == first.text
+    assert len(first.logprobs.tokens) == len(ids) + 1 and first.logprobs.token_logprobs[0] is None
+    echoed = await client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PARIS) and echoed.choices[0].logprobs is None
+    for prompt, param, code in [([ids, "text"], "prompt", None), ([10**9], "prompt", None),
+                                (ids * 400, "prompt", "context_length_exceeded")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert caught.value.body["param"] == param and caught.value.body["code"] == code, caught.value.body
 
 
 async def test_use_raw_prompt_false_applies_the_chat_template(client: openai.AsyncOpenAI) -> None:

@@ -113,6 +113,20 @@ def test_an_embedding_instruction_is_sent_once_and_charged_per_input() -> None:
     assert caught.value.param == "instruction"
 
 
+def test_a_prompt_of_token_ids_is_charged_its_ids_and_bounded_as_text_prompts_are() -> None:
+    job = _job(completions.CompletionRequest, completions, prompt=[[5] * 300, [7] * 20], max_tokens=4, n=2)
+    assert job.prompt_ids == [[5] * 300, [7] * 20] and job.prompts == ["", ""]
+    assert estimate(job, 2048) == (320, 4 * 2 * 2)
+    for prompt in ([[1]] * 257, [[1], "a"]):
+        with pytest.raises(InvalidRequest) as caught:
+            _job(completions.CompletionRequest, completions, prompt=prompt)
+        assert caught.value.param == "prompt"
+    with pytest.raises(InvalidRequest) as too_long:
+        completions.check_context(decode(json.dumps({"model": "m", "prompt": [1] * 2045, "max_tokens": 4}).encode(),
+                                         completions.CompletionRequest), 2048)
+    assert "2049 tokens (2045 in the prompt, 4 in the completion)" in too_long.value.message
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"prompt": ["p"] * 256, "n": 16, "suffix": "s" * 1000}, "suffix"),
     ({"prompt": ["p" * 100_000] * 2, "n": 16, "echo": True}, "echo"),

@@ -34,7 +34,8 @@ def estimate(job: bus.Job, max_model_len: int) -> tuple[int, int]:
     """(prompt tokens, output budget) of a job, before anything is tokenized."""
     framing = TOKENS_PER_MESSAGE * len(job.messages)
     instruction = text_tokens(job.instruction) if job.instruction else 0
-    per_prompt = [text_tokens(p) + instruction for p in job.prompts] or [0]
+    per_prompt = ([len(ids) for ids in job.prompt_ids] if job.prompt_ids  # token ids: counted exactly
+                  else [text_tokens(p) + instruction for p in job.prompts]) or [0]
     read = [per_prompt[a] + per_prompt[b] for a, b in job.pairs] if job.pairs else per_prompt  # a pair reads both
     prompt = (sum(map(_message_tokens, job.messages)) + sum(read) + _tools_tokens(job.tool_use)
               + framing)

@@ -343,6 +343,8 @@ class VllmEngine:
             if counts is not None:
                 counts.dropped_messages = given - len(messages)
             return [ids]
+        if job.prompt_ids:
+            return self._given_ids(job)
         if job.chat_template:
             return list(await asyncio.gather(*(self._chat_ids(job, [{"role": "user", "content": prompt}])
                                                for prompt in job.prompts)))
@@ -351,6 +353,23 @@ class VllmEngine:
         if job.keep_last_tokens:
             prompts = [ids[-job.keep_last_tokens:] for ids in prompts]
         return prompts
+
+    def _given_ids(self, job: bus.Job) -> list[list[int]]:
+        """Prompts given as token ids, as they are: each id one of the tokenizer's (as vLLM checks), each prompt
+        within the context (the end of one kept when the job truncates)."""
+        vocabulary = len(self.tokenizer)
+        for i, ids in enumerate(job.prompt_ids):
+            if (beyond := max(ids)) >= vocabulary:
+                raise InvalidRequest(f"Token id {beyond} is out of vocabulary (the model's ids are 0 to "
+                                     f"{vocabulary - 1}).", param="prompt" if len(job.prompt_ids) == 1 else
+                                     f"prompt[{i}]")
+        if job.keep_last_tokens or job.truncate:
+            keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len)
+            return [ids[-keep:] for ids in job.prompt_ids]
+        if (longest := max(map(len, job.prompt_ids))) > self.max_model_len:
+            raise ContextLengthExceeded(f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                        f"prompt alone has {longest}.", param="prompt")
+        return [list(ids) for ids in job.prompt_ids]
 
     def decode(self, job: bus.Job, token_ids: list[int]) -> str:
         """The text of generated tokens, as the engine would have streamed it."""
@@ -472,8 +491,9 @@ class VllmEngine:
         top = job.params.prompt_logprobs or 0
         logprobs = token_logprobs(ids[1:], list((entries or [None])[1:]), top)
         first_token = self.tokenizer.decode(ids[:1]) if ids else ""
+        text = self.tokenizer.decode(ids) if job.prompt_ids else ""  # the edge has only the ids to echo
         return bus.Prompt(job=job.id, index=index, token_ids=ids, logprobs=logprobs,
-                          first_token=first_token)
+                          first_token=first_token, text=text)
 
     async def abort(self, job_id: str) -> None:
         if job_id in self.preparing:  # not in the engine yet: it never will be

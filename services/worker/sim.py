@@ -210,6 +210,8 @@ class SimEngine:
     def _prompt(self, job: bus.Job) -> tuple[int, int]:
         """Prompt tokens (a word each) and the messages truncation "auto" drops as the engine does: the oldest
         non-system ones, never the last, until the prompt and the token budget fit the context."""
+        if job.prompt_ids:
+            return sum(map(len, job.prompt_ids)), 0
         if job.prompts:
             return sum(len(p.split()) for p in job.prompts), 0
         sizes = [(m.role == "system", len(m.content.split())) for m in job.messages]
@@ -225,6 +227,8 @@ class SimEngine:
     def _words(job: bus.Job, dropped: int) -> list[str]:
         """The prompt's words in order (the first prompt's, for several), as the cache names its blocks: each
         message's role, then its words, without the messages truncation dropped."""
+        if job.prompt_ids:
+            return [str(token) for token in job.prompt_ids[0]]
         if job.prompts:
             return job.prompts[0].split()
         kept = [m for m in job.messages if m.role == "system"] + [m for m in job.messages if m.role != "system"][

@@ -132,6 +132,9 @@ class Job(Base):
     messages: list[Message] = []
     prompts: list[str] = []
     """A batch: prompt i yields choices i*n .. i*n+n-1."""
+    prompt_ids: list[list[int]] = []
+    """Completion jobs whose prompts came as token ids (OpenAI's and vLLM's): run as given, each in place of the
+    empty string `prompts` holds for it."""
     instruction: str = ""
     """Embedding jobs: text the worker puts before every prompt (once here, however many prompts there are)."""
     chat_template: bool = False
@@ -295,6 +298,8 @@ class Prompt(Stamped, tag="prompt", kw_only=True):
     """The first token's text: it has no logprob, nothing comes before it."""
     logprobs: list[TokenLogprob] = []
     """Of the second token onwards."""
+    text: str = ""
+    """The prompt's text, for a prompt given as token ids (echo repeats it): the edge has only its ids."""
 
 
 class ToolCallDelta(Base, array_like=True):

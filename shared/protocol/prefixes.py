@@ -43,7 +43,10 @@ def chain(job: bus.Job) -> list[str]:
             if len(parts) >= MAX_LINKS:
                 break
     elif job.kind == "completion" and job.prompts:
-        text = job.prompts[0][:CHUNK_CHARS * MAX_LINKS]
+        # a prompt of token ids leads as its ids do (written out: the same ids, the same links)
+        first = job.prompts[0] or ",".join(map(str, job.prompt_ids[0][:CHUNK_CHARS * MAX_LINKS] if job.prompt_ids
+                                               else []))
+        text = first[:CHUNK_CHARS * MAX_LINKS]
         parts += [text[at:at + CHUNK_CHARS].encode() for at in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS)]
     links: list[str] = []
     # the salt seeds every link rather than being one: it names no text, and a link of its own would send all its

@@ -19,23 +19,30 @@ from services.edge.formats.base import (
     usage_of,
 )
 from services.edge.formats.common import (
+    INT32_MAX,
     PositiveInt,
     Sampling,
     sampling_params,
 )
 from shared.protocol import bus
-from shared.protocol.errors import InvalidRequest
+from shared.protocol.errors import ContextLengthExceeded, InvalidRequest
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 MAX_COPIED_CHARS = 1 << 20
+MAX_PROMPTS = 256
+"""Prompts one request may batch."""
 
 
 class CompletionRequest(Sampling, kw_only=True):
     model: str
-    prompt: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=256)]
+    prompt: NonEmpty | Annotated[list[NonEmpty | TokenId | TokenIds], Meta(min_length=1)]
+    """A string, a batch of strings, one prompt's token ids, or a batch of token-id prompts (see split_prompt;
+    the body's size bounds how many ids)."""
     max_tokens: PositiveInt | None = DEFAULT_MAX_TOKENS
     best_of: Annotated[int, Meta(ge=1)] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -47,14 +54,40 @@ class CompletionRequest(Sampling, kw_only=True):
     error_behavior: Literal["error", "truncate"] = "error"
 
 
+def split_prompt(req: CompletionRequest) -> tuple[list[str], list[list[int]]]:
+    """The prompts as texts, or (given as token ids, as OpenAI and vLLM take them) an empty text for each and their
+    ids; a mix of the forms is refused, as is a batch of more than MAX_PROMPTS."""
+    given = req.prompt
+    if isinstance(given, str):
+        return [given], []
+    if all(isinstance(each, int) for each in given):
+        return [""], [list(given)]  # type: ignore[arg-type]
+    if len(given) > MAX_PROMPTS:
+        raise InvalidRequest(f"At most {MAX_PROMPTS} prompts are served in one request.", param="prompt")
+    if all(isinstance(each, str) for each in given):
+        return list(given), []  # type: ignore[arg-type]
+    if all(isinstance(each, list) for each in given):
+        return [""] * len(given), list(given)  # type: ignore[arg-type]
+    raise InvalidRequest("`prompt` is a string, a list of strings, a list of token ids, or a list of lists of token "
+                         "ids; not a mix of them.", param="prompt")
+
+
 def prompts_of(req: CompletionRequest) -> list[str]:
-    return [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    return split_prompt(req)[0]
 
 
 def check_context(req: CompletionRequest, max_model_len: int) -> None:
-    """max_tokens must leave room for the prompt, unless Databricks' truncate asks for what fits instead."""
-    if req.error_behavior != "truncate":
-        refuse_beyond_context(req.max_tokens, max_model_len, "max_tokens")
+    """max_tokens must leave room for the prompt, unless Databricks' truncate asks for what fits instead; a prompt
+    of token ids is counted exactly, here, as vLLM does."""
+    if req.error_behavior == "truncate":
+        return
+    refuse_beyond_context(req.max_tokens, max_model_len, "max_tokens")
+    longest = max(map(len, split_prompt(req)[1]), default=0)
+    if max_model_len and longest + (req.max_tokens or 0) > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{longest + (req.max_tokens or 0)} tokens ({longest} in the prompt, {req.max_tokens or 0} in the "
+            "completion). Please reduce the length of the prompt or completion.", param="prompt")
 
 
 def check_copies(req: CompletionRequest) -> None:
@@ -74,12 +107,18 @@ def to_job(req: CompletionRequest, *, job_id: str, reply_to: str, deadline_ms: i
     if req.best_of is not None and req.best_of != req.n:
         raise refuse("best_of", "only best_of equal to n is served")
     check_copies(req)
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+    prompts, ids = split_prompt(req)
+    if ids and req.use_raw_prompt is False:
+        raise InvalidRequest("A prompt of token ids runs as given: it cannot be wrapped in the chat template.",
+                             param="use_raw_prompt")
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    if ids and req.echo and prompt_logprobs is None:
+        prompt_logprobs = 0  # the worker's Prompt event brings the text to echo: the edge has only the ids
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     params.constraint = structured.of_structured_outputs(req.structured_outputs)
     return bus.Job(
         id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="completion",
-        prompts=prompts_of(req), chat_template=req.use_raw_prompt is False,
+        prompts=prompts, prompt_ids=ids, chat_template=req.use_raw_prompt is False,
         truncate=req.error_behavior == "truncate", params=params, created_ms=bus.now_ms(),
         cache_key=req.prompt_cache_key or "",
     )
@@ -166,6 +205,7 @@ class CompletionRenderer(OpenAIStreamEnd):
             self.started[i] = True
             if self.echo:
                 head, echo = self.prompts[i // self.n], self.echoes.get(i // self.n)
+                head = head or (echo.text if echo is not None else "")  # token ids: the worker sent the text
         tail = self.suffix if event.finish_reason is not None else ""
         logprobs = self.builders[i].build(event.logprobs or [], echo) if self.with_logprobs else None
         return CompletionChoice(text=head + event.text + tail, index=i, logprobs=logprobs,
