@@ -9,6 +9,7 @@ import uuid
 
 from aiohttp import web
 
+from services.edge import sending
 from services.edge.auth import caller_of
 from services.edge.file_store import FileInfo
 from services.edge.formats import files as shapes
@@ -64,23 +65,11 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def content(request: web.Request) -> web.StreamResponse:
-    """A file's bytes, sent a chunk at a time; a client that leaves a chunk unread for --write-stall-s is dropped
-    (a download holds one chunk on the edge, and not for good)."""
+    """A file's bytes, sent a chunk at a time, each write within --write-stall-s (services.edge.sending): a
+    download holds one chunk on the edge, and not for good."""
     info, chunks = await request.app[FILES].chunks(caller_of(request).tenant, request.match_info["file_id"])
-    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-    response.content_length = info.bytes
-    stall_s = request.app[SETTINGS].write_stall_s
-    try:
-        await response.prepare(request)
-        async for chunk in chunks:
-            async with asyncio.timeout(stall_s):
-                await response.write(chunk)
-        await response.write_eof()
-    except (TimeoutError, ConnectionError):
-        if request.transport is not None:
-            request.transport.abort()
-        raise ClientGone() from None
-    return response
+    return await sending.send(request, chunks, content_type="application/octet-stream", length=info.bytes,
+                              stall_s=request.app[SETTINGS].write_stall_s)
 
 
 async def delete(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from services.edge import framing
+from services.edge import framing, sending
 from services.edge.formats.base import Payload, Renderer
 from services.edge.jobevents import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter, bound_send_buffer
@@ -130,7 +130,9 @@ async def respond(
             while event is not None:
                 await delivery.render(event, stream=False)
                 event = await _next(request, events)
-            return web.Response(body=framing.body(renderer.body()), content_type="application/json")
+            body = framing.body(renderer.body())  # written here, within the stall deadline, the job's slot held
+            return await sending.send(request, body, content_type="application/json", length=len(body),
+                                      stall_s=write_stall_s)
         sse = await SSEWriter.open(request, stall_s=write_stall_s)
         try:
             await _stream(request, sse, events, delivery, first, keepalive_s)
