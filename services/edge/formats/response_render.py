@@ -121,7 +121,7 @@ class Response(Out, kw_only=True):
     text: TextOut
     tool_choice: str | NamedChoiceOut = "auto"
     tools: list[FunctionToolOut] = []
-    top_logprobs: int | None
+    top_logprobs: int = 0
     top_p: float
     truncation: str
     usage: ResponseUsage | UnsetType = UNSET
@@ -130,6 +130,7 @@ class Response(Out, kw_only=True):
     metadata: dict[str, str]
     background: bool = False
     conversation: ConversationRef | None = None
+    service_tier: str = "default"
 
 
 class InputTokens(Out, kw_only=True):
@@ -213,7 +214,7 @@ class ResponsesRenderer:
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             reasoning=Reasoning(effort=req.reasoning.effort if req.reasoning else None),
             store=req.store, temperature=1.0 if req.temperature is None else req.temperature,
-            text=TextOut(format=echo_format(req.text.format if req.text else None)), top_logprobs=req.top_logprobs,
+            text=TextOut(format=echo_format(req.text.format if req.text else None)), top_logprobs=req.top_logprobs or 0,
             top_p=1.0 if req.top_p is None else req.top_p, truncation=req.truncation or "disabled",
             usage=usage, user=UNSET if req.user is None else req.user, metadata=req.metadata or {},
             background=bool(req.background),
