@@ -149,7 +149,7 @@ async def test_a_prompt_of_token_ids_runs_as_its_text_does_and_echoes_it(client:
     echoed = await client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith(PARIS) and echoed.choices[0].logprobs is None
     for prompt, param, code in [([ids, "text"], "prompt", None), ([10**9], "prompt", None),
-                                (ids * 400, "prompt", "context_length_exceeded")]:
+                                (ids * 500, "prompt", "context_length_exceeded")]:
         with pytest.raises(openai.BadRequestError) as caught:
             await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         assert caught.value.body["param"] == param and caught.value.body["code"] == code, caught.value.body
