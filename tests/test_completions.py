@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -153,6 +154,29 @@ async def test_a_prompt_of_token_ids_runs_as_its_text_does_and_echoes_it(client:
         with pytest.raises(openai.BadRequestError) as caught:
             await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         assert caught.value.body["param"] == param and caught.value.body["code"] == code, caught.value.body
+
+
+async def test_tokenize_and_detokenize_as_vllm_and_tgi_serve_them(served: Edge, client: openai.AsyncOpenAI) -> None:
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, and TGI's /tokenize
+    (each token with its span): the model's own tokenizer's ids, the counts its answers report."""
+    tokenizer = AutoTokenizer.from_pretrained(default_chat_model_dir())
+    ids = tokenizer.encode(PARIS)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    ran = await client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1)
+    async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+        prompt = (await http.post("/tokenize", json={"model": MODEL, "prompt": PARIS, "return_token_strs": True}))
+        chat = (await http.post("/tokenize", json={"model": MODEL, "messages": ask})).json()
+        text = (await http.post("/detokenize", json={"model": MODEL, "tokens": ids})).json()
+        tgi = (await http.post("/tokenize", json={"inputs": PARIS})).json()
+        unknown = await http.post("/detokenize", json={"tokens": [10**9]})
+    assert prompt.status_code == 200 and prompt.json() == {
+        "count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert ran.usage is not None and chat["count"] == ran.usage.prompt_tokens == len(chat["tokens"])
+    assert text == {"prompt": PARIS}
+    assert [token["id"] for token in tgi] == ids
+    assert all(PARIS[token["start"]:token["stop"]] == token["text"] for token in tgi)
+    assert "".join(token["text"] for token in tgi).replace(" ", "") == PARIS.replace(" ", "")
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "prompt"
 
 
 async def test_use_raw_prompt_false_applies_the_chat_template(client: openai.AsyncOpenAI) -> None:

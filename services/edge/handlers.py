@@ -229,6 +229,14 @@ async def count_input_tokens(request: web.Request) -> web.StreamResponse:
     return await _planned(request, "responses_input_tokens")
 
 
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "tokenize")
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    return await _planned(request, "detokenize")
+
+
 async def create_embeddings(request: web.Request) -> web.StreamResponse:
     return await _planned(request, "embeddings")
 

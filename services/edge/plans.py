@@ -164,6 +164,8 @@ PLANNERS: dict[str, Planner] = {
         planners.plan_responses, ovms=True))),
     "responses_input_tokens": checked(planned("responses_input_tokens", "responses",
                                               planners.plan_response_input_tokens)),
+    "tokenize": checked(planned("tokenize", "tokenize", planners.plan_tokenize)),
+    "detokenize": planned("detokenize", "tokenize", planners.plan_detokenize),
     "embeddings": planned("embeddings", "embeddings", planners.plan_embeddings),
     "messages": checked(planned("messages", "messages", planners.plan_messages)),
     "messages_count": checked(planned("messages_count", "messages", planners.plan_count_tokens)),

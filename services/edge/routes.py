@@ -30,6 +30,7 @@ from services.edge.formats import (
     response_render,
     responses,
     tgi,
+    tokenize,
 )
 from services.edge.formats import files as files_shapes
 from services.edge.formats.models import ModelCard, ModelList
@@ -162,6 +163,13 @@ ROUTES: list[Route] = [
           "Anthropic: the tokens of a Messages request's prompt", messages.CountTokensRequest,
           messages_render.CountTokens, runs_model=True),
     Route("get", "/info", handlers.tgi_info, "tgi", "TGI model information", response=tgi.Info),
+    *_openai("post", "/tokenize", handlers.tokenize,
+             "Tokenize: vLLM's (a `prompt`, or `messages` through the chat template) or TGI's (`inputs`, each "
+             "token with its span)", (tokenize.TokenizePromptRequest, tokenize.TokenizeChatRequest,
+                                      tgi.GenerateRequest),
+             (tokenize.TokenizeResponse, list[tokenize.SimpleToken]), runs_model=True),
+    *_openai("post", "/detokenize", handlers.detokenize, "vLLM's detokenize: the text of token ids",
+             tokenize.DetokenizeRequest, tokenize.DetokenizeResponse, runs_model=True),
     Route("get", "/health", ops.health, "ops"),
     Route("get", "/ready", ops.ready, "ops"),
     Route("get", "/openapi.json", openapi_document, "ops"),

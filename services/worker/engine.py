@@ -348,7 +348,8 @@ class VllmEngine:
         if job.chat_template:
             return list(await asyncio.gather(*(self._chat_ids(job, [{"role": "user", "content": prompt}])
                                                for prompt in job.prompts)))
-        prompts = list(await asyncio.gather(*(self._encode(job, job.instruction + prompt, add_special_tokens=True)
+        prompts = list(await asyncio.gather(*(self._encode(job, job.instruction + prompt,
+                                                           add_special_tokens=job.add_special_tokens)
                                               for prompt in job.prompts)))
         if job.keep_last_tokens:
             prompts = [ids[-job.keep_last_tokens:] for ids in prompts]
@@ -413,8 +414,10 @@ class VllmEngine:
                             pooling.embed(self, job, priority), take)
             return
         if job.count_only:
-            counted = sum(map(len, await self.prompt_ids(job)))
-            take(bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0))
+            prompts = await self.prompt_ids(job)
+            if job.tokens_out:
+                take(await self._tokens_out(job, prompts[0]))
+            take(bus.Final(job=job.id, prompt_tokens=sum(map(len, prompts)), completion_tokens=0))
             return
         arrival = time.time()
         self.preparing[job.id] = False
@@ -486,6 +489,17 @@ class VllmEngine:
                 params = sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
                 reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
         return reqs
+
+    async def _tokens_out(self, job: bus.Job, ids: list[int]) -> bus.Prompt:
+        """A tokens_out job's answer: its prompt's ids, each token's string and, for a plain text prompt, each
+        one's span in it (the text tokenized again with offsets, off the loop: the same ids)."""
+        spans: list[tuple[int, int]] = []
+        assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
+        if job.kind == "completion" and job.prompts and job.prompts[0] and not job.chat_template:
+            ids, spans = await self.encoder.encode_with_spans(job.prompts[0], job.add_special_tokens)
+        return bus.Prompt(job=job.id, index=0, token_ids=ids, spans=spans,
+                          token_strs=list(self.tokenizer.convert_ids_to_tokens(ids)),
+                          text=self.tokenizer.decode(ids) if job.prompt_ids else "")
 
     def prompt_event(self, job: bus.Job, index: int, ids: list[int], entries: list[Any] | None) -> bus.Prompt:
         top = job.params.prompt_logprobs or 0

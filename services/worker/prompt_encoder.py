@@ -53,6 +53,15 @@ class PromptEncoder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._encode_batch, texts, add_special_tokens)
 
+    async def encode_with_spans(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """The text's ids and each token's start and end in it, in characters (TGI's /tokenize), off the loop."""
+        if self.backend is None:
+            found = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+            return list(found["input_ids"]), [tuple(span) for span in found["offset_mapping"]]
+        encoding = await asyncio.get_running_loop().run_in_executor(
+            self.executor, partial(self.backend.encode, text, add_special_tokens=add_special_tokens))
+        return list(encoding.ids), [tuple(span) for span in encoding.offsets]
+
     async def encode_within(self, text: str, add_special_tokens: bool, limit: int) -> list[int] | None:
         """The text's ids, or None once its beginning alone has more than `limit` tokens: a text far over the limit
         costs the tokenizer a few times the characters of `limit` tokens, not its whole length."""

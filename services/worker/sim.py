@@ -11,6 +11,7 @@ stream that moved between workers lost and repeated nothing.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -178,6 +179,8 @@ class SimEngine:
         prompts = len(job.prompts) or 1
         prompt_tokens, dropped = self._prompt(job)
         if job.count_only:
+            if job.tokens_out:
+                take(self._tokens_out(job))
             take(bus.Final(job=job.id, prompt_tokens=prompt_tokens, completion_tokens=0))
             return
         hashes = block_hashes(self._words(job, dropped), salt=job.cache_salt) if self.cache.capacity else []
@@ -206,6 +209,18 @@ class SimEngine:
                 self.running = [seq for seq in self.running if seq.feed is not feed]
         take(bus.Final(job=job.id, prompt_tokens=prompt_tokens,
                        completion_tokens=sum(seq.produced for seq in sequences) - carried, dropped_messages=dropped))
+
+    @staticmethod
+    def _tokens_out(job: bus.Job) -> bus.Prompt:
+        """The simulated tokenizer's answer: a token a word (its id its position), an id list read back as words."""
+        if job.prompt_ids:
+            ids = job.prompt_ids[0]
+            return bus.Prompt(job=job.id, index=0, token_ids=ids, token_strs=[f"t{i}" for i in ids],
+                              text=" ".join(f"t{i}" for i in ids))
+        text = job.prompts[0] if job.prompts else " ".join(m.content for m in job.messages)
+        words = [(word.start(), word.end()) for word in re.finditer(r"\S+", text)]
+        return bus.Prompt(job=job.id, index=0, token_ids=list(range(len(words))),
+                          token_strs=[text[a:b] for a, b in words], spans=words if job.prompts else [])
 
     def _prompt(self, job: bus.Job) -> tuple[int, int]:
         """Prompt tokens (a word each) and the messages truncation "auto" drops as the engine does: the oldest

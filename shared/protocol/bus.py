@@ -186,6 +186,12 @@ class Job(Base):
     count_only: bool = False
     """Render and count the prompt, run nothing: the worker answers with a Final of its prompt tokens alone
     (Anthropic's count_tokens)."""
+    tokens_out: bool = False
+    """A count_only job whose prompt's tokens are the answer (/tokenize, /detokenize): a Prompt event of its first
+    prompt (ids, each token's string, each one's character span in a plain prompt, the text of a prompt given as
+    ids) comes before the Final."""
+    add_special_tokens: bool = True
+    """Completion jobs: the tokenizer's special tokens (a BOS) around each text prompt, as vLLM adds them."""
     pairs: list[tuple[int, int]] = []
     """An embedding job for a cross-encoder (a score task): the pairs of `prompts`, by index, that the model reads
     together, one score each (an Embedding event per pair, its vector the one score)."""
@@ -300,6 +306,10 @@ class Prompt(Stamped, tag="prompt", kw_only=True):
     """Of the second token onwards."""
     text: str = ""
     """The prompt's text, for a prompt given as token ids (echo repeats it): the edge has only its ids."""
+    token_strs: list[str] = []
+    """tokens_out jobs: each token as the tokenizer's vocabulary spells it."""
+    spans: list[tuple[int, int]] = []
+    """tokens_out jobs with a plain text prompt: each token's start and end in it, in characters."""
 
 
 class ToolCallDelta(Base, array_like=True):

@@ -27,10 +27,12 @@ from services.edge.formats import (
     response_render,
     responses,
     tgi,
+    tokenize,
 )
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.store import Conversation
 from shared.protocol import bus
+from shared.protocol.errors import InvalidRequest
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -247,8 +249,7 @@ def plan_response_input_tokens(body: bytes) -> Planning:
     """POST /v1/responses/input_tokens: the worker renders the turn's prompt (instructions, the conversation it
     continues, tools) and counts it, running nothing (one output token in its budget, as count_tokens)."""
     counted = yield from _decode(body, responses.InputTokensRequest, "responses")
-    model = counted.model or cast(str, (yield ServedModel()))
-    req = responses.counted_request(counted, (yield from _named(model)))
+    req = responses.counted_request(counted, (yield from _served(counted.model)))
     responses.refuse_unsupported(req)
     yield from _model(req.model)
     conversation, _, _, added = yield from _turn(req)
@@ -257,6 +258,53 @@ def plan_response_input_tokens(body: bytes) -> Planning:
                            deadline_ms=arrival.deadline_ms)
     job = msgspec.structs.replace(job, count_only=True, params=bus.SamplingParams(max_tokens=1))
     return Planned(job, response_render.input_tokens_renderer(), False, arrival)
+
+
+def plan_tokenize(body: bytes) -> Planning:
+    """POST /tokenize: TGI's (a body with `inputs`: each token with its span), else vLLM's (a `prompt`, or
+    `messages` through the chat template)."""
+    fields = decode(body, dict[str, msgspec.Raw])
+    if "inputs" in fields:
+        req = yield from _decode(body, tgi.GenerateRequest, "tgi")
+        text = tgi.input_text(req.inputs)
+        if not text:
+            raise InvalidRequest("`inputs` is the text to tokenize.", param="inputs")
+        model = yield from _served(req.model or "")
+        yield from _model(model)
+        arrival = yield from _arrive("tok-")
+        job = tokenize.prompt_job(tokenize.TokenizePromptRequest(model=model, prompt=text), **_ids(arrival))
+        return Planned(job, tokenize.tgi_tokenized(text, tgi.tgi_error_body), False, arrival)
+    if "messages" in fields:
+        chat_req = yield from _decode(body, tokenize.TokenizeChatRequest, "tokenize")
+        chat_req.model = yield from _served(chat_req.model)
+        info = yield from _model(chat_req.model)
+        arrival = yield from _arrive("tok-")
+        job = tokenize.chat_job(chat_req, **_ids(arrival))
+        return Planned(job, tokenize.tokenized(info.max_model_len, chat_req.return_token_strs), False, arrival)
+    prompt_req = yield from _decode(body, tokenize.TokenizePromptRequest, "tokenize")
+    prompt_req.model = yield from _served(prompt_req.model)
+    info = yield from _model(prompt_req.model)
+    arrival = yield from _arrive("tok-")
+    job = tokenize.prompt_job(prompt_req, **_ids(arrival))
+    return Planned(job, tokenize.tokenized(info.max_model_len, prompt_req.return_token_strs), False, arrival)
+
+
+def plan_detokenize(body: bytes) -> Planning:
+    """vLLM's POST /detokenize: the text of token ids."""
+    req = yield from _decode(body, tokenize.DetokenizeRequest, "tokenize")
+    req.model = yield from _served(req.model)
+    yield from _model(req.model)
+    arrival = yield from _arrive("tok-")
+    return Planned(tokenize.ids_job(req, **_ids(arrival)), tokenize.detokenized(), False, arrival)
+
+
+def _served(model: str) -> Generator[Need, Any, str]:
+    """The model a request names; none, or a placeholder, is the edge's."""
+    return (yield from _named(model)) if model else cast(str, (yield ServedModel()))
+
+
+def _ids(arrival: Arrival) -> dict[str, Any]:
+    return {"job_id": arrival.job_id, "reply_to": arrival.reply_to, "deadline_ms": arrival.deadline_ms}
 
 
 def plan_embeddings(body: bytes) -> Planning:
