@@ -274,19 +274,17 @@ def plan_tokenize(body: bytes) -> Planning:
         arrival = yield from _arrive("tok-")
         job = tokenize.prompt_job(tokenize.TokenizePromptRequest(model=model, prompt=text), **_ids(arrival))
         return Planned(job, tokenize.tgi_tokenized(text, tgi.tgi_error_body), False, arrival)
+    vllm_req: tokenize.TokenizeChatRequest | tokenize.TokenizePromptRequest
     if "messages" in fields:
-        chat_req = yield from _decode(body, tokenize.TokenizeChatRequest, "tokenize")
-        chat_req.model = yield from _served(chat_req.model)
-        info = yield from _model(chat_req.model)
-        arrival = yield from _arrive("tok-")
-        job = tokenize.chat_job(chat_req, **_ids(arrival))
-        return Planned(job, tokenize.tokenized(info.max_model_len, chat_req.return_token_strs), False, arrival)
-    prompt_req = yield from _decode(body, tokenize.TokenizePromptRequest, "tokenize")
-    prompt_req.model = yield from _served(prompt_req.model)
-    info = yield from _model(prompt_req.model)
+        vllm_req = yield from _decode(body, tokenize.TokenizeChatRequest, "tokenize")
+    else:
+        vllm_req = yield from _decode(body, tokenize.TokenizePromptRequest, "tokenize")
+    vllm_req.model = yield from _served(vllm_req.model)
+    info = yield from _model(vllm_req.model)
     arrival = yield from _arrive("tok-")
-    job = tokenize.prompt_job(prompt_req, **_ids(arrival))
-    return Planned(job, tokenize.tokenized(info.max_model_len, prompt_req.return_token_strs), False, arrival)
+    job = (tokenize.chat_job(vllm_req, **_ids(arrival)) if isinstance(vllm_req, tokenize.TokenizeChatRequest)
+           else tokenize.prompt_job(vllm_req, **_ids(arrival)))
+    return Planned(job, tokenize.tokenized(info.max_model_len, vllm_req.return_token_strs), False, arrival)
 
 
 def plan_detokenize(body: bytes) -> Planning:
