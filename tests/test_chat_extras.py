@@ -90,7 +90,7 @@ async def test_the_body_matches_the_schema(client: openai.AsyncOpenAI) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(33)]}, "tools"),
+    [({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(129)]}, "tools"),
      ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
      ({"response_format": {"type": "json_object"}, "tool_choice": "required",  # one constraint at a time
        "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format"),

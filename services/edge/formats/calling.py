@@ -1,7 +1,7 @@
 """Function calling at the edge: the tools a request offers (Chat's nested form, the Responses API's flat one
 and the nested one OVMS also accepts), the tool choice, and the checks that keep bad definitions off the
-queue: at most 32 functions, parameters of at most 15 properties (Databricks' limits), unique names, valid
-JSON schemas that describe objects.
+queue: at most 128 functions (OpenAI's limit), their parameters at most MAX_TOOLS_BYTES of JSON all together (what
+checking and compiling them costs), unique names, valid JSON schemas that describe objects.
 
 A forced choice (`required`, or a named function) becomes a structured-output constraint built from the
 functions' parameters, so the engine itself guarantees that the arguments validate: `required` holds the
@@ -20,8 +20,9 @@ from services.edge.formats.base import Request, refuse
 from shared.protocol import bus
 from shared.protocol.errors import InvalidRequest
 
-MAX_FUNCTIONS = 32
-MAX_PROPERTIES = 15
+MAX_FUNCTIONS = 128
+"""OpenAI's limit on `tools` (Databricks' is 32, with 15 properties a function: agents' tools often take more, and
+the functions' bytes bound what they cost)."""
 MAX_TOOLS_BYTES = 2 * structured.MAX_SPEC_BYTES
 """A forced choice holds the answer to all the functions at once, in one grammar of at most MAX_SPEC_BYTES."""
 FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
@@ -109,10 +110,6 @@ def _parameters(function: FunctionDef, param: str) -> dict[str, Any]:
     schema = structured.checked_schema(function.parameters, param)
     if schema.get("type", "object") != "object":
         raise InvalidRequest(f"`{param}` must describe an object (type object): the arguments are one.", param=param)
-    properties = schema.get("properties", {})
-    if isinstance(properties, dict) and len(properties) > MAX_PROPERTIES:
-        raise InvalidRequest(f"`{param}` has {len(properties)} properties; a function may take at most "
-                             f"{MAX_PROPERTIES}.", param=param)
     return schema
 
 
