@@ -616,3 +616,25 @@ async def test_a_client_that_reads_nothing_of_an_answer_is_dropped_after_the_wri
         finally:
             for sock in held:
                 sock.close()
+
+
+async def test_a_download_cut_short_closes_its_connection_never_hangs_it(stack: Stack) -> None:
+    """A file deleted while it downloads: the client gets its first chunks, then the connection closes (it had
+    waited for bytes that would never come, and the next answer on that connection went into the file's)."""
+    key = create_key(stack, "--tenant", "cut-short")["key"]
+    edge = stack.edges[0]
+    async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=key, max_retries=0, timeout=60) as client:
+        big = await client.files.create(file=("big.bin", os.urandom(7 << 20)), purpose="user_data")
+        sock = await _unread_download(int(edge.url.rsplit(":", 1)[1]), f"/v1/files/{big.id}/content", key)
+        try:
+            await asyncio.sleep(0.5)  # the edge waits on its first chunk's write
+            await client.files.delete(big.id)
+            received, loop = b"", asyncio.get_running_loop()
+            async with asyncio.timeout(15):
+                while chunk := await loop.sock_recv(sock, 1 << 16):
+                    received += chunk
+        finally:
+            sock.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and f"Content-Length: {7 << 20}".encode() in head
+    assert 0 < len(body) < 7 << 20  # cut short, and closed: the read above ended

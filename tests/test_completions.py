@@ -176,7 +176,7 @@ async def test_tokenize_and_detokenize_as_vllm_and_tgi_serve_them(served: Edge, 
     assert [token["id"] for token in tgi] == ids
     assert all(PARIS[token["start"]:token["stop"]] == token["text"] for token in tgi)
     assert "".join(token["text"] for token in tgi).replace(" ", "") == PARIS.replace(" ", "")
-    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "prompt"
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tokens"
 
 
 async def test_use_raw_prompt_false_applies_the_chat_template(client: openai.AsyncOpenAI) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 
+import msgspec
 import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import REDIS_FAILURES
@@ -103,6 +104,7 @@ class ModelDirectory:
         live: dict[str, int] = {}
         free: dict[str, int] = {}
         lapsed: set[str] = set()
+        features: dict[str, set[str]] = {}
         for key, raw in zip(names, map(heartbeats.__getitem__, names), strict=True):
             if not isinstance(raw, bytes):  # that heartbeat expired (or its worker stopped)
                 lapsed.add(keys.model_of_heartbeat(key))
@@ -111,11 +113,14 @@ class ModelDirectory:
                 if info.model not in found or info.slots > found[info.model].slots:  # the largest job it can run
                     found[info.model] = info
                 workers.add(info.worker)
+                features[info.model] = features.get(info.model, set(info.features)) & set(info.features)
                 if info.max_loras:
                     lora_models.add(info.model)
                     started_with.update((name, Adapter(name=name, base=info.model)) for name in info.adapters)
                 live[info.model] = live.get(info.model, 0) + 1
                 free[info.model] = free.get(info.model, 0) + max(0, info.slots - info.running)
+        for model, common in features.items():  # what every live worker of the model takes
+            found[model] = msgspec.structs.replace(found[model], features=sorted(common))
         self.workers, self.loaded, self.lora_models = workers, True, lora_models
         self.resting = (lapsed | set(self.expected)) - found.keys()
         self.adapters = started_with | {name.decode(): adapter_registry.decode(raw) for name, raw in

@@ -361,9 +361,10 @@ class VllmEngine:
         vocabulary = len(self.tokenizer)
         for i, ids in enumerate(job.prompt_ids):
             if (beyond := max(ids)) >= vocabulary:
+                field = "tokens" if job.tokens_out else "prompt"  # /detokenize's, or a completion's
                 raise InvalidRequest(f"Token id {beyond} is out of vocabulary (the model's ids are 0 to "
-                                     f"{vocabulary - 1}).", param="prompt" if len(job.prompt_ids) == 1 else
-                                     f"prompt[{i}]")
+                                     f"{vocabulary - 1}).", param=field if len(job.prompt_ids) == 1 else
+                                     f"{field}[{i}]")
         if job.keep_last_tokens or job.truncate:
             keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len)
             return [ids[-keep:] for ids in job.prompt_ids]

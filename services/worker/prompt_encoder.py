@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+from shared.protocol.errors import NotFound
+
 _Waiting = list[tuple[str, "asyncio.Future[list[int]]"]]
 
 LOOK_CHARS_PER_TOKEN = 8
@@ -55,9 +57,8 @@ class PromptEncoder:
 
     async def encode_with_spans(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """The text's ids and each token's start and end in it, in characters (TGI's /tokenize), off the loop."""
-        if self.backend is None:
-            found = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-            return list(found["input_ids"]), [tuple(span) for span in found["offset_mapping"]]
+        if self.backend is None:  # only a fast (Rust) tokenizer gives spans, as TGI answers too
+            raise NotFound("No fast tokenizer available: this model's tokenizer gives no token spans.")
         encoding = await asyncio.get_running_loop().run_in_executor(
             self.executor, partial(self.backend.encode, text, add_special_tokens=add_special_tokens))
         return list(encoding.ids), [tuple(span) for span in encoding.offsets]

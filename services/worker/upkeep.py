@@ -163,7 +163,7 @@ class Upkeep:
             max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
             slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
             adapters=self.engine.static_adapters(), max_loras=self.engine.max_loras,
-            held=self.engine.held_adapters(),
+            held=self.engine.held_adapters(), features=list(bus.WORKER_FEATURES),
         ))
         pipe = self.beats.pipeline()
         with rawpipe.Span(pipe) as beat:

@@ -390,6 +390,14 @@ class WorkerInfo(Base):
     """Adapters its engine runs at once (--max-loras); 0: it serves no adapters."""
     held: list[str] = []
     """The adapters its engine holds now (started with, or loaded for a job since)."""
+    features: list[str] = []
+    """What of the bus it takes that older workers ignored (WORKER_FEATURES): an edge sends a job that needs one
+    only while every live worker of its model has it (the edge reads the model's common ones)."""
+
+
+WORKER_FEATURES = ("prompt_ids", "tokens_out")
+"""Job fields this worker acts on that a worker of an earlier version ignored: Job.prompt_ids (it would run an empty
+prompt) and Job.tokens_out (it would answer a count alone)."""
 
 
 class Route(Base):

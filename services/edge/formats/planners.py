@@ -32,7 +32,7 @@ from services.edge.formats import (
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.store import Conversation
 from shared.protocol import bus
-from shared.protocol.errors import InvalidRequest
+from shared.protocol.errors import InvalidRequest, ModelUnavailable
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -156,6 +156,14 @@ def _named(model: str) -> Generator[Need, Any, str]:
     return model
 
 
+def _needs(info: bus.WorkerInfo, feature: str, what: str) -> None:
+    """A job `what` asks for runs only where every live worker of its model takes `feature` (bus.WORKER_FEATURES):
+    an older worker would ignore it and answer wrongly. A 503 to retry: the workers are being upgraded."""
+    if feature not in info.features:
+        raise ModelUnavailable(f"The workers of `{info.model}` are older than this server and cannot serve {what} "
+                               "yet: upgrade the workers (before the edges).")
+
+
 def _arrive(prefix: str, seed: int | None = None) -> Generator[Need, Any, Arrival]:
     return cast(Arrival, (yield Arrive(prefix, seed)))
 
@@ -195,12 +203,14 @@ def plan_count_tokens(body: bytes) -> Planning:
 def plan_completions(body: bytes, raw_prompt_default: bool = True) -> Planning:
     req = yield from _decode(body, completions.CompletionRequest, "completions")
     if not raw_prompt_default:  # Databricks' completions: the chat template, and no token limit by default
-        if req.use_raw_prompt is None:
+        if req.use_raw_prompt is None and not completions.split_prompt(req)[1]:  # token ids run as given
             req.use_raw_prompt = False
         if "max_tokens" not in msgspec.json.decode(body, type=dict[str, msgspec.Raw]):
             req.max_tokens = None
     req.model = yield from _named(req.model)
     info = yield from _model(req.model)
+    if completions.split_prompt(req)[1]:
+        _needs(info, "prompt_ids", "prompts of token ids")
     completions.check_context(req, info.max_model_len)
     arrival = yield from _arrive("cmpl-")
     job = completions.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to,
@@ -270,7 +280,7 @@ def plan_tokenize(body: bytes) -> Planning:
         if not text:
             raise InvalidRequest("`inputs` is the text to tokenize.", param="inputs")
         model = yield from _served(req.model or "")
-        yield from _model(model)
+        _needs((yield from _model(model)), "tokens_out", "/tokenize")
         arrival = yield from _arrive("tok-")
         job = tokenize.prompt_job(tokenize.TokenizePromptRequest(model=model, prompt=text), **_ids(arrival))
         return Planned(job, tokenize.tgi_tokenized(text, tgi.tgi_error_body), False, arrival)
@@ -281,6 +291,7 @@ def plan_tokenize(body: bytes) -> Planning:
         vllm_req = yield from _decode(body, tokenize.TokenizePromptRequest, "tokenize")
     vllm_req.model = yield from _served(vllm_req.model)
     info = yield from _model(vllm_req.model)
+    _needs(info, "tokens_out", "/tokenize")
     arrival = yield from _arrive("tok-")
     job = (tokenize.chat_job(vllm_req, **_ids(arrival)) if isinstance(vllm_req, tokenize.TokenizeChatRequest)
            else tokenize.prompt_job(vllm_req, **_ids(arrival)))
@@ -291,7 +302,7 @@ def plan_detokenize(body: bytes) -> Planning:
     """vLLM's POST /detokenize: the text of token ids."""
     req = yield from _decode(body, tokenize.DetokenizeRequest, "tokenize")
     req.model = yield from _served(req.model)
-    yield from _model(req.model)
+    _needs((yield from _model(req.model)), "tokens_out", "/detokenize")
     arrival = yield from _arrive("tok-")
     return Planned(tokenize.ids_job(req, **_ids(arrival)), tokenize.detokenized(), False, arrival)
 
