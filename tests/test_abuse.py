@@ -591,15 +591,21 @@ async def test_a_tenant_s_downloads_uploads_and_lists_take_a_bounded_part_of_an_
 
 
 async def test_a_client_that_reads_nothing_of_an_answer_is_dropped_after_the_write_stall(stack: Stack) -> None:
-    """An answer the edge writes whole (a file, a model's answer not streamed) has a deadline on each write: eight
-    downloads left unread hold all of their tenant's calls only until --write-stall-s (1 s here) drops them, though
-    their clients keep their connections open."""
+    """An answer the edge writes whole (a file, a model's answer not streamed, a large page of a list) has a
+    deadline on each write: eight answers left unread (four downloads, four 7 MB pages of a conversation's items)
+    hold all of their tenant's calls only until --write-stall-s (1 s here) drops them, though their clients keep
+    their connections open."""
     key = create_key(stack, "--tenant", "stalled")["key"]
     edge = stack.edge(auth="keys", lease_ttl_s=3, write_stall_s=1)
     port = int(edge.url.rsplit(":", 1)[1])
     async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key=key, max_retries=0, timeout=60) as client:
         big = await client.files.create(file=("big.bin", os.urandom(7 << 20)), purpose="user_data")
-        held = [await _unread_download(port, f"/v1/files/{big.id}/content", key) for _ in range(8)]
+        items = [{"type": "message", "role": "user", "content": "x" * 70_000} for _ in range(20)]
+        talk = await client.conversations.create(items=items)
+        for _ in range(4):
+            await client.conversations.items.create(talk.id, items=items)
+        held = [await _unread_download(port, f"/v1/files/{big.id}/content", key) for _ in range(4)]
+        held += [await _unread_download(port, f"/v1/conversations/{talk.id}/items?limit=100", key) for _ in range(4)]
         try:
             await asyncio.sleep(0.3)
             with pytest.raises(openai.RateLimitError):

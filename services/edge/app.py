@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from services.edge import background, batch_driver, keyless, routes
+from services.edge import background, batch_driver, keyless, routes, sending
 from services.edge.admission import Admitter, renewing
 from services.edge.auth import ANONYMOUS, CALLER, KeyCache, listening
 from services.edge.batch_store import BatchStore
@@ -127,6 +127,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         await _admit(request, route)
         response = await handler(request)
+        response = await _written(request, response)
     except REDIS_FAILURES as exc:  # one no deeper call turned into its error (services/edge/redis_boundary.py)
         log.warning("redis failed on %s: %s", route.path, type(exc).__name__)
         response = _error_response(route, unavailable())
@@ -148,6 +149,25 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.app[CALL_GATE].leave(request)
     metrics.REQUESTS.labels(route.path, str(response.status)).inc()
     return response
+
+
+LARGE_ANSWER_BYTES = 64 * 1024
+"""A whole answer past this (a page of a conversation's items, a list) is written by the edge within the write
+deadline, and within its tenant's call gate (services.edge.sending); a smaller one fits the socket's buffers."""
+
+
+async def _written(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """A large answer a handler returned whole, written here with a deadline on each write (aiohttp would wait on a
+    client that reads nothing for as long as it keeps its connection, holding the answer)."""
+    if not isinstance(response, web.Response) or response.prepared or not isinstance(response.body, bytes) \
+            or len(response.body) <= LARGE_ANSWER_BYTES:
+        return response
+    extra = {name: value for name, value in response.headers.items() if name not in ("Content-Type",
+                                                                                     "Content-Length")}
+    return await sending.send(request, response.body, content_type=response.headers.get("Content-Type",
+                                                                                     response.content_type),
+                              length=len(response.body), stall_s=request.app[SETTINGS].write_stall_s,
+                              status=response.status, headers=extra)
 
 
 async def _answer_headers(request: web.Request, response: web.StreamResponse) -> None:

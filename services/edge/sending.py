@@ -16,11 +16,11 @@ log = logging.getLogger(__name__)
 
 
 async def send(request: web.Request, chunks: AsyncIterator[bytes] | bytes, *, content_type: str, length: int,
-               stall_s: float, status: int = 200) -> web.StreamResponse:
+               stall_s: float, status: int = 200, headers: dict[str, str] | None = None) -> web.StreamResponse:
     """Writes `length` bytes (`chunks`, or one body) as the answer, each write within `stall_s`. Once the status
     is out, whatever stops the answer short (a stall, a failure reading the next chunk, fewer bytes than promised)
     closes the connection: the client sees a cut answer, never another answer written into this one."""
-    response = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+    response = web.StreamResponse(status=status, headers={**(headers or {}), "Content-Type": content_type})
     response.content_length = length
     try:
         await response.prepare(request)
