@@ -175,22 +175,20 @@ async def test_a_streamed_responses_tool_loop_with_the_whole_input(client: opena
 
 @pytest.mark.parametrize(
     ("api", "tools", "param"),
-    [("chat", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(33)], "tools"),
+    [("chat", [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], "tools"),
      ("chat", [{"type": "function", "function": {"name": "f", "parameters": {
-         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(16)}}}}],
-      "tools[0].function.parameters"),
-     ("responses", [{"type": "function", "name": f"f{i}", "parameters": {}} for i in range(33)], "tools"),
-     ("responses", [{"type": "function", "name": "f", "parameters": {
-         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(16)}}}], "tools[0].parameters")],
+         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}}}], "tools"),
+     ("responses", [{"type": "function", "name": f"f{i}", "parameters": {}} for i in range(129)], "tools"),
+     ("responses", [{"type": "function", "name": "f", "parameters": {"type": "string"}}], "tools[0].parameters")],
 )
-async def test_more_than_32_functions_or_15_properties_are_a_400(
+async def test_more_than_128_functions_or_128_kb_of_parameters_are_a_400(
     client: openai.AsyncOpenAI, api: str, tools: list[dict[str, Any]], param: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         if api == "chat":
-            await client.chat.completions.create(model=MODEL, messages=ASK, tools=tools)
+            await client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=4)
         else:
-            await client.responses.create(model=MODEL, input=QUESTION, tools=tools)
+            await client.responses.create(model=MODEL, input=QUESTION, tools=tools, max_output_tokens=4)
     assert caught.value.body["param"] == param
     validate("ErrorResponse", {"error": caught.value.body})
 
