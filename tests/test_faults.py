@@ -460,7 +460,8 @@ async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothi
         process.process.send_signal(signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*requests), 120)
     assert sum(result == (expected(60), 60) for result in results) == 96
-    assert all(p.process.wait(timeout=30) == 0 for p in old)
+    # each drains for at most its 30 s grace, then exits cleanly (a loaded CI machine took longer than 30 s more)
+    assert all(p.process.wait(timeout=60) == 0 for p in old)
     await stack.settled()
 
 
