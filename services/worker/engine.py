@@ -415,10 +415,13 @@ class VllmEngine:
                             pooling.embed(self, job, priority), take)
             return
         if job.count_only:
-            prompts = await self.prompt_ids(job)
             if job.tokens_out:
-                take(await self._tokens_out(job, prompts[0]))
-            take(bus.Final(job=job.id, prompt_tokens=sum(map(len, prompts)), completion_tokens=0))
+                answer = await self._tokens_out(job)
+                take(answer)
+                counted = len(answer.token_ids)
+            else:
+                counted = sum(map(len, await self.prompt_ids(job)))
+            take(bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0))
             return
         arrival = time.time()
         self.preparing[job.id] = False
@@ -491,13 +494,15 @@ class VllmEngine:
                 reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
         return reqs
 
-    async def _tokens_out(self, job: bus.Job, ids: list[int]) -> bus.Prompt:
-        """A tokens_out job's answer: its prompt's ids, each token's string and, for a plain text prompt, each
-        one's span in it (the text tokenized again with offsets, off the loop: the same ids)."""
+    async def _tokens_out(self, job: bus.Job) -> bus.Prompt:
+        """A tokens_out job's answer (its first prompt): its ids, each token's string and, for a plain text prompt,
+        each one's span in it (one tokenization with offsets, off the loop, gives both)."""
         spans: list[tuple[int, int]] = []
         assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
         if job.kind == "completion" and job.prompts and job.prompts[0] and not job.chat_template:
             ids, spans = await self.encoder.encode_with_spans(job.prompts[0], job.add_special_tokens)
+        else:
+            ids = (await self.prompt_ids(job))[0]
         return bus.Prompt(job=job.id, index=0, token_ids=ids, spans=spans,
                           token_strs=list(self.tokenizer.convert_ids_to_tokens(ids)),
                           text=self.tokenizer.decode(ids) if job.prompt_ids else "")
