@@ -132,6 +132,31 @@ async def test_input_tokens_counts_what_the_response_reads(client: openai.AsyncO
     assert refused.value.body["param"] == "input"
 
 
+async def test_an_item_reference_reads_as_the_item_it_names(client: openai.AsyncOpenAI) -> None:
+    """An `item_reference` input item (typed, or OpenAI's untyped form) reads as the stored item it names: a
+    response's output message or its listed input, counted exactly as the same item sent whole."""
+    first = await client.responses.create(model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=8)
+    answer = first.output[0]
+    listed = [item async for item in client.responses.input_items.list(first.id)]
+    assert answer.id.startswith("msg_") and listed[0].id.startswith("msg_")
+    question = {"role": "user", "content": "What is my name?"}
+    referenced = [{"type": "item_reference", "id": listed[0].id}, {"id": answer.id}, question]
+    whole = [{"role": "user", "content": "My name is Ada."},
+             {"role": "assistant", "content": first.output_text}, question]
+    counted = await client.responses.input_tokens.count(model=MODEL, input=referenced)
+    assert counted.input_tokens == (await client.responses.input_tokens.count(
+        model=MODEL, input=whole)).input_tokens
+    ran = await client.responses.create(model=MODEL, input=referenced, max_output_tokens=1)
+    assert ran.usage is not None and ran.usage.input_tokens == counted.input_tokens
+    # the new response lists the items as they were read: the referenced ones with their own ids
+    assert [item.id async for item in client.responses.input_items.list(ran.id, order="asc")][:2] == [
+        listed[0].id, answer.id]
+    await client.responses.delete(first.id)  # its items go with it
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(model=MODEL, input=referenced, max_output_tokens=1)
+    assert caught.value.body["param"] == "input[0].id" and listed[0].id in caught.value.body["message"]
+
+
 async def test_a_deleted_response_is_gone(client: openai.AsyncOpenAI, second_edge: Edge) -> None:
     response = await client.responses.create(model=MODEL, input="Hi", max_output_tokens=4)
     async with openai.AsyncOpenAI(base_url=second_edge.url + "/v1", api_key="unused", max_retries=0) as other:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from services.edge.store import SNAPSHOT_EVERY
+from services.edge.store import REFERENCED_BODIES, SNAPSHOT_EVERY
 from services.supervisor import REDIS_MAXMEMORY_BYTES
 from shared.protocol import keys
 from tests.processes import metric_value
@@ -25,6 +25,8 @@ CONTEXT = 80_000
 DEFAULT_ITEMS = 4
 """The deployment's --storage-items: what a key made without limits may hold."""
 SHORT_TTL_S = 1.5
+SMALL_BODY = 20_000
+"""The third edge's --max-body-bytes: its item references read at most REFERENCED_BODIES times this."""
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         running.edge(auth="keys", storage_items=DEFAULT_ITEMS, storage_bytes=10_000_000)
         running.edge(auth="keys", storage_items=DEFAULT_ITEMS, storage_bytes=10_000_000,
                      response_ttl_s=SHORT_TTL_S)
+        running.edge(auth="keys", storage_items=0, max_body_bytes=SMALL_BODY)
         yield running
 
 
@@ -200,3 +203,27 @@ async def test_the_edge_reports_redis_memory_against_its_maxmemory(stack: Stack)
         text = (await http.get(stack.edges[0].metrics_url)).text
     assert metric_value(text, "tokenbus_edge_redis_maxmemory_bytes") == REDIS_MAXMEMORY_BYTES
     assert 0 < metric_value(text, "tokenbus_edge_redis_used_memory_bytes") < REDIS_MAXMEMORY_BYTES
+
+
+async def test_item_references_read_only_the_callers_own_items_and_a_bounded_amount(stack: Stack) -> None:
+    """An item reference finds only its tenant's stored items; an id no response of this server made, or none
+    at all, is a 400 naming it; and what the responses referenced come to is bounded before any is read."""
+    async for mine in sdk(stack, create_key(stack, "--tenant", "refs-a"), edge=2):
+        first = await ask(mine, "remember this")
+        ref = {"type": "item_reference", "id": first.output[0].id}
+        assert (await ask(mine, [ref, {"role": "user", "content": "again"}])).output_text
+        async for theirs in sdk(stack, create_key(stack, "--tenant", "refs-b"), edge=2):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await ask(theirs, [ref])
+            assert caught.value.body["param"] == "input[0].id" and "not found" in caught.value.message
+        for bad, param in (({"type": "item_reference", "id": "msg_mine"}, "input[0].id"),
+                           ({"type": "item_reference"}, "input[0].id")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await ask(mine, [bad])
+            assert refused.value.body["param"] == param
+        big = [await ask(mine, "word " * (SMALL_BODY // 6)) for _ in range(REFERENCED_BODIES * 2)]
+        many = [{"type": "item_reference", "id": response.output[0].id} for response in big]
+        assert (await ask(mine, many[:2])).output_text  # two such responses are well within the bound
+        with pytest.raises(openai.BadRequestError) as bounded:
+            await ask(mine, many)
+        assert bounded.value.body["param"] == "input" and "at most" in bounded.value.message

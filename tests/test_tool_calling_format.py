@@ -254,7 +254,8 @@ def test_a_streamed_response_opens_fills_and_closes_each_item_in_order() -> None
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
         "response.output_item.done", "response.completed"]
     added, done = events[8], events[12]
-    assert added["item"] == {"id": "fc_abc", "type": "function_call", "call_id": "call_abc", "name": "get_weather",
+    # the item id names its response (resp_1): an item_reference to it finds it
+    assert added["item"] == {"id": "fc_1", "type": "function_call", "call_id": "call_abc", "name": "get_weather",
                              "arguments": "", "status": "in_progress"}
     assert (added["output_index"], done["output_index"]) == (1, 1)
     assert done["item"] == {**added["item"], "arguments": '{"city": "Paris"}', "status": "completed"}

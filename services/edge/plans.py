@@ -20,10 +20,11 @@ from aiohttp import web
 
 from services.edge import schema_checks
 from services.edge.auth import Caller
-from services.edge.formats import planners
+from services.edge.formats import item_refs, planners
 from services.edge.formats.base import Renderer
 from services.edge.formats.planners import Arrival, Planning
 from services.edge.state import CHECKER, CONVERSATIONS, GATEWAY, SETTINGS, STORE
+from services.edge.store import REFERENCED_BODIES
 from shared.protocol import bus
 from shared.protocol.errors import PreviousResponseNotFound
 from shared.runtime import metrics
@@ -95,6 +96,20 @@ async def _answer(app: web.Application, caller: Caller, need: planners.Need, giv
             return await _model(app, caller, need, adapters)
         case planners.ServedModel():
             return app[SETTINGS].model
+        case planners.ConversationItems() | planners.PreviousTurns() | planners.ReferencedItems():
+            return await _stored(app, caller, need)
+        case planners.Room(size):
+            if given is None:  # a resumed stream was checked when it began
+                await app[STORE].check_room(caller.tenant, caller.key, size)
+        case planners.Arrive(prefix, seed):
+            return given or arrive(app, prefix, seed=seed)
+    return None
+
+
+async def _stored(app: web.Application, caller: Caller,
+                  need: planners.ConversationItems | planners.PreviousTurns | planners.ReferencedItems) -> object:
+    """What the caller has stored that a Responses turn continues or references."""
+    match need:
         case planners.ConversationItems(conversation_id):
             return (await app[CONVERSATIONS].load(caller.tenant, conversation_id, param="conversation"))[0].items
         case planners.PreviousTurns(response_id):
@@ -103,12 +118,8 @@ async def _answer(app: web.Application, caller: Caller, need: planners.Need, giv
                 raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
                                                param="previous_response_id")
             return found
-        case planners.Room(size):
-            if given is None:  # a resumed stream was checked when it began
-                await app[STORE].check_room(caller.tenant, caller.key, size)
-        case planners.Arrive(prefix, seed):
-            return given or arrive(app, prefix, seed=seed)
-    return None
+    wanted = {item: home for item in need.ids if (home := item_refs.home(item)) is not None}
+    return await app[STORE].items(caller.tenant, wanted, REFERENCED_BODIES * app[SETTINGS].max_body_bytes)
 
 
 async def _model(app: web.Application, caller: Caller, need: planners.Model, adapters: dict[str, Adapter]

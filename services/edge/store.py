@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary
 from shared.protocol import bus, keys
-from shared.protocol.errors import Overloaded, PreviousResponseNotFound, StorageFull
+from shared.protocol.errors import InvalidRequest, Overloaded, PreviousResponseNotFound, StorageFull
 from shared.runtime import beats, metrics
 from shared.runtime.background import looping
 from shared.tenancy.apikeys import KeyRecord
@@ -88,6 +88,23 @@ end
 """ + GIVE_BACK
 
 
+_READ_BOUNDED = """
+-- KEYS: stored responses; ARGV[1]: the most bytes to read. Their values, or {false, their size} when they come to more
+local size = 0
+for _, key in ipairs(KEYS) do
+  size = size + redis.call('STRLEN', key)
+end
+if size > tonumber(ARGV[1]) then
+  return {false, size}
+end
+return {redis.call('MGET', unpack(KEYS)), size}
+"""
+
+REFERENCED_BODIES = 4
+"""The stored responses one request's item references read come to at most this many request bodies
+(--max-body-bytes): a record holds its input (one body at most), its answer and at most one copy of its history."""
+
+
 class StoredResponse(msgspec.Struct, forbid_unknown_fields=False):
     response: msgspec.Raw
     """The response object exactly as it was sent."""
@@ -102,6 +119,25 @@ class StoredResponse(msgspec.Struct, forbid_unknown_fields=False):
     """This turn's input items as listed (GET /v1/responses/{id}/input_items): each with its id."""
     depth: int = 0
     """Records before this one back to a whole history (0: this one is whole)."""
+
+
+class _Output(msgspec.Struct):
+    output: list[msgspec.Raw] = []
+
+
+class _Items(msgspec.Struct):
+    """A stored response's items alone (its history, however long, is skipped unread)."""
+
+    response: _Output
+    inputs: list[msgspec.Raw] = []
+
+
+class _ItemId(msgspec.Struct):
+    id: str = ""
+
+
+_decode_items = msgspec.json.Decoder(_Items).decode
+_decode_item_id = msgspec.json.Decoder(_ItemId).decode
 
 
 @dataclass
@@ -166,6 +202,7 @@ class ResponseStore:
         self.settings = settings
         self._charge = redis.register_script(_CHARGE)
         self._delete = redis.register_script(_DELETE)
+        self._read_bounded = redis.register_script(_READ_BOUNDED)
 
     def quota(self, key: KeyRecord | None) -> Quota:
         """The key's own limits, or the deployment's where it has none (a key made without limits is bounded)."""
@@ -240,6 +277,31 @@ class ResponseStore:
         with redis_boundary(Overloaded):
             data = await self.redis.get(keys.stored_response(tenant, response_id))
         return None if data is None else _decoder.decode(data)
+
+    async def items(self, tenant: str, wanted: dict[str, str], max_bytes: int) -> dict[str, bytes]:
+        """The stored items `wanted` names (item id: the response it is of, see formats.item_refs) that are
+        found, each as its JSON; the responses read come to at most `max_bytes`, else a 400 (`param` input)."""
+        homes = sorted(set(wanted.values()))
+        if not homes:
+            return {}
+        with redis_boundary(Overloaded):
+            values, size = await self._read_bounded(
+                keys=[keys.stored_response(tenant, home) for home in homes], args=[max_bytes])
+        if values is None:
+            raise InvalidRequest(
+                f"The responses whose items this request references come to {size} bytes; at most {max_bytes} are "
+                f"read for one request. Reference fewer responses' items, or send the items themselves.",
+                param="input")
+        found: dict[str, bytes] = {}
+        for data in values:
+            if not data:  # gone (expired or deleted) since the ids were made
+                continue
+            record = _decode_items(data)
+            for raw in (*record.inputs, *record.response.output):
+                item = bytes(raw)
+                if (name := _decode_item_id(item).id) in wanted:
+                    found[name] = item
+        return found
 
     async def conversation(self, tenant: str, response_id: str) -> Conversation | None:
         """The history a response ran with, its answer last (None: no such response); reads its chain back to a

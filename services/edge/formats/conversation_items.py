@@ -3,14 +3,13 @@ input items as a conversation keeps them (each with an id and a status, a messag
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from services.edge.formats import calling
+from services.edge.formats import calling, item_refs
 from services.edge.formats.base import Out, Request
 from services.edge.formats.responses import InputContent, InputItem, Metadata, messages_of
 from shared.protocol import bus
@@ -54,11 +53,10 @@ class ItemList(Out):
     object: str = "list"
 
 
-def _id(prefix: str, seed: str = "") -> str:
-    """A new item id; the same each time for the same `seed` (a response's input items, however often planned)."""
-    if seed:
-        return f"{prefix}_{hashlib.blake2b(seed.encode(), digest_size=16).hexdigest()}"
-    return f"{prefix}_{uuid.uuid4().hex}"
+def _id(kind: str, home: str, index: int) -> str:
+    """A new item id: one that names `home`, the response whose input it is, and is the same however often its
+    request is planned (see item_refs); else (an item added to a conversation) a random one."""
+    return item_refs.item_id(kind, home, f"i{index}") if home else f"{kind}_{uuid.uuid4().hex}"
 
 
 def _parts(role: str, content: str | list[InputContent] | None) -> list[dict[str, Any]]:
@@ -76,24 +74,25 @@ def _texts(parts: list[InputContent] | None, kind: str) -> list[dict[str, Any]]:
     return [{"type": kind, "text": part.text or ""} for part in parts or []]
 
 
-def kept(item: InputItem, seed: str = "") -> dict[str, Any]:
-    """An input item as a conversation keeps it (and lists it): with an id (its own, or a new one, made from
-    `seed` if given) and a status."""
+def kept(item: InputItem, home: str = "", index: int = 0) -> dict[str, Any]:
+    """An input item as a conversation keeps it (and lists it): with an id (its own, or a new one: see _id) and
+    a status."""
     if item.type == "function_call":
-        return {"type": "function_call", "id": item.id or _id("fc", seed), "call_id": item.call_id, "name": item.name,
-                "arguments": calling.arguments_text(item.arguments or "", "arguments"),
+        return {"type": "function_call", "id": item.id or _id("fc", home, index), "call_id": item.call_id,
+                "name": item.name, "arguments": calling.arguments_text(item.arguments or "", "arguments"),
                 "status": "completed"}
     if item.type == "function_call_output":
         output = item.output
         text = calling.arguments_text(output, "output") if isinstance(output, dict) else (
             output if isinstance(output, str) else "".join(part.text or "" for part in output or []))
-        return {"type": "function_call_output", "id": item.id or _id("fco", seed), "call_id": item.call_id,
+        return {"type": "function_call_output", "id": item.id or _id("fco", home, index), "call_id": item.call_id,
                 "output": text, "status": "completed"}
     if item.type == "reasoning":
-        return {"type": "reasoning", "id": item.id or _id("rs", seed), "summary": _texts(item.summary, "summary_text"),
+        return {"type": "reasoning", "id": item.id or _id("rs", home, index),
+                "summary": _texts(item.summary, "summary_text"),
                 "content": _texts(item.content if isinstance(item.content, list) else None, "reasoning_text")}
     role = item.role or "user"
-    return {"type": "message", "id": item.id or _id("msg", seed), "status": "completed", "role": role,
+    return {"type": "message", "id": item.id or _id("msg", home, index), "status": "completed", "role": role,
             "content": _parts(role, item.content)}
 
 
@@ -108,18 +107,23 @@ def history(items: list[dict[str, Any]]) -> list[bus.Message]:
 
 
 def added(items: list[InputItem], before: list[dict[str, Any]], field: str = "items") -> list[bytes]:
-    """Items to add after `before`, checked as a turn's input is (a call's output must answer a call made
-    before it), as the conversation keeps them; a refusal names the item under `field`."""
+    """Items to add after `before` (see check_added), as the conversation keeps them."""
+    check_added(items, before, field)
+    return listed(items)
+
+
+def check_added(items: list[InputItem], before: list[dict[str, Any]], field: str = "items") -> None:
+    """Refuses items that cannot follow `before`, as a turn's input is checked (a call's output must answer a
+    call made before it), naming the item under `field`."""
     try:
         messages_of(items, history(before))
     except InvalidRequest as exc:
         if exc.param and exc.param.startswith("input["):
             exc.param = field + exc.param.removeprefix("input")
         raise
-    return listed(items)
 
 
-def listed(items: list[InputItem], seed: str = "") -> list[bytes]:
-    """Items as a conversation keeps them and a stored response lists its input (each with an id; new ones made
-    from `seed`, a response's id, are the same however often its request is planned)."""
-    return [_encode(kept(item, f"{seed}:{i}" if seed else "")) for i, item in enumerate(items)]
+def listed(items: list[InputItem], home: str = "") -> list[bytes]:
+    """Items as a conversation keeps them and a stored response lists its input (each with an id; new ones name
+    `home`, the response whose input they are: see _id)."""
+    return [_encode(kept(item, home, i)) for i, item in enumerate(items)]

@@ -21,6 +21,7 @@ from services.edge.formats import (
     completions,
     conversation_items,
     embeddings,
+    item_refs,
     messages,
     messages_render,
     rerank,
@@ -94,6 +95,13 @@ class ConversationItems:
 
 
 @dataclass(frozen=True)
+class ReferencedItems:
+    """The caller's stored items with these ids (see item_refs); answered with the JSON of each found, by id."""
+
+    ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Room:
     """Room in the caller's storage for a response of `size` bytes (a resumed stream was checked when it began);
     answered with None."""
@@ -109,7 +117,7 @@ class Arrive:
     seed: int | None = None
 
 
-Need = Ignored | Model | ServedModel | PreviousTurns | ConversationItems | Room | Arrive
+Need = Ignored | Model | ServedModel | PreviousTurns | ConversationItems | ReferencedItems | Room | Arrive
 
 
 @dataclass(frozen=True)
@@ -225,12 +233,13 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
     responses.refuse_unsupported(req)
     info = yield from _model(req.model)
     responses.check_context(req, info.max_model_len)
-    conversation, conversation_id, new_items, added = yield from _turn(req)
+    req, conversation, conversation_id, added = yield from _turn(req)
     if req.store or conversation_id:
         yield Room(len(body))
     arrival = yield from _arrive("resp_")
-    if req.store and not conversation_id:  # its input items are listed with it (input_items), ids and all
-        new_items = conversation_items.listed(responses.input_items(req), seed=arrival.job_id)
+    # its input items, as the response lists them and its conversation keeps them: new ids name the response
+    kept = req.store or conversation_id
+    new_items = conversation_items.listed(responses.input_items(req), home=arrival.job_id) if kept else []
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)
     renderer = response_render.ResponsesRenderer(req, response_id=arrival.job_id, created_at=arrival.created,
@@ -240,19 +249,23 @@ def plan_responses(body: bytes, ovms: bool = False) -> Planning:
 
 
 def _turn(req: responses.ResponsesRequest) -> Generator[
-        Need, Any, tuple[Conversation, str | None, list[bytes], list[bus.Message]]]:
-    """The turn a Responses request runs: the conversation it continues (a Conversations-API one, with the items
-    this turn adds to it, or the responses before `previous_response_id`) and its input as messages."""
-    conversation, new_items = Conversation(), []
+        Need, Any, tuple[responses.ResponsesRequest, Conversation, str | None, list[bus.Message]]]:
+    """The turn a Responses request runs: the request with the items its input references in their place, the
+    conversation it continues (a Conversations-API one, checked to take this turn's items, or the responses
+    before `previous_response_id`) and its input as messages."""
+    if wanted := item_refs.references(responses.input_items(req)):
+        found = cast(dict[str, bytes], (yield ReferencedItems(tuple(wanted))))
+        req = msgspec.structs.replace(req, input=item_refs.resolved(responses.input_items(req), found))
+    conversation = Conversation()
     if conversation_id := responses.conversation_id(req):
         items = cast(list[dict[str, Any]], (yield ConversationItems(conversation_id)))
         conversation = Conversation(history=conversation_items.history(items))
-        new_items = conversation_items.added(responses.input_items(req), items, field="input")
+        conversation_items.check_added(responses.input_items(req), items, field="input")
     elif req.previous_response_id:
         conversation = cast(Conversation, (yield PreviousTurns(req.previous_response_id)))
     added = responses.input_messages(req, conversation.history)
     responses.check_length(req, conversation, added)
-    return conversation, conversation_id, new_items, added
+    return req, conversation, conversation_id, added
 
 
 def plan_response_input_tokens(body: bytes) -> Planning:
@@ -262,7 +275,7 @@ def plan_response_input_tokens(body: bytes) -> Planning:
     req = responses.counted_request(counted, (yield from _served(counted.model)))
     responses.refuse_unsupported(req)
     yield from _model(req.model)
-    conversation, _, _, added = yield from _turn(req)
+    req, conversation, _, added = yield from _turn(req)
     arrival = yield from _arrive("count_")
     job = responses.to_job(req, conversation.history + added, job_id=arrival.job_id, reply_to=arrival.reply_to,
                            deadline_ms=arrival.deadline_ms)

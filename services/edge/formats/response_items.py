@@ -195,7 +195,9 @@ class OutputItems:
         out: list[Event] = []
         if delta.id:
             call = bus.ToolCall(id=delta.id, name=delta.name, arguments="")
-            out += self._add(_Item(id="fc_" + delta.id.removeprefix("call_"), index=len(self.items), call=call))
+            count = sum(1 for item in self.items if item.call is not None)
+            item_id = "fc_" + self.message_id.removeprefix("msg_") + (f"_{count}" if count else "")
+            out += self._add(_Item(id=item_id, index=len(self.items), call=call))
         item = self.open
         if delta.arguments and item is not None and item.call is not None:
             item.call.arguments += delta.arguments

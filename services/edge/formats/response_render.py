@@ -8,7 +8,7 @@ from typing import Any
 
 from msgspec import UNSET, UnsetType
 
-from services.edge.formats import calling
+from services.edge.formats import calling, item_refs
 from services.edge.formats.base import END, Named, Out, Payload, PromptCount, encode, openai_error_body
 from services.edge.formats.response_items import Event, OutputItem, OutputItems
 from services.edge.formats.responses import ResponsesRequest, TextFormat
@@ -179,7 +179,7 @@ class ResponsesRenderer:
         """Served on OVMS's /v3 path: its stream ends with `data: [DONE]` and a cut response's reason is
         `max_tokens`, as its page documents."""
         self.sequence = 0
-        self.items = OutputItems("msg_" + response_id.removeprefix("resp_"),
+        self.items = OutputItems(item_refs.item_id("msg", response_id),
                                  eager=not req.tools or req.tool_choice == "none", summarized=ovms)
         self.final: bus.Final | None = None
         self.cut = False
