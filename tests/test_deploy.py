@@ -139,6 +139,49 @@ def test_the_compose_monitoring_is_private() -> None:
     assert "/metrics" in (ROOT / "deploy" / "compose" / "nginx.conf").read_text()  # refused, not routed
 
 
+COMPOSE_PODS = {"edge": "tokenbus-edge", "worker-gpu": "tokenbus-worker", "worker-cpu": "tokenbus-worker",
+                "embedder": "tokenbus-embedder"}
+"""Each compose service of tokenbus's and the Deployment that runs it on Kubernetes (the admin's is admin.yaml)."""
+
+
+def test_every_compose_service_runs_hardened_as_its_pod() -> None:
+    """tokenbus's containers as deploy/k8s/base/hardening.yaml runs its pods: its user and group, no capabilities,
+    no privilege escalation, a read-only root filesystem; a tmpfs wherever the pod has an emptyDir (exec for the
+    workers: Triton and torch.compile load the kernels they build in their caches) and the same HOME and cache
+    folders. Redis runs as its image's user, writing only its data volume."""
+    services = compose()["services"]
+    patches = yaml.safe_load((K8S / "base" / "hardening.yaml").read_text())
+    pod_security = next(p["value"] for p in patches if p["path"] == "/spec/template/spec/securityContext")
+    user = f"{pod_security['runAsUser']}:{pod_security['runAsGroup']}"
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for overlay in ("gpu", "cpu")
+            for d in rendered(overlay) if d["kind"] in POD_KINDS}
+    pods["tokenbus-admin"] = yaml.safe_load((K8S / "admin.yaml").read_text())["spec"]
+    hardened = [name for name, service in services.items() if service.get("image", "").startswith("tokenbus/")]
+    assert set(hardened) == {*COMPOSE_PODS, "admin"}
+    for name in [*hardened, "redis"]:
+        service = services[name]
+        assert service["read_only"] is True, name
+        assert service["cap_drop"] == ["ALL"] and service["security_opt"] == ["no-new-privileges:true"], name
+        assert int(service["user"].split(":")[0]) != 0, name
+    assert services["redis"]["user"] == "999:1000"  # redis:alpine's redis user, who owns the image's /data
+    assert "redis-data:/data" in services["redis"]["volumes"] and "tmpfs" not in services["redis"]
+    for name in hardened:
+        service = services[name]
+        pod = pods[COMPOSE_PODS.get(name, "tokenbus-admin")]
+        assert service["user"] == user, name
+        tmpfs = {entry.split(":")[0]: entry.split(":")[1].split(",") for entry in service["tmpfs"]}
+        written = {mount["mountPath"] for mount in pod["containers"][0]["volumeMounts"]
+                   if any(v["name"] == mount["name"] and "emptyDir" in v for v in pod["volumes"])}
+        assert set(tmpfs) == written - {"/dev/shm"}, name  # /dev/shm: shm_size
+        assert all("mode=1777" in options for options in tmpfs.values()), name  # writable by the user
+        if name in ("worker-gpu", "worker-cpu", "embedder"):
+            assert service["shm_size"] == "2gb", name
+            assert all("exec" in options for options in tmpfs.values()), name
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            for variable in ("HOME", "XDG_CACHE_HOME"):
+                assert service["environment"][variable] == env[variable] and env[variable] in tmpfs, (name, variable)
+
+
 @pytest.mark.parametrize("image", ["edge", "worker-cpu", "worker-gpu"])
 def test_each_dockerfile_passes_hadolint(image: str) -> None:
     """hadolint's rules, with the two exceptions deploy/docker/.hadolint.yaml gives its reasons for."""
