@@ -7,10 +7,12 @@ bandit over the code (each finding left is skipped where it is, with its reason)
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import redis
 import yaml
 
 from services.supervisor import REDIS_ARGS
+from shared.runtime.settings import Settings
 from tests.processes import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -228,11 +231,19 @@ CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml
                 ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml"}
 
 
-def rendered(overlay: str) -> list[dict[str, Any]]:
-    """The overlay as `kubectl apply -k` would send it (kustomize works offline)."""
+def rendered(overlay: str, *components: str) -> list[dict[str, Any]]:
+    """The overlay as `kubectl apply -k` would send it (kustomize works offline), with deploy/k8s/components' given
+    added as an operator adds them (`components:` in the overlay; kustomize takes only relative paths)."""
     assert shutil.which("kubectl"), "kubectl renders the kustomizations"
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
-                         timeout=60)
+    with tempfile.TemporaryDirectory() as folder:
+        root = K8S / "overlays" / overlay
+        if components:
+            relative = Path(os.path.relpath(K8S, folder))
+            (Path(folder) / "kustomization.yaml").write_text(yaml.safe_dump({
+                "resources": [str(relative / "overlays" / overlay)],
+                "components": [str(relative / "components" / name) for name in components]}))
+            root = Path(folder)
+        out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -284,6 +295,40 @@ def test_the_kubernetes_deployment_is_ready_for_production(overlay: str) -> None
     assert 0.5 <= maxmemory / (int(memory.removesuffix("Gi")) << 30) <= 0.75  # room above maxmemory: no OOM kill
     assert_redis_requires_its_users(docs, redis_pod)
     assert_only_tokenbus_reaches_redis(docs)
+
+
+def test_the_optional_ingress_fits_the_edges(tmp_path: Path) -> None:
+    """deploy/k8s/components/ingress: ingress-nginx in front of the edges' Service, its limits the edges' own (and
+    the compose proxy's): bodies up to --max-body-bytes, no buffering either way for the streams, read and send
+    timeouts above --request-timeout-s. The overlays alone have no Ingress."""
+    assert not any(doc["kind"] == "Ingress" for overlay in ("gpu", "cpu") for doc in rendered(overlay))
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered("gpu", "ingress")}
+    ingress = docs[("Ingress", "tokenbus")]
+    (tmp_path / "ingress.yaml").write_text(yaml.safe_dump(ingress))
+    checked = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", "1.32.0",
+                              str(tmp_path / "ingress.yaml")], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    settings, prefix = Settings(), "nginx.ingress.kubernetes.io/"
+    nginx = {k.removeprefix(prefix): v for k, v in ingress["metadata"]["annotations"].items() if k.startswith(prefix)}
+    compose_proxy = (ROOT / "deploy" / "compose" / "nginx.conf").read_text()
+    assert settings.max_body_bytes % (1 << 20) == 0 and nginx["proxy-body-size"] == f"{settings.max_body_bytes >> 20}m"
+    assert f"client_max_body_size {nginx['proxy-body-size']};" in compose_proxy
+    assert nginx["proxy-buffering"] == nginx["proxy-request-buffering"] == "off"
+    for timeout in ("proxy-read-timeout", "proxy-send-timeout"):
+        assert int(nginx[timeout]) > settings.request_timeout_s, timeout  # the longest request, and its last event
+        assert f"{timeout.replace('-', '_')} {nginx[timeout]}s;" in compose_proxy, timeout
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    hosts = [rule["host"] for rule in spec["rules"]]
+    assert [host for tls in spec["tls"] for host in tls["hosts"]] == hosts
+    assert all(tls["secretName"] for tls in spec["tls"])  # a placeholder, the operator's certificate
+    backends = [path["backend"]["service"] for rule in spec["rules"] for path in rule["http"]["paths"]]
+    assert backends == [{"name": "tokenbus", "port": {"name": "http"}}]
+    assert [p["name"] for p in docs[("Service", "tokenbus")]["spec"]["ports"]] == ["http"]
+    allowed = docs[("NetworkPolicy", "tokenbus-edge")]["spec"]["ingress"]  # the controller reaches the edges
+    controller = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    assert controller in allowed[0]["from"] and allowed[0]["ports"] == [{"protocol": "TCP", "port": "http"}]
+    assert ingress["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tokenbus"
 
 
 def secret_items(pod: dict[str, Any]) -> list[dict[str, str]]:
@@ -401,11 +446,14 @@ def checkov(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_checkov_passes_the_manifests_the_dockerfiles_and_the_compose_file(tmp_path: Path) -> None:
-    """The manifests as both overlays render them, the Dockerfiles, and (checkov has no Compose checks) the
-    compose file and deploy/ for secrets. A check that does not apply is skipped in the file, with its reason:
-    `# checkov:skip=CKV_...: reason`, or the manifests' `checkov.io/skipN: CKV_...=reason` annotations."""
+    """The manifests as both overlays render them and the optional Ingress, the Dockerfiles, and (checkov has no
+    Compose checks) the compose file and deploy/ for secrets. A check that does not apply is skipped in the file,
+    with its reason: `# checkov:skip=CKV_...: reason`, or the manifests' `checkov.io/skipN: CKV_...=reason`
+    annotations."""
     for overlay in ("gpu", "cpu"):
         (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(rendered(overlay)))
+    optional = [doc for doc in rendered("gpu", "ingress") if doc["kind"] == "Ingress"]  # deploy/k8s/components'
+    (tmp_path / "ingress.yaml").write_text(yaml.safe_dump_all(optional))
     for args in (["-d", str(tmp_path), "-d", "deploy/docker", "--framework", "kubernetes,dockerfile"],
                  ["-d", "deploy", "-f", "docker-compose.yml", "--framework", "secrets"]):
         checked = checkov(*args)
