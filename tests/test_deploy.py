@@ -231,17 +231,18 @@ CUSTOM_KINDS = {("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.keda.sh.yaml
                 ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.monitoring.coreos.com.yaml"}
 
 
-def rendered(overlay: str, *components: str) -> list[dict[str, Any]]:
+def rendered(overlay: str, *components: str, patches: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The overlay as `kubectl apply -k` would send it (kustomize works offline), with deploy/k8s/components' given
-    added as an operator adds them (`components:` in the overlay; kustomize takes only relative paths)."""
+    and the patches given added as an operator adds them to it (kustomize takes only relative paths)."""
     assert shutil.which("kubectl"), "kubectl renders the kustomizations"
     with tempfile.TemporaryDirectory() as folder:
         root = K8S / "overlays" / overlay
-        if components:
+        if components or patches:
             relative = Path(os.path.relpath(K8S, folder))
             (Path(folder) / "kustomization.yaml").write_text(yaml.safe_dump({
                 "resources": [str(relative / "overlays" / overlay)],
-                "components": [str(relative / "components" / name) for name in components]}))
+                "components": [str(relative / "components" / name) for name in components],
+                "patches": patches or []}))
             root = Path(folder)
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -422,6 +423,25 @@ def test_the_metrics_are_scraped_off_the_api_port() -> None:
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["TOKENBUS_METRICS_PORT"] == "9400", name
         assert {"name": "metrics", "containerPort": 9400} in container["ports"], name
+
+
+def test_kube_prometheus_stack_selects_the_monitor_and_the_rules() -> None:
+    """Its Prometheus loads only the ServiceMonitors and PrometheusRules labelled with its Helm release: both carry
+    the README's (kube-prometheus-stack), and the README's patch gives both another."""
+    readme = (ROOT / "README.md").read_text()
+    for overlay in ("gpu", "cpu"):
+        labelled = {d["kind"]: d["metadata"]["labels"].get("release") for d in rendered(overlay)
+                    if "release" in d["metadata"].get("labels", {})}
+        assert labelled == {"ServiceMonitor": "kube-prometheus-stack", "PrometheusRule": "kube-prometheus-stack"}
+    assert "`release: kube-prometheus-stack`" in readme
+    documented = re.findall(r"```yaml\n(patches:.*?)```", readme, re.DOTALL)
+    patches = [patch for block in documented for patch in yaml.safe_load(block)["patches"]
+               if patch["target"].get("group") == "monitoring.coreos.com"]
+    assert len(patches) == 1, documented
+    release = yaml.safe_load(patches[0]["patch"])[0]["value"]
+    relabelled = {d["kind"]: d["metadata"]["labels"].get("release") for d in rendered("gpu", patches=patches)
+                  if "release" in d["metadata"].get("labels", {})}
+    assert relabelled == {"ServiceMonitor": release, "PrometheusRule": release} and release != "kube-prometheus-stack"
 
 
 def tool(env: str, *candidates: Path) -> Path:
