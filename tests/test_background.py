@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 
+from services.edge.background import BAR_GRACE_MS
 from shared.protocol import keys
+from shared.runtime.settings import Settings
 from tests.processes import metric_value
 from tests.stack import Stack
 
@@ -214,4 +216,8 @@ async def test_a_deleted_background_response_is_gone_from_every_route_running_or
         await asyncio.sleep(1)  # its follower saw it end: it stored nothing
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(running.id)
-    assert not stack.client.exists(keys.stored_response("", ended.id), keys.stored_response("", running.id))
+    assert not stack.client.exists(keys.stored_response("", ended.id))
+    # the running one's id is barred (an empty value) until its job's deadline has passed: nothing is stored there
+    assert stack.client.get(keys.stored_response("", running.id)) == b""
+    barred_ms = stack.client.pttl(keys.stored_response("", running.id))
+    assert 0 < barred_ms <= BAR_GRACE_MS + Settings().request_timeout_s * 1000

@@ -132,6 +132,11 @@ async def serve_everything(edges: list[Edge], worker_metrics: str, key: str, fir
     follow = await second.responses.create(model=MODEL, input="more", max_output_tokens=3,
                                            previous_response_id=made.id)
     assert (follow.previous_response_id, follow.output_text) == (made.id, " t1 t2 t3")  # the sim counts to its budget
+    # items of both, referenced on the first edge: read from the cluster in one step
+    ids = [str(made.output[0].id), str(follow.output[0].id)]
+    referenced = await first.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"type": "item_reference", "id": item} for item in ids])
+    assert [item.id async for item in first.responses.input_items.list(referenced.id, order="asc")] == ids
 
 
 async def aborted(http: httpx.AsyncClient, metrics_url: str) -> float:

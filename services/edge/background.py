@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.edge import framing, pump
 from services.edge.auth import caller_of
-from services.edge.conversation_store import keep_turn_once
+from services.edge.conversation_store import keep_turn
 from services.edge.formats.planners import Arrival
 from services.edge.formats.response_render import ResponsesRenderer
 from services.edge.plans import PLANNERS, Plan, StreamRecord, decode_record
@@ -38,6 +38,9 @@ SNAPSHOT_FRESH_S = 1.0
 costs the edge one read of the job's log (up to --replay-max-events entries), one planning of its request and one
 rendering a second, not one a poll; a poll sees the response at most this old."""
 MAX_SNAPSHOTS = 1024
+BAR_GRACE_MS = 60_000
+"""How long after its job's deadline a deleted running response's id stays barred from being stored: its answer
+reaches the edge that stores it soon after the job ends, at the latest."""
 
 
 class Snapshots:
@@ -66,14 +69,12 @@ SNAPSHOTS = web.AppKey("background_snapshots", Snapshots)
 
 async def keep_first(app: web.Application, tenant: str, renderer: ResponsesRenderer, model: str) -> None:
     """Stores an ended background response's answer (and its conversation's turn) unless one is stored already
-    (a cancel's, or another edge's), or the response was deleted (its record is gone), and counts how it ended,
-    once."""
+    (a cancel's, or another edge's), or the response was deleted (its id is barred: see `forget`), and counts
+    how it ended, once."""
     turn = renderer.to_store()
     if turn is None:
         return
-    with redis_boundary():
-        deleted = not await app[REDIS].exists(keys.job_record(turn.response_id))
-    if not deleted and await keep_turn_once(app[STORE], app[CONVERSATIONS], tenant, turn):
+    if await keep_turn(app[STORE], app[CONVERSATIONS], tenant, turn):
         metrics.BACKGROUND.labels(model, renderer.status).inc()
 
 
@@ -201,8 +202,11 @@ async def forget(request: web.Request, response_id: str, ended: bool) -> bool:
     """DELETE of a response: the caller's response's record goes (nothing can read, resume or store it again from
     its log) and, if it had not `ended`, its job is cancelled; an ended one's log goes too (a running job's expires
     after it: its worker may write to it until the cancel reaches it). False: the caller has no such record."""
-    if await _record(request, response_id) is None:
+    found = await _record(request, response_id)
+    if found is None:
         return False
+    if not ended:  # its answer, when it comes, is not to be stored: the id stays free of one while the job may run
+        await request.app[STORE].bar(caller_of(request).tenant, response_id, found[0].deadline_ms + BAR_GRACE_MS)
     pipe = request.app[REDIS].pipeline(transaction=False)
     pipe.delete(keys.job_record(response_id))
     if ended:

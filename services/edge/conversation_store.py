@@ -112,25 +112,18 @@ def not_found(conversation_id: str, param: str = "conversation_id") -> NotFound:
     return NotFound(f"Conversation with id '{conversation_id}' not found.", param=param)
 
 
-async def keep_turn(store: ResponseStore, conversations: ConversationStore, tenant: str, turn: Turn) -> None:
-    """Stores a finished Responses turn: the response (when it is to be stored) and its items in its conversation
-    (one deleted meanwhile takes nothing)."""
-    if turn.stored:
-        await store.keep(tenant, turn)
+async def keep_turn(store: ResponseStore, conversations: ConversationStore, tenant: str, turn: Turn) -> bool:
+    """Stores a finished Responses turn, once: the response (when it is to be stored) and its items in its
+    conversation (one deleted meanwhile takes nothing). False, and nothing stored, when its response is stored
+    already (by a cancel, another edge, or an earlier read of a replayed stream, which planned again after the
+    turn joined its conversation would store it with that turn twice in its history) or was deleted while it ran."""
+    if turn.stored and not await store.keep(tenant, turn):
+        return False
     if turn.conversation_id:
         try:
             await conversations.append(tenant, Quota(0, 0), turn.conversation_id, list(turn.items), turn.response_id)
         except (NotFound, InvalidRequest) as exc:  # deleted meanwhile, or full: the answer was given all the same
             log.warning("response %s's turn was not added to its conversation: %s", turn.response_id, exc.message)
-
-
-async def keep_turn_once(store: ResponseStore, conversations: ConversationStore, tenant: str, turn: Turn) -> bool:
-    """`keep_turn`, unless the turn's response is stored already (by a cancel, another edge, or an earlier read of
-    a replayed stream, which planned again after the turn joined its conversation would store it twice in its
-    history); whether it stored it."""
-    if await store.load(tenant, turn.response_id) is not None:
-        return False
-    await keep_turn(store, conversations, tenant, turn)
     return True
 
 

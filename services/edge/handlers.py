@@ -12,7 +12,7 @@ from aiohttp import web
 
 from services.edge import background, conversations, pump, sse
 from services.edge.auth import caller_of
-from services.edge.conversation_store import keep_turn, keep_turn_once
+from services.edge.conversation_store import keep_turn
 from services.edge.estimate import check_prompt_fits, check_stops
 from services.edge.formats import conversation_items, response_render, tgi
 from services.edge.formats.base import decode, encode
@@ -103,12 +103,10 @@ async def _generate(request: web.Request, plan: Plan, body: bytes) -> web.Stream
             await admitter.release(caller.key_id, admission.lease, keep_for_s=_kept_for(settings, events))
 
 
-def _keeper(request: web.Request, once: bool = False) -> pump.Keep:
-    """Stores a finished turn as the caller's tenant's (its response, and its conversation's items); `once`:
-    unless it is stored already (a replay, planned again after its turn joined its conversation, would store it
-    with that turn twice in its history)."""
+def _keeper(request: web.Request) -> pump.Keep:
+    """Stores a finished turn as the caller's tenant's (its response, and its conversation's items), once."""
     args = (request.app[STORE], request.app[CONVERSATIONS], caller_of(request).tenant)
-    return functools.partial(keep_turn_once if once else keep_turn, *args)
+    return functools.partial(keep_turn, *args)
 
 
 def _kept_for(settings: Settings, events: JobEvents | None) -> float:
@@ -198,7 +196,7 @@ async def resume(request: web.Request, job_id: str, after: int, background_only:
             events.abandoned = bool(cancelled)  # a job cancelled before it ended never ends by itself
             return await pump.respond(request, events, plan.renderer, stream=True, model=plan.job.model,
                                       keepalive_s=settings.keepalive_interval_s, started=arrival.started,
-                                      after=after, keep=_keeper(request, once=True),
+                                      after=after, keep=_keeper(request),
                                       write_stall_s=settings.write_stall_s)
     except sse.ClientGone:
         if plan.job.background and events is not None and not events.finished and not cancelled:

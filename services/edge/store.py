@@ -54,7 +54,11 @@ MEMORY_POLL_S = 10.0
 
 _CHARGE = TRIM_EXPIRED + """
 -- ARGV: now, max bytes (0: none), max items (0: none), member, bytes, expires at (ms; 0: only check), value
--- or '' (KEYS[3] is its key), then the members of the responses in KEYS[4...]
+-- or '' (KEYS[3] is its key), then the members of the responses in KEYS[4...]. A value is stored once: when its key
+-- holds one already (stored by another edge, or a DELETE's bar) nothing is, and the answer is {2}
+if ARGV[7] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
+  return {2, held, items, '0'}
+end
 local member, size, at = ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local max_bytes, max_items = tonumber(ARGV[2]), tonumber(ARGV[3])
 local old, one = redis.call('HGET', tally, member), counted(member)
@@ -249,10 +253,11 @@ class ResponseStore:
                                      "a streamed request is kept to be resumed", None)
 
     async def save(self, tenant: str, response_id: str, response: bytes, conversation: Conversation,
-                   added: list[bus.Message], dropped: int = 0, inputs: tuple[bytes, ...] = ()) -> None:
+                   added: list[bus.Message], dropped: int = 0, inputs: tuple[bytes, ...] = ()) -> bool:
         """Stores a finished response: what it added to the conversation, or its whole history as it ran (see the
         module's docstring). Past the quota too: its room was checked before it ran, and a tenant overshoots by
-        at most the answers it had in flight when its storage filled."""
+        at most the answers it had in flight when its storage filled. Once: False, and nothing stored, when the
+        id holds a response already (another edge's, a cancel's, a replay's) or is barred (`bar`)."""
         chain: list[str] = []
         if conversation.previous and not dropped and conversation.depth + 1 < SNAPSHOT_EVERY:
             record = StoredResponse(response=msgspec.Raw(response), history=added, tenant=tenant,
@@ -265,18 +270,25 @@ class ResponseStore:
                                     inputs=[msgspec.Raw(item) for item in inputs])
         data = _encoder.encode(record)
         more = ([keys.stored_response(tenant, name) for name in chain], [f"r:{name}" for name in chain])
-        await self._run_charge(tenant, Quota(0, 0), f"r:{response_id}", len(data), bus.now_ms() + self.ttl_ms,
-                               data, more)
+        found = await self._run_charge(tenant, Quota(0, 0), f"r:{response_id}", len(data),
+                                       bus.now_ms() + self.ttl_ms, data, more)
+        return int(found[0]) == 1
 
-    async def keep(self, tenant: str, turn: Turn) -> None:
-        """Stores a finished turn (see `save`)."""
-        await self.save(tenant, turn.response_id, turn.response, turn.conversation, turn.added, turn.dropped,
+    async def bar(self, tenant: str, response_id: str, until_ms: int) -> None:
+        """No response is stored under `response_id` until `until_ms` (Unix ms): that of a job still running when
+        its response was deleted, whose answer may yet come to be stored. A barred id reads as none."""
+        with redis_boundary(Overloaded):
+            await self.redis.set(keys.stored_response(tenant, response_id), b"", pxat=until_ms, nx=True)
+
+    async def keep(self, tenant: str, turn: Turn) -> bool:
+        """Stores a finished turn, once (see `save`)."""
+        return await self.save(tenant, turn.response_id, turn.response, turn.conversation, turn.added, turn.dropped,
                         turn.inputs)
 
     async def load(self, tenant: str, response_id: str) -> StoredResponse | None:
         with redis_boundary(Overloaded):
             data = await self.redis.get(keys.stored_response(tenant, response_id))
-        return None if data is None else _decoder.decode(data)
+        return _decoder.decode(data) if data else None  # b"": barred (see `bar`)
 
     async def items(self, tenant: str, wanted: dict[str, str], max_bytes: int) -> dict[str, bytes]:
         """The stored items `wanted` names (item id: the response it is of, see formats.item_refs) that are
