@@ -252,3 +252,38 @@ def test_turns_that_do_not_add_up_still_end_within_the_bound(seed: int) -> None:
     kept, renders = truncate(hidden, [1] * len(hidden), limit)
     assert kept <= limit
     assert renders <= 7  # MAX_RENDERS, stated here so that raising it is seen
+
+
+class _CountingSpans(CountingBackend):
+    """Counts the characters encoded with offsets too (TGI's /tokenize)."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> Any:
+        self.chars += len(text)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("chat_kind", [False, True], ids=["prompt", "messages"])
+async def test_tokenize_answers_a_prompt_that_fits_the_context_and_refuses_a_longer_one_from_its_beginning(
+    engine: VllmEngine, smollm2: Any, chat_kind: bool
+) -> None:
+    """/tokenize's answer is bounded by the context, not by the body: 524,288 digits are 524,288 tokens (a 7 MB
+    event, over a second of the worker's loop); refused after reading a few times the context's characters."""
+    def job(text: str) -> bus.Job:
+        if chat_kind:
+            return bus.Job(id="j", model="m", reply_to="r", deadline_ms=0, kind="chat", count_only=True,
+                           tokens_out=True, messages=[bus.Message(role="user", content=text)],
+                           params=bus.SamplingParams(max_tokens=1))
+        return plain(text, count_only=True, tokens_out=True)
+
+    fits = " ".join(random.Random(9).choices(WORDS, k=400))
+    answer = await engine._tokens_out(job(fits))
+    if not chat_kind:
+        assert answer.token_ids == smollm2.encode(fits)
+        assert [fits[a:b] for a, b in answer.spans][1:] == [
+            s.replace("Ġ", " ") for s in smollm2.convert_ids_to_tokens(answer.token_ids)][1:]
+    assert len(answer.token_ids) <= engine.max_model_len
+    counting = engine.encoder.backend = _CountingSpans(engine.encoder.backend)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await engine._tokens_out(job("1 " * 262_144))
+    assert refused.value.param == ("messages" if chat_kind else "prompt")
+    assert counting.chars < 100_000  # of the 524,288

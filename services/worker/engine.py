@@ -288,7 +288,7 @@ class VllmEngine:
         one that must fit whole, only as much as shows that it cannot (a count is of all of it, and truncation
         "auto" counts each conversation it tries)."""
         assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
-        if job.count_only or (job.truncate and job.kind in ("chat", "embedding")):
+        if (job.count_only and not job.tokens_out) or (job.truncate and job.kind in ("chat", "embedding")):
             return await self.encoder.encode(text, add_special_tokens)
         if job.keep_last_tokens or job.truncate:
             keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len + 1)
@@ -496,12 +496,19 @@ class VllmEngine:
 
     async def _tokens_out(self, job: bus.Job) -> bus.Prompt:
         """A tokens_out job's answer (its first prompt): its ids, each token's string and, for a plain text prompt,
-        each one's span in it (one tokenization with offsets, off the loop, gives both)."""
+        each one's span in it (one tokenization with offsets, off the loop, gives both). A prompt longer than the
+        context is refused, as a request that ran it would be: its answer is bounded by the context, not by the
+        body (2 MiB of rare CJK is two million tokens: a 30 MB event, seconds of the worker's loop, a gigabyte of
+        the edge's memory and past Redis's output buffer of the edge's subscription)."""
         spans: list[tuple[int, int]] = []
         assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
         if job.kind == "completion" and job.prompts and job.prompts[0] and not job.chat_template:
-            ids, spans = await self.encoder.encode_with_spans(job.prompts[0], job.add_special_tokens)
-        else:
+            found = await self.encoder.encode_with_spans(job.prompts[0], job.add_special_tokens, self.max_model_len)
+            if found is None:
+                raise ContextLengthExceeded(f"This model's maximum context length is {self.max_model_len} tokens; "
+                                            "the prompt alone has more.", param="prompt")
+            ids, spans = found
+        else:  # a conversation, or ids: refused past the context as a request that runs them would be
             ids = (await self.prompt_ids(job))[0]
         return bus.Prompt(job=job.id, index=0, token_ids=ids, spans=spans,
                           token_strs=list(self.tokenizer.convert_ids_to_tokens(ids)),

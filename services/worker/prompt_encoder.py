@@ -55,12 +55,22 @@ class PromptEncoder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._encode_batch, texts, add_special_tokens)
 
-    async def encode_with_spans(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        """The text's ids and each token's start and end in it, in characters (TGI's /tokenize), off the loop."""
+    async def encode_with_spans(self, text: str, add_special_tokens: bool,
+                                limit: int) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """The text's ids and each token's start and end in it, in characters (TGI's /tokenize), off the loop; None
+        once it has more than `limit` tokens, found as `encode_within` finds it: a megabyte that a tokenizer makes two
+        million tokens of cost the worker's loop seconds to list and the edge a gigabyte to answer."""
         if self.backend is None:  # only a fast (Rust) tokenizer gives spans, as TGI answers too
             raise NotFound("No fast tokenizer available: this model's tokenizer gives no token spans.")
-        encoding = await asyncio.get_running_loop().run_in_executor(
-            self.executor, partial(self.backend.encode, text, add_special_tokens=add_special_tokens))
+        if (len(text) > (limit + CUT_MARGIN) * LOOK_CHARS_PER_TOKEN
+                and await self.encode_within(text, add_special_tokens, limit) is None):
+            return None
+        ids, spans = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._encode_with_spans, text, add_special_tokens)
+        return None if len(ids) > limit else (ids, spans)
+
+    def _encode_with_spans(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return list(encoding.ids), [tuple(span) for span in encoding.offsets]
 
     async def encode_within(self, text: str, add_special_tokens: bool, limit: int) -> list[int] | None:
