@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.worker import conversation
-from services.worker.engine import Counts, VllmEngine
+from services.worker.engine import COUNT_CONTEXTS, Counts, VllmEngine
 from services.worker.models import default_chat_model_dir
 from shared.protocol import bus
 from shared.protocol.errors import ContextLengthExceeded
@@ -287,3 +287,27 @@ async def test_tokenize_answers_a_prompt_that_fits_the_context_and_refuses_a_lon
         await engine._tokens_out(job("1 " * 262_144))
     assert refused.value.param == ("messages" if chat_kind else "prompt")
     assert counting.chars < 100_000  # of the 524,288
+
+
+@pytest.mark.parametrize(("kind", "param"), [("completion", "prompt"), ("chat", "messages")])
+async def test_a_count_is_exact_to_a_few_contexts_and_refused_past_them_from_its_beginning(
+    engine: VllmEngine, smollm2: Any, kind: str, param: str
+) -> None:
+    """count_tokens and input_tokens: a prompt twice the context is counted exactly (a client learns how far over
+    it is); one of 524,288 tokens is refused after a few times COUNT_CONTEXTS contexts' characters."""
+    def job(text: str) -> bus.Job:
+        if kind == "chat":
+            return bus.Job(id="j", model="m", reply_to="r", deadline_ms=0, kind="chat", count_only=True,
+                           messages=[bus.Message(role="user", content=text)], params=bus.SamplingParams(max_tokens=1))
+        return plain(text, count_only=True)
+
+    over = " ".join(random.Random(10).choices(WORDS, k=engine.max_model_len * 2))
+    [counted] = await engine.prompt_ids(job(over))
+    assert len(counted) >= engine.max_model_len * 2
+    if kind == "completion":
+        assert counted == smollm2.encode(over)
+    counting = engine.encoder.backend = CountingBackend(engine.encoder.backend)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await engine.prompt_ids(job("1 " * 262_144))
+    assert refused.value.param == param and str(COUNT_CONTEXTS * engine.max_model_len) in refused.value.message
+    assert counting.chars < COUNT_CONTEXTS * engine.max_model_len * 40  # of the 524,288

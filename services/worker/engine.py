@@ -77,6 +77,9 @@ FAILED = "error"
 token, one that refused a sampled token; vllm serve answers it with a 500). Passed on, it read as an empty answer
 that had stopped."""
 
+COUNT_CONTEXTS = 4
+"""A count (count_tokens, input_tokens) is exact up to this many of the model's contexts: enough to tell a client
+how far over it a prompt is, at a bounded cost to the tokenizer every prompt shares."""
 _INLINE_RENDER_MESSAGES = 32
 """Conversations up to this many messages are rendered on the loop: a thread's round trip costs more."""
 
@@ -288,7 +291,9 @@ class VllmEngine:
         one that must fit whole, only as much as shows that it cannot (a count is of all of it, and truncation
         "auto" counts each conversation it tries)."""
         assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
-        if (job.count_only and not job.tokens_out) or (job.truncate and job.kind in ("chat", "embedding")):
+        if job.count_only and not job.tokens_out:
+            return await self._counted(job, text, add_special_tokens)
+        if job.truncate and job.kind in ("chat", "embedding"):
             return await self.encoder.encode(text, add_special_tokens)
         if job.keep_last_tokens or job.truncate:
             keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len + 1)
@@ -298,6 +303,18 @@ class VllmEngine:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
                 f"{_prompt_param(job)} alone has more.", param=_prompt_param(job))
+        return ids
+
+    async def _counted(self, job: bus.Job, text: str, add_special_tokens: bool) -> list[int]:
+        """A count's ids: all of a prompt up to COUNT_CONTEXTS contexts, a longer one refused from its beginning
+        (counting 8 MiB of digits held the tokenizer, which every tenant's prompts wait for, most of a second)."""
+        assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
+        limit = COUNT_CONTEXTS * self.max_model_len
+        ids = await self.encoder.encode_within(text, add_special_tokens, limit)
+        if ids is None:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens; the {_prompt_param(job)} has "
+                f"more than {limit}, more than are counted.", param=_prompt_param(job))
         return ids
 
     async def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
