@@ -39,6 +39,8 @@ async def test_a_batch_file_is_checked_kept_listed_read_back_and_deleted(stack: 
         for bad, why in ((b"not json\n", "Line 1"), (_batch(2) + _batch(1), "used twice"),
                          (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/images", "body": {}}).encode(),
                           "`url`"), (b"\n\n", "no requests"),
+                         (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": [1]}',
+                          "`body` is not an object"),
                          (b'{"custom_id": "\xff", "method": "POST", "url": "/v1/completions", "body": {}}', "UTF-8"),
                          (b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"x": '
                           + b"[" * 50_000 + b"]" * 50_000 + b"}}", "nested too deeply")):

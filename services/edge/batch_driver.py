@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
 from aiohttp import web
 
 from services.edge import pump
@@ -320,16 +319,17 @@ class BatchRun:
         may use it."""
         if isinstance(error, WorkerLost):
             return True
-        model = line.body.get("model")
+        model = line.head().model
         return (isinstance(model, str) and model in self.app[GATEWAY].directory.counted
                 and (caller.key is None or caller.key.may_use(model)))
 
     async def _plan(self, batch: Batch, caller: Caller, line: BatchLine) -> Plan:
-        if line.body.get("stream"):
+        head = line.head()
+        if head.stream:
             raise InvalidRequest("`stream` is not supported in a batch.", param="stream")
-        if line.body.get("background"):
+        if head.background:
             raise InvalidRequest("`background` is not supported in a batch.", param="background")
-        plan = await PLANNERS[PLAN_OF[batch.endpoint]](self.app, caller, msgspec.json.encode(line.body), None)
+        plan = await PLANNERS[PLAN_OF[batch.endpoint]](self.app, caller, bytes(line.body), None)
         info = self.app[GATEWAY].directory.models.get(plan.job.model)
         fairshare.check_fits(plan.job, info)
         check_prompt_fits(plan.job, info.max_model_len if info else 0, plan.route)
@@ -428,7 +428,7 @@ def _invalid(batch: Batch, lines: list[BatchLine]) -> list[BatchError]:
                                 f"endpoint {batch.endpoint}.", param="url", line=number)
               for number, line in enumerate(lines, start=1) if line.url != batch.endpoint][:100]
     if batch.endpoint == "/v1/embeddings":
-        inputs = sum(len(given) if isinstance(given := line.body.get("input"), list) else 1 for line in lines)
+        inputs = sum(line.inputs() for line in lines)
         if inputs > MAX_EMBEDDING_INPUTS:
             errors.append(BatchError(code="too_many_inputs", message=f"An embeddings batch takes at most "
                                             f"{MAX_EMBEDDING_INPUTS} inputs in all; this one has {inputs}."))
