@@ -169,6 +169,8 @@ async def test_tokenize_and_detokenize_as_vllm_and_tgi_serve_them(served: Edge, 
         text = (await http.post("/detokenize", json={"model": MODEL, "tokens": ids})).json()
         tgi = (await http.post("/tokenize", json={"inputs": PARIS})).json()
         unknown = await http.post("/detokenize", json={"tokens": [10**9]})
+        beyond = await http.post("/detokenize", json={"tokens": ids * 600})  # more than the 2048-token context
+        too_long = await http.post("/tokenize", json={"prompt": PARIS * 600})
     assert prompt.status_code == 200 and prompt.json() == {
         "count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)}
     assert ran.usage is not None and chat["count"] == ran.usage.prompt_tokens == len(chat["tokens"])
@@ -177,6 +179,8 @@ async def test_tokenize_and_detokenize_as_vllm_and_tgi_serve_them(served: Edge, 
     assert all(PARIS[token["start"]:token["stop"]] == token["text"] for token in tgi)
     assert "".join(token["text"] for token in tgi).replace(" ", "") == PARIS.replace(" ", "")
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tokens"
+    assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "tokens"
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
 async def test_use_raw_prompt_false_applies_the_chat_template(client: openai.AsyncOpenAI) -> None:

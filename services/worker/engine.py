@@ -376,9 +376,9 @@ class VllmEngine:
         """Prompts given as token ids, as they are: each id one of the tokenizer's (as vLLM checks), each prompt
         within the context (the end of one kept when the job truncates)."""
         vocabulary = len(self.tokenizer)
+        field = "tokens" if job.tokens_out else "prompt"  # /detokenize's, or a completion's
         for i, ids in enumerate(job.prompt_ids):
             if (beyond := max(ids)) >= vocabulary:
-                field = "tokens" if job.tokens_out else "prompt"  # /detokenize's, or a completion's
                 raise InvalidRequest(f"Token id {beyond} is out of vocabulary (the model's ids are 0 to "
                                      f"{vocabulary - 1}).", param=field if len(job.prompt_ids) == 1 else
                                      f"{field}[{i}]")
@@ -386,8 +386,9 @@ class VllmEngine:
             keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len)
             return [ids[-keep:] for ids in job.prompt_ids]
         if (longest := max(map(len, job.prompt_ids))) > self.max_model_len:
-            raise ContextLengthExceeded(f"This model's maximum context length is {self.max_model_len} tokens; the "
-                                        f"prompt alone has {longest}.", param="prompt")
+            given = f"{longest} were given" if job.tokens_out else f"the prompt alone has {longest}"
+            raise ContextLengthExceeded(f"This model's maximum context length is {self.max_model_len} tokens; "
+                                        f"{given}.", param=field)
         return [list(ids) for ids in job.prompt_ids]
 
     def decode(self, job: bus.Job, token_ids: list[int]) -> str:
