@@ -20,6 +20,7 @@ class PoolingEngine(Protocol):
     llm: Any
     tokenizer: Any
     max_model_len: int
+    dimensions: int
     requests: dict[str, list[str]]
     """Engine request ids of each running job (one per input or pair)."""
 
@@ -28,6 +29,10 @@ class PoolingEngine(Protocol):
 
 async def embed(engine: PoolingEngine, job: bus.Job, priority: int) -> AsyncIterator[bus.Output]:
     """One vector per input, in input order; inputs longer than the context are an error (or cut)."""
+    if len(job.prompts) * engine.dimensions > bus.MAX_VECTOR_VALUES:  # from an edge of an earlier version
+        raise InvalidRequest(f"{len(job.prompts)} inputs of {engine.dimensions} dimensions are more than one "
+                             f"request may embed; send at most {bus.MAX_VECTOR_VALUES // engine.dimensions} "
+                             "inputs a request.", param="input")
     from vllm import PoolingParams
 
     arrival = time.time()

@@ -340,6 +340,13 @@ class Tokens(Stamped, tag="tok", kw_only=True):
     reasoning: str = ""
 
 
+MAX_VECTOR_VALUES = 1_000_000
+"""Vector values one embedding job of an embedding model may answer (its inputs x the model's dimensions), the
+edge's bound on a request and the worker's before it computes any: what they cost is not charged (the tokens
+are the inputs'), and they are its events on the bus and in its log, its answer's JSON (about 20 MB of floats) and
+~100 ms of the edge's loop to render (services.edge.formats.embeddings)."""
+
+
 class Embedding(Stamped, tag="emb", kw_only=True):
     """The vector of input `index` of an embedding job."""
 

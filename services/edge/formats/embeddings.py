@@ -42,6 +42,16 @@ def check_dimensions(req: EmbeddingRequest, native: int) -> None:
         )
 
 
+def check_size(req: EmbeddingRequest, native: int) -> None:
+    """Refuses a request whose vectors would hold more than bus.MAX_VECTOR_VALUES values (its inputs x the model's
+    dimensions), whichever its encoding_format (base64 answers are smaller, but the bus and the worker carry the
+    same values); `dimensions` may only name the model's own (check_dimensions), so the model's count."""
+    count = len(inputs_of(req))
+    if count * native > bus.MAX_VECTOR_VALUES:
+        raise InvalidRequest(f"{count} inputs of {native} dimensions are more than one request may embed here; "
+                             f"send at most {bus.MAX_VECTOR_VALUES // native} inputs a request.", param="input")
+
+
 def to_job(req: EmbeddingRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
                    prompts=inputs_of(req), instruction=req.instruction or "", created_ms=bus.now_ms())

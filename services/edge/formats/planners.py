@@ -333,6 +333,7 @@ def plan_embeddings(body: bytes) -> Planning:
     req = yield from _decode(body, embeddings.EmbeddingRequest, "embeddings")
     info = yield from _model(req.model, task="embed")
     embeddings.check_dimensions(req, info.dimensions)
+    embeddings.check_size(req, info.dimensions)
     arrival = yield from _arrive("embd-")
     job = embeddings.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
     return Planned(job, embeddings.EmbeddingRenderer(req, arrival.job_id), False, arrival)
