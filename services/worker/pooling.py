@@ -4,6 +4,7 @@ two texts read together). vllm is imported inside each function."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -103,4 +104,15 @@ async def _one(engine: PoolingEngine, job: bus.Job, request_id: str, index: int,
     prompt = engine_prompt(ids, arrival, job.cache_salt)
     async for out in engine.llm.encode(prompt, params, request_id, priority=priority):
         if out.finished:
-            yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(), prompt_tokens=len(ids))
+            if job.packed_vectors:
+                yield bus.Embedding(job=job.id, index=index, packed=packed(out.outputs.data), prompt_tokens=len(ids))
+            else:
+                yield bus.Embedding(job=job.id, index=index, vector=out.outputs.data.tolist(), prompt_tokens=len(ids))
+
+
+def packed(data: Any) -> bytes:
+    """A pooled output (a torch tensor) as bus.Embedding.packed carries it: float32, little-endian (the precision
+    of OpenAI's own base64 answers; the engine's vectors are float32 or narrower)."""
+    if sys.byteorder == "little":
+        return data.detach().float().cpu().numpy().tobytes()
+    return bus.pack_vector(data.tolist())

@@ -12,7 +12,10 @@ position once and drops what a former owner writes late (see shared.protocol.seq
 
 from __future__ import annotations
 
+import sys
 import time
+from array import array
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -200,6 +203,10 @@ class Job(Base):
     adapter_path: str = ""
     """Where the worker loads that adapter from (shared.tenancy.adapters' registry); "" for one the worker was
     started with (--lora)."""
+    packed_vectors: bool = False
+    """Embedding jobs of an embedding model: the edge reads each vector as float32 bytes (Embedding.packed), half
+    the bus and the job's log that float64 lists take. A worker of an earlier version ignores it and sends
+    `vector` lists, which the edge reads as well; an edge of an earlier version never sets it."""
 
     def log_kept_ms(self, default_ms: int) -> int:
         """How long its event log is kept after its end, where the worker keeps logs `default_ms`."""
@@ -343,16 +350,39 @@ class Tokens(Stamped, tag="tok", kw_only=True):
 MAX_VECTOR_VALUES = 1_000_000
 """Vector values one embedding job of an embedding model may answer (its inputs x the model's dimensions), the
 edge's bound on a request and the worker's before it computes any: what they cost is not charged (the tokens
-are the inputs'), and they are its events on the bus and in its log, its answer's JSON (about 20 MB of floats) and
-~100 ms of the edge's loop to render (services.edge.formats.embeddings)."""
+are the inputs'), and they are its events on the bus and in its log (4 MB as float32), its answer's JSON (about
+20 MB of floats) and ~100 ms of the edge's loop to render (services.edge.formats.embeddings)."""
+
+
+def pack_vector(values: Iterable[float]) -> bytes:
+    """A vector as Embedding.packed carries it: float32, little-endian."""
+    floats = array("f", values)
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return floats.tobytes()
+
+
+def unpack_vector(packed: bytes) -> array[float]:
+    """The float32 values of Embedding.packed."""
+    floats = array("f")
+    floats.frombytes(packed)
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return floats
 
 
 class Embedding(Stamped, tag="emb", kw_only=True):
-    """The vector of input `index` of an embedding job."""
+    """The vector of input `index` of an embedding job: as `packed` for a job with packed_vectors (from a worker
+    that knows of them), else as `vector`."""
 
     index: int
-    vector: list[float]
+    vector: list[float] = []
     prompt_tokens: int
+    packed: bytes = b""
+    """The vector's float32 values, little-endian (pack_vector)."""
+
+    def values(self) -> list[float]:
+        return unpack_vector(self.packed).tolist() if self.packed else self.vector
 
 
 class Final(Stamped, tag="end", kw_only=True):

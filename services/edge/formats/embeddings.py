@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import base64
-import sys
-from array import array
 from typing import Annotated, Literal
 
 from msgspec import UNSET, Meta, UnsetType
@@ -54,7 +52,8 @@ def check_size(req: EmbeddingRequest, native: int) -> None:
 
 def to_job(req: EmbeddingRequest, *, job_id: str, reply_to: str, deadline_ms: int) -> bus.Job:
     return bus.Job(id=job_id, model=req.model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
-                   prompts=inputs_of(req), instruction=req.instruction or "", created_ms=bus.now_ms())
+                   prompts=inputs_of(req), instruction=req.instruction or "", created_ms=bus.now_ms(),
+                   packed_vectors=True)
 
 
 class EmbeddingData(Out, kw_only=True):
@@ -77,24 +76,30 @@ class EmbeddingList(Out, kw_only=True):
     usage: EmbeddingUsage
 
 
-def as_base64(vector: list[float]) -> str:
-    """OpenAI's base64 form: the float32 values, little-endian."""
-    floats = array("f", vector)
-    if sys.byteorder == "big":
-        floats.byteswap()
-    return base64.b64encode(floats.tobytes()).decode()
+def as_base64(vector: list[float] | bytes) -> str:
+    """OpenAI's base64 form: the float32 values, little-endian (as packed vectors come)."""
+    return base64.b64encode(vector if isinstance(vector, bytes) else bus.pack_vector(vector)).decode()
+
+
+def as_floats(vector: list[float] | bytes) -> list[float]:
+    return bus.unpack_vector(vector).tolist() if isinstance(vector, bytes) else vector
 
 
 class Vectors(Unstored):
-    """Gathers one vector per input, and the prompt tokens; an embedding job's answer never streams."""
+    """Gathers one vector per input, and the prompt tokens; an embedding job's answer never streams. A packed
+    vector is kept as its float32 bytes (4 bytes a value, not a list's 32) until the answer is made."""
 
     def __init__(self) -> None:
-        self.vectors: dict[int, list[float]] = {}
+        self.vectors: dict[int, list[float] | bytes] = {}
         self.prompt_tokens = 0
+
+    def vector(self, index: int) -> list[float]:
+        """Input `index`'s vector ([] if none came)."""
+        return as_floats(self.vectors.get(index, []))
 
     def render(self, event: bus.Output) -> list[Payload]:
         if isinstance(event, bus.Embedding):
-            self.vectors[event.index] = event.vector
+            self.vectors[event.index] = event.packed or event.vector
         elif isinstance(event, bus.Final):
             self.prompt_tokens = event.prompt_tokens
         return []
@@ -114,7 +119,7 @@ class EmbeddingRenderer(Vectors):
         self.base64 = req.encoding_format == "base64"
 
     def body(self) -> EmbeddingList:
-        data = [EmbeddingData(index=i, embedding=as_base64(v) if self.base64 else v)
+        data = [EmbeddingData(index=i, embedding=as_base64(v) if self.base64 else as_floats(v))
                 for i, v in sorted(self.vectors.items())]
         usage = EmbeddingUsage(prompt_tokens=self.prompt_tokens, total_tokens=self.prompt_tokens)
         return EmbeddingList(id=self.id or UNSET, data=data, model=self.model, usage=usage)

@@ -102,8 +102,9 @@ def check_size(texts: list[str], pairs: list[tuple[int, int]], info: bus.WorkerI
 def scoring_job(model: str, texts: list[str], pairs: list[tuple[int, int]], info: bus.WorkerInfo, *, job_id: str,
                 reply_to: str, deadline_ms: int) -> bus.Job:
     """One embedding job of the texts; on a cross-encoder, with the pairs its worker scores."""
+    cross = info.task == "score"
     return bus.Job(id=job_id, model=model, reply_to=reply_to, deadline_ms=deadline_ms, kind="embedding",
-                   prompts=texts, pairs=pairs if info.task == "score" else [], created_ms=bus.now_ms())
+                   prompts=texts, pairs=pairs if cross else [], created_ms=bus.now_ms(), packed_vectors=not cross)
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -169,8 +170,9 @@ class PairScores(Vectors):
 
     def scores(self) -> list[float]:
         if self.cross:
-            return [(self.vectors.get(n) or [0.0])[0] for n in range(len(self.pairs))]
-        return [cosine(self.vectors.get(a, []), self.vectors.get(b, [])) for a, b in self.pairs]
+            return [(self.vector(n) or [0.0])[0] for n in range(len(self.pairs))]
+        vectors = {i: self.vector(i) for i in self.vectors}  # each text's once, however many pairs it is in
+        return [cosine(vectors.get(a, []), vectors.get(b, [])) for a, b in self.pairs]
 
 
 class RerankRenderer(PairScores):
