@@ -38,21 +38,22 @@ def plan(body: dict[str, Any], dimensions: int, task: str = "embed") -> planners
 
 
 def test_the_vectors_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions() -> None:
-    """2,048 inputs of MiniLM's 384 dimensions are served, and 244 of a 4,096-dimension model; 245 of those (which
-    would be 1,003,520 values) are refused with a 400 naming `input` before anything is queued, in base64 too."""
+    """2,048 inputs of MiniLM's 384 dimensions are served, and 512 of a 4,096-dimension model; 513 of those (which
+    would be 2,101,248 values) are refused with a 400 naming `input` before anything is queued, in base64 too."""
     assert len(plan({"model": "m", "input": ["x"] * 2048}, 384).job.prompts) == 2048
-    assert len(plan({"model": "m", "input": ["x"] * 244, "dimensions": 4096}, 4096).job.prompts) == 244
+    assert len(plan({"model": "m", "input": ["x"] * 512, "dimensions": 4096}, 4096).job.prompts) == 512
     for extra in ({}, {"encoding_format": "base64"}, {"dimensions": 4096}):
         with pytest.raises(InvalidRequest) as refused:
-            plan({"model": "m", "input": ["x"] * 245, **extra}, 4096)
+            plan({"model": "m", "input": ["x"] * 513, **extra}, 4096)
         assert refused.value.status == 400 and refused.value.param == "input"
-        assert "at most 244 inputs" in refused.value.message
+        assert "at most 512 inputs" in refused.value.message
         error = orjson.loads(msgspec.json.encode(openai_error_body(refused.value)))["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "input"
     with pytest.raises(InvalidRequest) as shortened:  # `dimensions` names the model's own, or is refused first
-        plan({"model": "m", "input": ["x"] * 245, "dimensions": 256}, 4096)
+        plan({"model": "m", "input": ["x"] * 513, "dimensions": 256}, 4096)
     assert shortened.value.param == "dimensions"
-    assert len(plan({"model": "m", "input": ["x"] * 976}, 1024).job.prompts) == 976  # bge-large, e5-large
+    assert len(plan({"model": "m", "input": ["x"] * 2048}, 1024).job.prompts) == 2048  # bge-large, e5-large
+    assert len(plan({"model": "m", "input": ["x"] * 1000}, 2048).job.prompts) == 1000  # a client's usual batch
 
 
 def test_the_worker_refuses_what_an_older_edge_let_through_before_it_computes() -> None:
@@ -70,7 +71,7 @@ def test_the_worker_refuses_what_an_older_edge_let_through_before_it_computes() 
 
     with pytest.raises(InvalidRequest) as refused:
         asyncio.run(first())
-    assert refused.value.param == "input" and "at most 244 inputs" in refused.value.message
+    assert refused.value.param == "input" and "at most 512 inputs" in refused.value.message
 
 
 def vectors(count: int, dimensions: int) -> list[list[float]]:
@@ -104,13 +105,13 @@ def test_packed_vectors_answer_as_float_lists_did_in_both_encodings() -> None:
 
 
 def test_a_request_s_vectors_take_half_the_bus_they_took() -> None:
-    """244 vectors of 4,096 dimensions (the most one request may ask for): about 4 MB on the bus as float32, not
-    the 9 MB of msgpack float64 lists, well under what Redis lets one publish to an edge's subscription."""
+    """512 vectors of 4,096 dimensions (the most one request may ask for): about 8 MB on the bus as float32, not
+    the 19 MB of msgpack float64 lists, well under what Redis lets one publish to an edge's subscription."""
     values = vectors(1, 4096)[0]
     packed = bus.encode_events([bus.Embedding(job="j", index=i, packed=bus.pack_vector(values), prompt_tokens=1)
-                                for i in range(244)])
-    listed = bus.encode_events([bus.Embedding(job="j", index=i, vector=values, prompt_tokens=1) for i in range(244)])
-    assert len(packed) < 244 * 4096 * 4 * 1.01 < len(listed) / 2
+                                for i in range(512)])
+    listed = bus.encode_events([bus.Embedding(job="j", index=i, vector=values, prompt_tokens=1) for i in range(512)])
+    assert len(packed) < 512 * 4096 * 4 * 1.01 < len(listed) / 2
 
 
 def test_the_edge_asks_for_packed_vectors_of_embedding_models_only() -> None:

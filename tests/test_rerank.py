@@ -107,7 +107,7 @@ async def test_a_cross_encoder_scores_each_pair_read_together_as_transformers_do
 
 
 def test_the_scores_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions() -> None:
-    """The edge computes the scores on its loop: 1,000 documents of MiniLM's 384 dimensions are served, 300 of a
+    """The edge computes the scores on its loop: 1,000 documents of MiniLM's 384 dimensions are served, 600 of a
     4,096-dimension model are refused (a 400 naming `documents`) before anything is queued."""
     from services.edge.formats import planners
     from shared.protocol import bus
@@ -129,7 +129,7 @@ def test_the_scores_a_request_may_ask_for_are_bounded_by_the_model_s_dimensions(
 
     assert len(plan(1000, 384).prompts) == 1001
     with pytest.raises(InvalidRequest) as refused:
-        plan(300, 4096)
+        plan(600, 4096)
     assert refused.value.param == "documents" and refused.value.status == 400
     assert plan(1000, 0).pairs == [(0, 1 + i) for i in range(1000)]  # a cross-encoder's worker reads the pairs
     assert plan(1000, 0).sequences() == 1000

@@ -347,11 +347,12 @@ class Tokens(Stamped, tag="tok", kw_only=True):
     reasoning: str = ""
 
 
-MAX_VECTOR_VALUES = 1_000_000
+MAX_VECTOR_VALUES = 2_097_152
 """Vector values one embedding job of an embedding model may answer (its inputs x the model's dimensions), the
 edge's bound on a request and the worker's before it computes any: what they cost is not charged (the tokens
-are the inputs'), and they are its events on the bus and in its log (4 MB as float32), its answer's JSON (about
-20 MB of floats) and ~100 ms of the edge's loop to render (services.edge.formats.embeddings)."""
+are the inputs'), and they are its events on the bus and in its log (8 MB as float32), its answer's JSON (about
+40 MB of floats) and ~200 ms of the edge's loop to render (services.edge.formats.embeddings). 2,048 inputs (OpenAI's
+bound) of a 1,024-dimension model, so that clients' usual batches of 1,000 fit models up to 2,048 dimensions."""
 
 
 def pack_vector(values: Iterable[float]) -> bytes:

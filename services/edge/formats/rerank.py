@@ -20,10 +20,10 @@ from shared.protocol.errors import InvalidRequest
 MAX_DOCUMENTS = 1000
 """Documents of one rerank, and texts of one side of a score: each is an embedding the worker computes."""
 MAX_SCORED_VALUES = bus.MAX_VECTOR_VALUES
-"""Vector values one request's scores read on the edge's loop (texts x the model's dimensions): about 30 ms of it;
+"""Vector values one request's scores read on the edge's loop (texts x the model's dimensions): about 60 ms of it;
 what the worker answers one embedding job at most (the bus's bound).
 1,000 documents of all-MiniLM-L6-v2 (384 dimensions) read 384,000 (~12 ms); a model of 4,096 dimensions ranks at
-most 244 documents a request."""
+most 512 documents a request."""
 MAX_PAIR_CHARACTERS = 8 * 1024 * 1024
 """Characters a cross-encoder's worker reads for one request, a pair's two texts each time: a long query is read
 once per document."""
