@@ -102,8 +102,9 @@ async def test_count_tokens_counts_what_the_worker_would_run(stack: Stack) -> No
 
 
 async def test_errors_come_in_anthropic_s_shape(stack: Stack) -> None:
-    """A bad body, an image, an unknown model, a tool result for no call: each a 4xx with
-    {"type": "error", "error": {"type", "message"}}, which the SDK raises as its own exception."""
+    """A bad body, an image, an unknown model, a tool result for no call, a call answered twice, more tool results
+    than a conversation holds messages: each a 4xx with {"type": "error", "error": {"type", "message"}}, which the
+    SDK raises as its own exception."""
     edge = stack.edge()
     stack.worker()
     async with httpx.AsyncClient(timeout=10) as http:
@@ -112,15 +113,24 @@ async def test_errors_come_in_anthropic_s_shape(stack: Stack) -> None:
     assert missing.json()["type"] == "error" and missing.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in missing.json()["error"]["message"]
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]
-    orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18"}]}]
+    result: dict[str, Any] = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18"}
+    orphan = [{"role": "user", "content": [result]}]
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+    twice = [*ASK, call, {"role": "user", "content": [result] * 2}]
+    many = [*ASK, call, {"role": "user", "content": [result] * 130_000}]  # the review's 7.9 MB
     async with anthropic.AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0) as client:
         with pytest.raises(anthropic.BadRequestError, match="'image' are not supported"):
             await client.messages.create(model=stack.model, max_tokens=5, messages=image)
         with pytest.raises(anthropic.BadRequestError, match="toolu_1"):
             await client.messages.create(model=stack.model, max_tokens=5, messages=orphan)
+        with pytest.raises(anthropic.BadRequestError, match=r"toolu_1.*messages\[2\]\.content\[1\]\.tool_use_id"):
+            await client.messages.create(model=stack.model, max_tokens=5, messages=twice)
+        with pytest.raises(anthropic.BadRequestError, match=r"messages\[2\]\.content.*2048") as long:
+            await client.messages.count_tokens(model=stack.model, messages=many)
         with pytest.raises(anthropic.NotFoundError) as found:
             await client.messages.create(model="nobody", max_tokens=5, messages=ASK)
     assert found.value.body["error"]["type"] == "not_found_error"
+    assert long.value.body["error"]["type"] == "invalid_request_error"
     await stack.settled()
 
 

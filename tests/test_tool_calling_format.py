@@ -62,6 +62,9 @@ def function(name: str, properties: int = 1) -> dict[str, Any]:
         ({"messages": [USER, {"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id"),
         ({"messages": [USER, {"role": "tool", "content": "18 C", "tool_call_id": "call_9"}]},
          "messages[1].tool_call_id"),
+        ({"messages": [USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "18 C",
+          "tool_call_id": "call_1"}, {"role": "tool", "content": "19 C", "tool_call_id": "call_1"}]},
+         "messages[3].tool_call_id"),  # one call, two results (OpenAI: "Duplicate value for 'tool_call_id'")
         ({"messages": [{**USER, "tool_calls": [CALL]}]}, "messages[0].tool_calls"),
         ({"messages": [USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}]},
          "messages[1].tool_calls[0].type"),
@@ -72,6 +75,20 @@ def test_bad_tools_and_conversations_are_refused_by_name(fields: dict[str, Any],
     with pytest.raises(InvalidRequest) as caught:
         chat_job(**fields)
     assert (caught.value.param, caught.value.status) == (param, 400)
+
+
+def test_a_call_made_again_with_its_id_is_answered_again() -> None:
+    """Some models' call ids restart each turn (Kimi K2's `functions.get_weather:0`): a later assistant message
+    making a call of the same id makes a new call, with a result of its own; two calls of one id, two results."""
+    result = {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    called = {"role": "assistant", "tool_calls": [CALL]}
+    job = chat_job(messages=[USER, called, result, called, result])
+    assert [m.tool_call_id for m in job.messages if m.role == "tool"] == ["call_1", "call_1"]
+    both = chat_job(messages=[USER, {"role": "assistant", "tool_calls": [CALL, CALL]}, result, result])
+    assert [m.tool_call_id for m in both.messages if m.role == "tool"] == ["call_1", "call_1"]
+    with pytest.raises(InvalidRequest) as caught:
+        chat_job(messages=[USER, called, result, called, result, result])
+    assert caught.value.param == "messages[5].tool_call_id" and "call_1" in caught.value.message
 
 
 def test_the_limits_are_databricks_own() -> None:
@@ -201,6 +218,9 @@ def test_flat_and_nested_function_tools_are_the_same_function() -> None:
      ({"tools": [FLAT], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice.name"),
      ({"tools": [FLAT], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text.format"),
      ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18 C"}]}, "input[0].call_id"),
+     ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+                 {"type": "function_call_output", "call_id": "call_1", "output": "19 C"}]}, "input[2].call_id"),
      ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_weather"}]}, "input[0].arguments"),
      ({"input": [{"type": "function_call_output", "call_id": "call_1"}]}, "input[0].output"),
      ({"input": [{"content": "hi"}]}, "input[0].role"),
@@ -231,6 +251,18 @@ def test_a_result_may_answer_a_call_of_the_previous_response() -> None:
         responses.ResponsesRequest)
     earlier = [bus.Message(role="assistant", content="", tool_calls=[bus.ToolCall(id="call_1", name="get_weather")])]
     assert responses.input_messages(req, earlier) == [bus.Message(role="tool", content="18 C", tool_call_id="call_1")]
+
+
+def test_a_result_may_not_answer_a_call_the_previous_responses_answered() -> None:
+    req = decode(json.dumps({"model": "m", "input": [
+        {"type": "function_call_output", "call_id": "call_1", "output": "19 C"}]}).encode(),
+        responses.ResponsesRequest)
+    called = bus.Message(role="assistant", content="", tool_calls=[bus.ToolCall(id="call_1", name="get_weather")])
+    answered = [called, bus.Message(role="tool", content="18 C", tool_call_id="call_1")]
+    with pytest.raises(InvalidRequest) as caught:
+        responses.input_messages(req, answered)
+    assert caught.value.param == "input[0].call_id" and "call_1" in caught.value.message
+    assert responses.input_messages(req, [*answered, called])  # the id made again: a new call
 
 
 def render_responses(req: responses.ResponsesRequest, events: list[bus.Tokens | bus.Final]

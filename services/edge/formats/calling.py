@@ -11,6 +11,7 @@ named function to its arguments object. With `auto` the worker's tool parser fin
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Annotated, Any, Literal, TypeAlias
 
 from msgspec import Meta
@@ -214,11 +215,28 @@ def arguments_text(arguments: str | dict[str, Any], param: str) -> str:
 
 
 def check_results(messages: list[bus.Message], first: int, params: list[str]) -> None:
-    """Every tool result from message `first` on answers a call made before it (`params[i]` names message
-    `first + i`'s call id in the request)."""
-    made = {call.id for m in messages[:first] for call in m.tool_calls}
-    for i, message in enumerate(messages[first:]):
-        made.update(call.id for call in message.tool_calls)
-        if message.role == "tool" and message.tool_call_id not in made:
-            raise InvalidRequest(f"A tool result answers the call {message.tool_call_id!r}, which no earlier "
-                                 "assistant message made.", param=params[i])
+    """Every tool result from message `first` on answers a call made before it, and one not answered yet
+    (`params[i]` names message `first + i`'s call id in the request). A call takes one result: OpenAI refuses a
+    second `tool_call_id` for one call ("Duplicate value for 'tool_call_id'"), Anthropic a second `tool_result`
+    for one `tool_use_id`, and Mistral counts calls and results as a multiset. A later assistant message that
+    makes a call of the same id again makes a new call, answered again: some models' ids restart each turn (Kimi
+    K2's `functions.get_weather:0`). The messages before `first` (the turns a request continues, checked when
+    they were sent) only open and answer calls."""
+    made: set[str] = set()
+    unanswered: Counter[str] = Counter()
+    for i, message in enumerate(messages):
+        for call in message.tool_calls:
+            made.add(call.id)
+            unanswered[call.id] += 1
+        if message.role != "tool":
+            continue
+        call_id = message.tool_call_id
+        if unanswered[call_id] > 0:
+            unanswered[call_id] -= 1
+        elif i >= first:
+            param = params[i - first]
+            if call_id in made:
+                raise InvalidRequest(f"A second tool result answers the call {call_id!r} (at `{param}`); each "
+                                     "call takes one result.", param=param)
+            raise InvalidRequest(f"A tool result answers the call {call_id!r}, which no earlier assistant message "
+                                 "made.", param=param)

@@ -3,8 +3,11 @@ job they become (services.edge.formats.messages_render has the answer, its strea
 
 A message's content is a string or a list of blocks: text; `tool_use` (an assistant's call) and `tool_result` (the
 user's answer to one) map to the chat job's tool calls and tool messages; `thinking` to an assistant's reasoning;
-images and documents are refused by name, as everywhere else. The answer's blocks come in the order the model made
-them: its thinking (from the worker's reasoning parser), its text, then its calls (from the worker's tool parser).
+images and documents are refused by name, as everywhere else. Each tool_result block is a message of its own to
+the model: a message holds at most MAX_BLOCKS blocks, the conversation at most MAX_MESSAGES messages with its results
+counted (checked before any is built), and each call takes one result. The answer's blocks come in the order the
+model made them: its thinking (from the worker's reasoning parser), its text, then its calls (from the worker's tool
+parser).
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from shared.protocol.errors import InvalidRequest
 
 MIN_THINKING_BUDGET = 1024
 """Anthropic's least `thinking.budget_tokens`."""
+MAX_BLOCKS = MAX_MESSAGES
+"""Content blocks of one message (or of the system prompt, or of a tool result): each of a user's tool_result
+blocks becomes a message of its own, and the conversation holds at most MAX_MESSAGES (see check_length)."""
+TURN_BLOCKS = ("text", "tool_use", "thinking")
+"""The blocks that make a message's own turn (see _turn), after its tool results."""
 
 # request
 
@@ -54,7 +62,7 @@ class ContentBlock(Request):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
-    content: str | list[ResultPart] | None = None
+    content: str | Annotated[list[ResultPart], Meta(max_length=MAX_BLOCKS)] | None = None
     """tool_result: what the call returned."""
     is_error: bool | None = None
     thinking: str | None = None
@@ -67,7 +75,7 @@ class ContentBlock(Request):
 
 class InputMessage(Request):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Meta(max_length=MAX_BLOCKS)]
 
 
 class SystemBlock(Request):
@@ -104,7 +112,7 @@ class Prompting(Request):
 
     model: str
     messages: Annotated[list[InputMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
-    system: str | list[SystemBlock] | None = None
+    system: str | Annotated[list[SystemBlock], Meta(max_length=MAX_BLOCKS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -163,11 +171,32 @@ def _call(block: ContentBlock, param: str) -> bus.ToolCall:
     return bus.ToolCall(id=block.id, name=block.name, arguments=msgspec.json.encode(block.input or {}).decode())
 
 
-def _turn(message: InputMessage, index: int) -> list[bus.Message]:
-    """One message of the request as chat messages: a user's tool results first, each a tool message of its own."""
+def _expanded(message: InputMessage) -> int:
+    """How many chat messages `message` becomes (see _turn), counted without building them."""
     if isinstance(message.content, str):
-        return [bus.Message(role=message.role, content=message.content)]
+        return 1
+    results = sum(block.type == "tool_result" for block in message.content)
+    return results + any(block.type in TURN_BLOCKS for block in message.content)
+
+
+def check_length(req: Prompting) -> None:
+    """The conversation holds at most MAX_MESSAGES messages once each tool_result block is a message of its own
+    (the schema bounds the request's messages and their blocks, not what they become): counted before any is
+    built, as the first check after decoding."""
+    total = sum(map(_expanded, req.messages))
+    if total > MAX_MESSAGES:
+        raise InvalidRequest(f"`messages` holds {total} messages once each tool_result block is counted as one (it "
+                             f"is a message of its own to the model); at most {MAX_MESSAGES} are served.",
+                             param="messages")
+
+
+def _turn(message: InputMessage, index: int) -> tuple[list[bus.Message], list[str]]:
+    """One message of the request as chat messages: a user's tool results first, each a tool message of its own;
+    with where each was given (a result's call id, else the message's content)."""
+    if isinstance(message.content, str):
+        return [bus.Message(role=message.role, content=message.content)], [f"messages[{index}].content"]
     results: list[bus.Message] = []
+    params: list[str] = []
     texts: list[str] = []
     calls: list[bus.ToolCall] = []
     reasoning: list[str] = []
@@ -178,6 +207,7 @@ def _turn(message: InputMessage, index: int) -> list[bus.Message]:
                 texts.append(block.text or "")
             case ("tool_result", "user"):
                 results.append(_result(block, param))
+                params.append(f"{param}.tool_use_id")
             case ("tool_use", "assistant"):
                 calls.append(_call(block, param))
             case ("thinking", "assistant"):
@@ -191,18 +221,19 @@ def _turn(message: InputMessage, index: int) -> list[bus.Message]:
                 raise InvalidRequest(f"Content blocks of type {block.type!r} are not supported by this text model; "
                                      "use 'text'.", param=f"{param}.type")
     if not (texts or calls or reasoning):
-        return results
+        return results, params
     return [*results, bus.Message(role=message.role, content="".join(texts), tool_calls=calls,
-                                  reasoning="".join(reasoning))]
+                                  reasoning="".join(reasoning))], [*params, f"messages[{index}].content"]
 
 
 def _messages(req: Prompting) -> list[bus.Message]:
+    check_length(req)
     messages = _system(req)
     params: list[str] = ["system"] * len(messages)
     for i, message in enumerate(req.messages):
-        turn = _turn(message, i)
+        turn, where = _turn(message, i)
         messages += turn
-        params += [f"messages[{i}].content"] * len(turn)
+        params += where
     calling.check_results(messages, 0, params)
     return messages
 

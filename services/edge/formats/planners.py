@@ -190,6 +190,7 @@ def plan_chat(body: bytes) -> Planning:
 def plan_messages(body: bytes) -> Planning:
     """Anthropic's Messages API."""
     req = yield from _decode(body, messages.MessagesRequest, "messages")
+    messages.check_length(req)
     info = yield from _model(req.model)
     messages.check_context(req, info.max_model_len)
     arrival = yield from _arrive("msg_")
@@ -202,6 +203,7 @@ def plan_messages(body: bytes) -> Planning:
 def plan_count_tokens(body: bytes) -> Planning:
     """Anthropic's count_tokens: the worker renders and counts the prompt, and runs nothing."""
     req = yield from _decode(body, messages.CountTokensRequest, "messages")
+    messages.check_length(req)
     yield from _model(req.model)
     arrival = yield from _arrive("count_")
     job = messages.count_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to, deadline_ms=arrival.deadline_ms)
