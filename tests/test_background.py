@@ -74,9 +74,15 @@ async def test_a_cancelled_background_response_stops_its_job_and_says_cancelled(
     async with _client(edge.url) as client, _client(other_edge.url) as other:
         created = await client.responses.create(model=stack.model, input="count", max_output_tokens=2000,
                                                 background=True)
-        await _until(client, created.id, "in_progress")
+        deadline = time.monotonic() + 20
+        while stack.client.xlen(keys.job_log(created.id)) < 4:  # it has begun to write (events after Started)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
         cancelled = await other.responses.cancel(created.id)  # any edge cancels it
         assert cancelled.status == "cancelled"
+        # the message it was writing is closed, as incomplete, with what it had written
+        assert [(item.type, item.status) for item in cancelled.output] == [("message", "incomplete")]
+        assert cancelled.output_text and _counted(2000).startswith(cancelled.output_text)
         assert (await client.responses.retrieve(created.id)).status == "cancelled"
         await stack.settled(timeout_s=10)  # the job stopped: its slot is free long before 2000 tokens (40 s)
         assert (await other.responses.cancel(created.id)).status == "cancelled"  # a second cancel changes nothing

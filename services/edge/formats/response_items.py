@@ -145,6 +145,10 @@ class OutputItems:
         out = [] if self.items else self._message()
         return out + self._close(status)
 
+    def cut(self) -> list[Event]:
+        """Closes the item still open, if any, as incomplete: the response failed, or was cancelled, inside it."""
+        return self._close("incomplete")
+
     def output(self) -> list[OutputItem]:
         return [item.out() for item in self.items]
 

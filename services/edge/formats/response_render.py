@@ -201,7 +201,7 @@ class ResponsesRenderer:
             output_tokens_details=OutputTokensDetails(reasoning_tokens=final.reasoning_tokens),
             total_tokens=final.prompt_tokens + final.completion_tokens,
         )
-        done = self.status in ("completed", "incomplete")
+        done = self.status in ("completed", "incomplete", "cancelled")  # a cancelled one's: what it had written
         return Response(
             id=self.id, created_at=self.created_at, completed_at=self.completed_at, status=self.status,
             error=self.error_detail,
@@ -271,9 +271,10 @@ class ResponsesRenderer:
         return [END] if self.ovms else []
 
     def error(self, error: TokenbusError) -> list[Payload]:
-        """An `error` event (its type, code, message and param, as OpenAI's stream sends them), then the
-        response, failed (or cancelled: a background response its client cancelled)."""
-        out = [] if self.started else self._opening()
+        """The item left open closed as incomplete, an `error` event (its type, code, message and param, as
+        OpenAI's stream sends them), then the response, failed (or cancelled: a background response its client
+        cancelled)."""
+        out = self._events(self.items.cut()) if self.started else self._opening()
         if error.param == "messages":  # the worker names a chat prompt's field; a response's is its input
             error.param = "input"
         if self.req.background and isinstance(error, StreamAbandoned):
