@@ -102,6 +102,8 @@ class Gateway:
         finally:
             self.relay.unregister(events)
             self.waiting.pop(job.id, None)
+            if events.finished and record is None and not (job.replayable or job.background):
+                self.relay.drop_log(job.id)  # its end was read here, and nobody may read it again
 
     @contextlib.asynccontextmanager
     async def _reading(self, job: bus.Job, key_id: str, events: JobEvents, resumable: bool,

@@ -50,6 +50,8 @@ a wake of the edge's process, which costs CPU whatever the code then does (docs/
 RETRY_PAUSE_S = 0.5
 CANCEL_MARK_TTL_S = 3600
 """How long a cancelled job's mark stays, for a worker yet to pick the job up."""
+MAX_SPENT_LOGS = 100_000
+"""Spent logs an edge holds to drop at once at most (see EventRelay.drop_log)."""
 
 
 def add_cancel(pipe: rawpipe.PipelineLike, job_id: str) -> None:
@@ -116,6 +118,9 @@ class EventRelay:
         self.pinged_at: float | None = None
         """When a PING went out that nothing has answered yet."""
         self.quiet_check: asyncio.TimerHandle | None = None
+        self.spent_logs: list[str] = []
+        """Jobs nobody can resume whose end this edge read: their event logs go with the next heartbeat (else they
+        stay UNREPLAYABLE_LOG_KEEP_S, uncharged, at any rate a tenant's requests end)."""
         self.unsent_cancels: dict[str, float] = {}
         """Job id -> deadline (monotonic) of the cancels Redis could not take: the heartbeat sends them again until
         one goes through or the job's own deadline ends it (else a job whose client left runs on unread)."""
@@ -378,6 +383,11 @@ class EventRelay:
         if events.start_by is not None and now > events.start_by and not events.owner and not events.failing:
             events.fail(QueueTimeout("No worker started the request within the queue timeout; it was not started."))
 
+    def drop_log(self, job_id: str) -> None:
+        """The job's log is read to its end and nobody may read it again: it goes with the next heartbeat."""
+        if len(self.spent_logs) < MAX_SPENT_LOGS:  # past it (Redis down a while) the rest expire by themselves
+            self.spent_logs.append(job_id)
+
     def cancel_later(self, job_id: str, deadline: float) -> None:
         """A cancel that Redis could not take goes out with the next heartbeat that reaches it."""
         self.unsent_cancels[job_id] = deadline
@@ -388,11 +398,14 @@ class EventRelay:
         ttl_ms = int(self.timing.heartbeat_ttl_s * 1000)
         while True:
             now = time.time()
-            cancels = self._due_cancels()
+            cancels, spent = self._due_cancels(), self.spent_logs
+            self.spent_logs = []
             with contextlib.suppress(*REDIS_FAILURES):
                 pipe = self.pipelines.pipeline()
                 for job_id in cancels:
                     add_cancel(pipe, job_id)
+                for job_id in spent:  # one key a command: a cluster's pipeline sends each to its slot
+                    pipe.execute_command("UNLINK", keys.job_log(job_id))
                 pipe.execute_command("SET", keys.edges_alive(self.channel), 1, "PX", ttl_ms)
                 pipe.execute_command("ZADD", keys.EDGES, now + self.timing.heartbeat_ttl_s, self.channel)
                 pipe.execute_command("ZREMRANGEBYSCORE", keys.EDGES, "-inf", now)
