@@ -13,7 +13,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from services.edge.redis_boundary import redis_boundary
-from services.edge.store import Quota, ResponseStore, Turn
+from services.edge.store import Quota, ResponseStore, Turn, stored_item_id
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, NotFound, Overloaded, StorageFull
 from shared.tenancy.storage import TRIM_EXPIRED
@@ -99,13 +99,8 @@ class Stored:
     """Its items, oldest first, as the API shows them."""
 
 
-class _ItemId(msgspec.Struct):
-    id: str = ""
-
-
 _decode_header = msgspec.json.Decoder(Header).decode
 _decode_item = msgspec.json.Decoder(dict[str, Any]).decode
-_decode_item_id = msgspec.json.Decoder(_ItemId).decode
 
 
 def not_found(conversation_id: str, param: str = "conversation_id") -> NotFound:
@@ -206,7 +201,7 @@ class ConversationStore:
             raise not_found(conversation_id)
         raw = raw[::-1] if newest_first else raw
         if after:
-            at = next((i for i, item in enumerate(raw) if _decode_item_id(item).id == after), None)
+            at = next((i for i, item in enumerate(raw) if stored_item_id(item) == after), None)
             if at is None:
                 return None
             raw = raw[at + 1:]
@@ -219,7 +214,7 @@ class ConversationStore:
         header = await self.header(tenant, conversation_id)
         with redis_boundary(Overloaded):
             raw: list[bytes] = await self.redis.lrange(keys.conversation_items(tenant, conversation_id), 0, -1)  # type: ignore[assignment]
-        found = next((item for item in raw if _decode_item_id(item).id == item_id), None)
+        found = next((item for item in raw if stored_item_id(item) == item_id), None)
         return None if found is None else (header, _decode_item(found), found)
 
     async def load(self, tenant: str, conversation_id: str,

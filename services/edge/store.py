@@ -144,6 +144,11 @@ _decode_items = msgspec.json.Decoder(_Items).decode
 _decode_item_id = msgspec.json.Decoder(_ItemId).decode
 
 
+def stored_item_id(item: bytes) -> str:
+    """The id of a stored item (a response's, or a conversation's), read without building the rest of it."""
+    return _decode_item_id(item).id
+
+
 @dataclass
 class Conversation:
     """What a new turn continues: the history its previous response ran with, that response's answer last."""
@@ -311,7 +316,7 @@ class ResponseStore:
             record = _decode_items(data)
             for raw in (*record.inputs, *record.response.output):
                 item = bytes(raw)
-                if (name := _decode_item_id(item).id) in wanted:
+                if (name := stored_item_id(item)) in wanted:
                     found[name] = item
         return found
 
