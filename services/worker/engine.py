@@ -288,33 +288,22 @@ class VllmEngine:
 
     async def _encode(self, job: bus.Job, text: str, add_special_tokens: bool) -> list[int]:
         """A prompt's ids, tokenizing no more of it than the job can use: the end a truncating prompt keeps, and of
-        one that must fit whole, only as much as shows that it cannot (a count is of all of it, and truncation
-        "auto" counts each conversation it tries)."""
+        one that must fit whole, only as much as shows that it cannot (truncation "auto" counts each conversation
+        it tries). A count is exact up to COUNT_CONTEXTS contexts and refused past them the same way (counting 8 MiB
+        of digits held the tokenizer, which every tenant's prompts wait for, most of a second)."""
         assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
-        if job.count_only and not job.tokens_out:
-            return await self._counted(job, text, add_special_tokens)
-        if job.truncate and job.kind in ("chat", "embedding"):
+        counting = job.count_only and not job.tokens_out
+        if not counting and job.truncate and job.kind in ("chat", "embedding"):
             return await self.encoder.encode(text, add_special_tokens)
-        if job.keep_last_tokens or job.truncate:
+        if not counting and (job.keep_last_tokens or job.truncate):
             keep = min(job.keep_last_tokens or self.max_model_len, self.max_model_len + 1)
             return await self.encoder.encode_tail(text, add_special_tokens, keep)
-        ids = await self.encoder.encode_within(text, add_special_tokens, self.max_model_len)
-        if ids is None:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"{_prompt_param(job)} alone has more.", param=_prompt_param(job))
-        return ids
-
-    async def _counted(self, job: bus.Job, text: str, add_special_tokens: bool) -> list[int]:
-        """A count's ids: all of a prompt up to COUNT_CONTEXTS contexts, a longer one refused from its beginning
-        (counting 8 MiB of digits held the tokenizer, which every tenant's prompts wait for, most of a second)."""
-        assert self.encoder is not None, "the engine is not started"  # nosec B101: an invariant (tokenbus never runs with -O)
-        limit = COUNT_CONTEXTS * self.max_model_len
+        limit = COUNT_CONTEXTS * self.max_model_len if counting else self.max_model_len
         ids = await self.encoder.encode_within(text, add_special_tokens, limit)
         if ids is None:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens; the {_prompt_param(job)} has "
-                f"more than {limit}, more than are counted.", param=_prompt_param(job))
+            beyond = f"has more than {limit}, more than are counted" if counting else "alone has more"
+            raise ContextLengthExceeded(f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                        f"{_prompt_param(job)} {beyond}.", param=_prompt_param(job))
         return ids
 
     async def _chat_ids(self, job: bus.Job, messages: list[dict[str, Any]],
