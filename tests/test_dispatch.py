@@ -70,11 +70,19 @@ async def holds(stack: Stack, worker: WorkerProcess, question: str) -> None:
     await until(lambda: all(stack.client.smismember(key, chain)))
 
 
-async def decisions(edge_metrics: str, model: str) -> dict[str, float]:
+async def decisions(stack: Stack) -> dict[str, float]:
+    """The placements of the stack's jobs by reason, summed over its edges and live workers: whichever of them
+    dispatches a job (an edge as it enqueues or at a wait's bound, a worker as a job ends or it beats) counts it."""
+    places = [edge.metrics_url for edge in stack.edges]
+    places += [worker.metrics_url for worker in stack.workers if worker.process.poll() is None]
+    seen = dict.fromkeys(("cache", "waited", "expired", "none"), 0.0)
     async with httpx.AsyncClient() as http:
-        text = (await http.get(edge_metrics)).text
-    return {reason: metric_value(text, "tokenbus_dispatch_decisions_total", {"model": model, "reason": reason})
-            for reason in ("cache", "waited", "expired", "none")}
+        for place in places:
+            text = (await http.get(place)).text
+            for reason in seen:
+                seen[reason] += metric_value(text, "tokenbus_dispatch_decisions_total",
+                                             {"model": stack.model, "reason": reason})
+    return seen
 
 
 async def test_jobs_go_to_the_worker_that_holds_their_prefix(stack: Stack) -> None:
@@ -87,7 +95,7 @@ async def test_jobs_go_to_the_worker_that_holds_their_prefix(stack: Stack) -> No
     second = stack.worker(sim_prefix_cache_blocks=1000)
     answers = await asyncio.gather(*(ask(edge.url, stack.model, f"question {i}", 5) for i in range(6)))
     assert [text for text, _ in answers] == [expected(5)] * 6
-    assert (await decisions(edge.metrics_url, stack.model))["cache"] == 6
+    assert (await decisions(stack))["cache"] == 6
     async with httpx.AsyncClient() as http:
         for worker, asked in ((first, 7), (second, 0)):
             text = (await http.get(worker.metrics_url)).text
@@ -163,7 +171,7 @@ async def test_a_job_waits_for_a_busy_holder_no_longer_than_the_bound(stack: Sta
     assert text == expected(3)
     assert 0.9 < first < 1.6, first  # the bound, then a hop (the edge dispatches at the bound's end)
     assert not long.done()
-    seen = await decisions(edge.metrics_url, stack.model)
+    seen = await decisions(stack)
     assert (seen["cache"], seen["expired"]) == (1, 1), seen  # the long one on the holder; the short one past it
     assert (await long)[0] == expected(200)
     await stack.settled()
@@ -299,7 +307,7 @@ async def test_requests_with_one_prompt_cache_key_go_where_one_of_them_ran(stack
         await until(lambda: bool(stack.client.scard(key)))
         second = stack.worker(sim_prefix_cache_blocks=1000)
         assert await asyncio.gather(*(chat(f"unrelated {i}") for i in range(4))) == [expected(2)] * 4
-    assert (await decisions(edge.metrics_url, stack.model))["cache"] == 4
+    assert (await decisions(stack))["cache"] == 4
     async with httpx.AsyncClient() as http:
         text = (await http.get(second.metrics_url)).text
     assert metric_value(text, "tokenbus_worker_prefix_cache_queries_total", {"model": stack.model}) == 0
