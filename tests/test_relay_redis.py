@@ -192,3 +192,54 @@ async def test_a_job_log_is_read_in_pages_each_entry_once(redis_url: str) -> Non
         assert await joblog.read_page(client, job_id, after) == ([], after, False)
     finally:
         await client.aclose()
+
+
+async def test_one_write_of_large_answers_for_an_edge_does_not_cost_it_its_subscription(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis drops a subscriber whose unsent messages pass its pubsub output buffer limit (32 MB by default; 4 MB
+    here, so that three answers show it rather than eleven): a worker finishing three 2,048-input embeddings jobs
+    of 384 dimensions (3 MB of vectors each) for one edge in one write, beside another job's tokens, keeps the
+    edge's subscription (the same connection, no outage), and each request gets every vector, in order."""
+    server = RedisServer(str(tmp_path))
+    url = server.start()
+    commands = redis_clients.pooled(url, "test-relay-large", 4)
+    reader = redis_clients.dedicated(url, "test-relay-large-reader")
+    await commands.config_set("client-output-buffer-limit", "pubsub 4mb 2mb 60")
+    relay = EventRelay(reader, commands, keys.events_channel(uuid.uuid4().hex), Timing(redis_down_after_s=0.5))
+    failures: list[Exception] = []
+    monkeypatch.setattr(relay, "_failed", failures.append)
+    running = asyncio.create_task(relay.run())
+    publisher = EventPublisher(redis_clients.dedicated(url, "test-relay-large-worker"), LOG_MAX)
+    jobs = [f"embed-{i}-{uuid.uuid4().hex}" for i in range(3)]
+    chat = f"chat-{uuid.uuid4().hex}"
+    try:
+        await _subscribed(relay)
+        connection = relay.connection
+        waiting = {job: relay.register(job, time.monotonic() + 30) for job in [*jobs, chat]}
+        for job in [*jobs, chat]:
+            publisher.publish(relay.channel, bus.Started(job=job, worker="w", seq=0))
+        for n, job in enumerate(jobs):
+            for index in range(2048):
+                vector = bus.pack_vector([float(n * 10_000 + index)] * 384)
+                publisher.publish(relay.channel, bus.Embedding(job=job, seq=1 + index, index=index, prompt_tokens=3,
+                                                               packed=vector))
+            publisher.publish(relay.channel, bus.Final(job=job, seq=2049, prompt_tokens=6144, completion_tokens=0))
+        publisher.publish(relay.channel, bus.Tokens(job=chat, text="hi", token_ids=[1], seq=1))
+        publisher.publish(relay.channel, bus.Final(job=chat, seq=2, prompt_tokens=1, completion_tokens=1))
+        await publisher.flush()
+        got = {job: await _all_of(events, wait_s=10) for job, events in waiting.items()}
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await publisher.redis.aclose()
+        await reader.aclose()
+        await commands.aclose()
+        server.stop()
+    assert not failures and relay.connection is connection
+    for n, job in enumerate(jobs):
+        vectors = [event for event in got[job] if isinstance(event, bus.Embedding)]
+        assert [event.index for event in vectors] == list(range(2048))
+        assert all(event.values() == [float(n * 10_000 + event.index)] * 384 for event in vectors)
+        assert isinstance(got[job][-1], bus.Final)
+    assert [type(event) for event in got[chat]] == [bus.Tokens, bus.Final]

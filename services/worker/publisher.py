@@ -45,6 +45,13 @@ period (shared.runtime.beats): with the default heartbeat interval, in the wake 
 one of its own, while tokens flow as when they stall."""
 MAX_UNCONFIRMED = 32
 """Token writes whose replies may stay unread at once."""
+LIVE_BYTES = 1 << 20
+"""What one write publishes to one edge at most, as a rule. Redis drops a subscriber whose unsent messages pass its
+`client-output-buffer-limit pubsub` (32 MB by default, however fast the subscriber reads: one write's messages are
+queued before any is sent), and every stream of that edge then stalls until it has subscribed again and read its
+logs: one tenant's large answers (a 2,048-input embeddings job is 3 to 8 MB of vectors) would do that to the
+others'. Past it, the jobs with the most bytes in the write send their last event alone, and the edge reads the
+rest from their logs (written first, in the same write), as it does for any gap."""
 
 
 class AckFollowup(Protocol):
@@ -91,6 +98,23 @@ def _merged(batches: list[_Batch]) -> _Batch:
         out.notes += batch.notes
         out.followups += batch.followups
     return out
+
+
+def _within_live_bytes(events: list[bus.Event], size: int) -> list[bus.Event]:
+    """An edge's events of one write, down to LIVE_BYTES where it can be: the jobs with the most bytes first send
+    only their last event (a later position than the edge has: it reads the ones between from the job's log). A
+    job with one event sends it whole, however large: nothing after it would tell the edge to read the log."""
+    per_job: dict[str, list[bus.Event]] = {}
+    for event in events:
+        per_job.setdefault(event.job, []).append(event)
+    sizes = {job: len(bus.encode_events(own)) for job, own in per_job.items() if len(own) > 1}
+    cut: set[str] = set()
+    for job in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if size <= LIVE_BYTES:
+            break
+        cut.add(job)
+        size -= sizes[job]
+    return [event for event in events if event.job not in cut or event is per_job[event.job][-1]]
 
 
 class EventPublisher:
@@ -243,7 +267,10 @@ class EventPublisher:
             if ttl_ms := batch.expiries.get(job_id):
                 commands.append(("PEXPIRE", keys.job_log(job_id), ttl_ms))
         for channel, events in batch.live.items():
-            commands.append(("SPUBLISH", channel, bus.encode_events(events)))
+            payload = bus.encode_events(events)
+            if len(payload) > LIVE_BYTES:
+                payload = bus.encode_events(_within_live_bytes(events, len(payload)))
+            commands.append(("SPUBLISH", channel, payload))
         for stream, group, entry_id in batch.acks:
             commands.append(("XACK", stream, group, entry_id))
             commands.append(("XDEL", stream, entry_id))
