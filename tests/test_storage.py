@@ -214,16 +214,28 @@ async def test_the_edge_reports_redis_memory_against_its_maxmemory(stack: Stack)
 
 
 async def test_item_references_read_only_the_callers_own_items_and_a_bounded_amount(stack: Stack) -> None:
-    """An item reference finds only its tenant's stored items; an id no response of this server made, or none
-    at all, is a 400 naming it; and what the responses referenced come to is bounded before any is read."""
+    """An item reference, in a response's input or in items added to a conversation, finds only its tenant's
+    stored items; an id no response of this server made, or none at all, is a 400 naming it; and what the
+    responses referenced come to is bounded before any is read."""
     async for mine in sdk(stack, create_key(stack, "--tenant", "refs-a"), edge=2):
         first = await ask(mine, "remember this")
         ref = {"type": "item_reference", "id": first.output[0].id}
         assert (await ask(mine, [ref, {"role": "user", "content": "again"}])).output_text
+        conversation = await mine.conversations.create(items=[ref])  # type: ignore[list-item]
+        kept = (await mine.conversations.items.list(conversation.id)).data
+        assert [(item.id, item.content[0].text) for item in kept] == [
+            (first.output[0].id, first.output_text)]
         async for theirs in sdk(stack, create_key(stack, "--tenant", "refs-b"), edge=2):
             with pytest.raises(openai.BadRequestError) as caught:
                 await ask(theirs, [ref])
             assert caught.value.body["param"] == "input[0].id" and "not found" in caught.value.message
+            own = await theirs.conversations.create()
+            for call in (theirs.conversations.create(items=[ref]),  # type: ignore[list-item]
+                         theirs.conversations.items.create(own.id, items=[ref])):  # type: ignore[list-item]
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await call
+                assert caught.value.body["param"] == "items[0].id" and "not found" in caught.value.message
+            assert not (await theirs.conversations.items.list(own.id)).data
         for bad, param in (({"type": "item_reference", "id": "msg_mine"}, "input[0].id"),
                            ({"type": "item_reference"}, "input[0].id")):
             with pytest.raises(openai.BadRequestError) as refused:
@@ -235,3 +247,6 @@ async def test_item_references_read_only_the_callers_own_items_and_a_bounded_amo
         with pytest.raises(openai.BadRequestError) as bounded:
             await ask(mine, many)
         assert bounded.value.body["param"] == "input" and "at most" in bounded.value.message
+        with pytest.raises(openai.BadRequestError) as bounded:
+            await mine.conversations.items.create(conversation.id, items=many)
+        assert bounded.value.body["param"] == "items" and "references come to" in bounded.value.message

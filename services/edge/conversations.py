@@ -12,8 +12,11 @@ from aiohttp import web
 from services.edge.auth import caller_of
 from services.edge.conversation_store import Header, Stored
 from services.edge.formats import conversation_items as shapes
+from services.edge.formats import item_refs
 from services.edge.formats.base import decode, encode
 from services.edge.formats.common import page_limit
+from services.edge.formats.responses import InputItem
+from services.edge.plans import referenced
 from services.edge.server import read_body
 from services.edge.state import CONVERSATIONS, STORE
 from shared.protocol.errors import InvalidRequest, NotFound
@@ -38,9 +41,18 @@ async def create(request: web.Request) -> web.Response:
     req = decode(body, shapes.CreateConversationBody) if body.strip() else shapes.CreateConversationBody()
     caller = caller_of(request)
     header = Header(id=f"conv_{uuid.uuid4().hex}", created_at=int(time.time()), metadata=req.metadata or {})
-    items = shapes.added(req.items or [], [])
+    items = shapes.added(await _resolved(request, req.items or []), [])
     await request.app[CONVERSATIONS].create(caller.tenant, request.app[STORE].quota(caller.key), header, items)
     return _json(_resource(header))
+
+
+async def _resolved(request: web.Request, items: list[InputItem]) -> list[InputItem]:
+    """Items to add, each `item_reference` replaced by the caller's stored item it names (see item_refs), as a
+    Responses turn's input reads them: the conversation keeps a copy, under the item's own id."""
+    if not (wanted := item_refs.references(items, "items")):
+        return items
+    found = await referenced(request.app, caller_of(request).tenant, wanted, "items")
+    return item_refs.resolved(items, found, "items")
 
 
 async def _header(request: web.Request) -> Header:
@@ -110,7 +122,7 @@ async def add_items(request: web.Request) -> web.Response:
     req = decode(await read_body(request), shapes.AddItemsBody)
     stored, _ = await _load(request)
     caller = caller_of(request)
-    items = shapes.added(req.items, stored.items)
+    items = shapes.added(await _resolved(request, req.items), stored.items)
     await request.app[CONVERSATIONS].append(caller.tenant, request.app[STORE].quota(caller.key), stored.header.id,
                                             items)
     data = [shapes.decode_item(item) for item in items]

@@ -118,8 +118,15 @@ async def _stored(app: web.Application, caller: Caller,
                 raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
                                                param="previous_response_id")
             return found
-    wanted = {item: home for item in need.ids if (home := item_refs.home(item)) is not None}
-    return await app[STORE].items(caller.tenant, wanted, REFERENCED_BODIES * app[SETTINGS].max_body_bytes)
+    return await referenced(app, caller.tenant, need.ids)
+
+
+async def referenced(app: web.Application, tenant: str, ids: list[str] | tuple[str, ...], field: str = "input"
+                     ) -> dict[str, bytes]:
+    """The tenant's stored items with these ids that are found, each as its JSON (see formats.item_refs): the
+    responses they are of come to at most REFERENCED_BODIES request bodies, else a 400 naming `field`."""
+    return await app[STORE].items(tenant, item_refs.homes(ids), REFERENCED_BODIES * app[SETTINGS].max_body_bytes,
+                                  field)
 
 
 async def _model(app: web.Application, caller: Caller, need: planners.Model, adapters: dict[str, Adapter]

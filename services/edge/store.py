@@ -295,9 +295,11 @@ class ResponseStore:
             data = await self.redis.get(keys.stored_response(tenant, response_id))
         return _decoder.decode(data) if data else None  # b"": barred (see `bar`)
 
-    async def items(self, tenant: str, wanted: dict[str, str], max_bytes: int) -> dict[str, bytes]:
+    async def items(self, tenant: str, wanted: dict[str, str], max_bytes: int, field: str = "input"
+                    ) -> dict[str, bytes]:
         """The stored items `wanted` names (item id: the response it is of, see formats.item_refs) that are
-        found, each as its JSON; the responses read come to at most `max_bytes`, else a 400 (`param` input)."""
+        found, each as its JSON; the responses read come to at most `max_bytes`, else a 400 naming the request's
+        `field`."""
         homes = sorted(set(wanted.values()))
         if not homes:
             return {}
@@ -308,7 +310,7 @@ class ResponseStore:
             raise InvalidRequest(
                 f"The responses whose items this request references come to {size} bytes; at most {max_bytes} are "
                 f"read for one request. Reference fewer responses' items, or send the items themselves.",
-                param="input")
+                param=field)
         found: dict[str, bytes] = {}
         for data in values:
             if not data:  # gone (expired or deleted) since the ids were made

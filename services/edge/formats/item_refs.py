@@ -31,19 +31,25 @@ def home(item: str) -> str | None:
     return RESPONSE_PREFIX + found.group(1) if found else None
 
 
-def references(items: list[InputItem]) -> list[str]:
-    """The ids the `item_reference` items among `items` name, in order (each checked to name a stored item)."""
+def references(items: list[InputItem], field: str = "input") -> list[str]:
+    """The ids the `item_reference` items among `items` (the request's `field`) name, in order (each checked to
+    name a stored item)."""
     out = []
     for i, item in enumerate(items):
         if not is_reference(item):
             continue
         if not item.id:
             raise InvalidRequest("An item_reference item needs the `id` of the item it references.",
-                                 param=f"input[{i}].id")
+                                 param=f"{field}[{i}].id")
         if home(item.id) is None:
-            raise _missing(item.id, i)
+            raise _missing(item.id, i, field)
         out.append(item.id)
     return out
+
+
+def homes(ids: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Each referenced item's id: the response it is of (see references)."""
+    return {item: found for item in ids if (found := home(item)) is not None}
 
 
 def is_reference(item: InputItem) -> bool:
@@ -58,9 +64,9 @@ _to_item = msgspec.json.Decoder(InputItem)
 """A stored item as an input item: what an input item does not have (an output part's annotations) is ignored."""
 
 
-def resolved(items: list[InputItem], found: dict[str, bytes]) -> list[InputItem]:
+def resolved(items: list[InputItem], found: dict[str, bytes], field: str = "input") -> list[InputItem]:
     """`items` with each reference replaced by the item it names, as stored (`found`: each stored item's JSON
-    by id); one not found is a 400 naming it."""
+    by id); one not found is a 400 naming it under `field`."""
     out = []
     for i, item in enumerate(items):
         if not is_reference(item):
@@ -69,10 +75,10 @@ def resolved(items: list[InputItem], found: dict[str, bytes]) -> list[InputItem]
         assert item.id is not None  # nosec B101: references() checked it (tokenbus never runs with -O)
         stored = found.get(item.id)
         if stored is None:
-            raise _missing(item.id, i)
+            raise _missing(item.id, i, field)
         out.append(_to_item.decode(stored))
     return out
 
 
-def _missing(item: str, i: int) -> InvalidRequest:
-    return InvalidRequest(f"Item with id '{item}' not found.", param=f"input[{i}].id")
+def _missing(item: str, i: int, field: str) -> InvalidRequest:
+    return InvalidRequest(f"Item with id '{item}' not found.", param=f"{field}[{i}].id")
