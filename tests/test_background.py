@@ -227,3 +227,51 @@ async def test_a_deleted_background_response_is_gone_from_every_route_running_or
     assert stack.client.get(keys.stored_response("", running.id)) == b""
     barred_ms = stack.client.pttl(keys.stored_response("", running.id))
     assert 0 < barred_ms <= BAR_GRACE_MS + Settings().request_timeout_s * 1000
+
+
+async def _slowest_health_s(url: str, busy: asyncio.Task[object]) -> float:
+    """The slowest of the edge's /health answers, asked for back to back while `busy` runs."""
+    slowest = 0.0
+    async with httpx.AsyncClient(timeout=10) as http:
+        while not busy.done():
+            asked = time.monotonic()
+            assert (await http.get(url + "/health")).status_code == 200
+            slowest = max(slowest, time.monotonic() - asked)
+    await busy
+    return slowest
+
+
+async def test_the_retrieves_and_cancels_of_long_background_responses_never_hold_the_edge(stack: Stack) -> None:
+    """A retrieve of a running background response renders its job's log, and so did a cancel: read and rendered
+    whole (15,000 events here, up to --replay-max-events), each held the edge's loop ~0.2 s (a cancel spends no
+    rpm: a tenant's eight at once of an ended response held /health ~0.4 s). The log is rendered a page at a time,
+    and a cancel of an ended response answers from what was stored, without reading the log."""
+    edge = stack.edge()
+    stack.worker(sim_itl_ms=0.2, max_num_seqs=8, max_model_len=32768)
+    async with _client(edge.url) as client:
+        created = [await client.responses.create(model=stack.model, input="count", max_output_tokens=15000,
+                                                 background=True) for _ in range(4)]
+        deadline = time.monotonic() + 60
+
+        async def poll() -> object:
+            while any(stack.client.xlen(keys.job_log(c.id)) < 10_000 for c in created):  # long logs, still running
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*(client.responses.retrieve(c.id) for c in created))
+
+        polling = await _slowest_health_s(edge.url, asyncio.create_task(poll()))
+        for response in created:
+            await _until(client, response.id, "incomplete", timeout_s=60)
+        log_reads = int(stack.client.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0))
+
+        async def cancel_all() -> object:
+            return await asyncio.gather(*(client.responses.cancel(created[0].id) for _ in range(8)),
+                                        return_exceptions=True)
+
+        cancelling = asyncio.create_task(cancel_all())
+        cancels = await _slowest_health_s(edge.url, cancelling)
+        answers = cancelling.result()
+    assert all(isinstance(a, openai.BadRequestError) and a.body["message"] == "Cannot cancel an incomplete response."
+               for a in answers), answers
+    assert polling < 0.12 and cancels < 0.12, f"/health: up to {polling:.3f} s (retrieves), {cancels:.3f} s (cancels)"
+    assert int(stack.client.info("commandstats")["cmdstat_xrange"]["calls"]) == log_reads

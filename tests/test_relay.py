@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.edge.jobevents import LOG_PAGE_EVENTS, JobEvents
-from shared.protocol import bus
+from shared.protocol import bus, sequence
 from shared.protocol.errors import ContextLengthExceeded, RequestTimeout, StreamAbandoned, WorkerLost
 
 TOKENS = [bus.Tokens(job="j", text=t, token_ids=[i], seq=i) for i, t in enumerate("abc")]
@@ -290,3 +290,17 @@ async def test_a_second_request_of_a_job_shelves_the_first_until_it_ends() -> No
     assert relay.reads(first) and first.log_unread and relay.shelved == {}
     relay.unregister(first)
     assert relay.jobs == {} and not relay.busy.is_set()
+
+
+def test_a_log_read_a_page_at_a_time_is_taken_as_it_is_whole() -> None:
+    """A write repeated after a later one landed may fall on the next page: its positions are taken in order there;
+    a log whose start is missing (trimmed) stops at once, as `in_order` stops it read whole."""
+    started = bus.Started(job="j", worker="w", seq=0)
+    tokens = [bus.Tokens(job="j", text=str(i), token_ids=[i], seq=i) for i in range(1, 5)]
+    ordered = sequence.InOrder(hold=4)
+    taken = ordered.take([started, tokens[0], tokens[2], tokens[3]]) + ordered.take([tokens[1], tokens[2], FINAL])
+    assert taken == [started, *tokens[:4]] and not ordered.stopped
+    whole, conflict = sequence.in_order([started, *tokens[:4]])
+    assert whole == taken and not conflict
+    trimmed = sequence.InOrder(hold=2)
+    assert trimmed.take(tokens) == [] and trimmed.stopped

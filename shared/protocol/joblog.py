@@ -40,8 +40,3 @@ async def read_page(redis: aioredis.Redis, job_id: str, after: str) -> tuple[lis
         return [], after, False
     last = entries[-1][0]
     return parse(entries), last.decode() if isinstance(last, bytes) else str(last), len(entries) == PAGE_ENTRIES
-
-
-async def read(redis: aioredis.Redis, job_id: str) -> list[bus.Event]:
-    """Every event in the job's log, in position order (not yet judged: see shared.protocol.sequence)."""
-    return parse(await redis.xrange(keys.job_log(job_id)))

@@ -56,12 +56,50 @@ class Sequencer:
 def in_order(events: list[bus.Event]) -> tuple[list[bus.Event], bool]:
     """The events a reader takes from a job's log, in order, and whether the log holds a conflict; positions
     missing at the start (a trimmed log) count as a conflict too."""
-    judge = Sequencer()
-    taken: list[bus.Event] = []
-    for event in events:
-        verdict = judge.accept(event)
+    ordered = InOrder()
+    taken = ordered.take(events)
+    return taken, ordered.stopped
+
+
+class InOrder:
+    """Judges a job's log read a page at a time as `in_order` judges it whole. Each page is in position order, but a
+    write repeated after a later one landed may fall on the next page: a later position waits for the ones before
+    it, `hold` events at most; past them, or at a conflict, the log stops there (`stopped`)."""
+
+    def __init__(self, hold: int = 0) -> None:
+        self.judge = Sequencer()
+        self.hold = hold
+        self.ahead: dict[int, list[bus.Event]] = {}
+        self.held = 0
+        self.stopped = False
+
+    def take(self, page: list[bus.Event]) -> list[bus.Event]:
+        """The events of the log's next page that follow what was taken, in order."""
+        taken: list[bus.Event] = []
+        for event in page:
+            if self.stopped:
+                break
+            verdict = self._accept(event, taken)
+            if verdict is Verdict.GAP and self.held < self.hold:
+                self.ahead.setdefault(event.seq, []).append(event)
+                self.held += 1
+            elif verdict is Verdict.GAP:
+                self.stopped = True
+            elif verdict is Verdict.TAKE:
+                self._release(taken)
+        return taken
+
+    def _accept(self, event: bus.Event, taken: list[bus.Event]) -> Verdict:
+        verdict = self.judge.accept(event)
         if verdict is Verdict.TAKE:
             taken.append(event)
-        elif verdict is not Verdict.DROP:
-            return taken, True
-    return taken, False
+        elif verdict is Verdict.CONFLICT:
+            self.stopped = True
+        return verdict
+
+    def _release(self, taken: list[bus.Event]) -> None:
+        """Takes the held events whose position has come (each held position's first; its repeats are dropped)."""
+        while not self.stopped and (waiting := self.ahead.pop(self.judge.next_seq, None)) is not None:
+            self.held -= len(waiting)
+            for event in waiting:
+                self._accept(event, taken)
