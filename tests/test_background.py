@@ -245,7 +245,8 @@ async def test_the_retrieves_and_cancels_of_long_background_responses_never_hold
     """A retrieve of a running background response renders its job's log, and so did a cancel: read and rendered
     whole (15,000 events here, up to --replay-max-events), each held the edge's loop ~0.2 s (a cancel spends no
     rpm: a tenant's eight at once of an ended response held /health ~0.4 s). The log is rendered a page at a time,
-    and a cancel of an ended response answers from what was stored, without reading the log."""
+    and a cancel of an ended response answers from what was stored, without reading the log. (Each /health bound
+    is over the slowest one of the same moment without them, twice: a loaded host slows both.)"""
     edge = stack.edge()
     stack.worker(sim_itl_ms=0.2, max_num_seqs=8, max_model_len=32768)
     async with _client(edge.url) as client:
@@ -253,16 +254,20 @@ async def test_the_retrieves_and_cancels_of_long_background_responses_never_hold
                                                  background=True) for _ in range(4)]
         deadline = time.monotonic() + 60
 
-        async def poll() -> object:
+        async def long_logs() -> None:
             while any(stack.client.xlen(keys.job_log(c.id)) < 10_000 for c in created):  # long logs, still running
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.1)
+
+        running = await _slowest_health_s(edge.url, asyncio.create_task(long_logs()))
+        async def retrieve_all() -> object:
             return await asyncio.gather(*(client.responses.retrieve(c.id) for c in created))
 
-        polling = await _slowest_health_s(edge.url, asyncio.create_task(poll()))
+        polling = await _slowest_health_s(edge.url, asyncio.create_task(retrieve_all()))
         for response in created:
             await _until(client, response.id, "incomplete", timeout_s=60)
         log_reads = int(stack.client.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0))
+        ended = await _slowest_health_s(edge.url, asyncio.create_task(asyncio.sleep(1)))
 
         async def cancel_all() -> object:
             return await asyncio.gather(*(client.responses.cancel(created[0].id) for _ in range(8)),
@@ -273,5 +278,7 @@ async def test_the_retrieves_and_cancels_of_long_background_responses_never_hold
         answers = cancelling.result()
     assert all(isinstance(a, openai.BadRequestError) and a.body["message"] == "Cannot cancel an incomplete response."
                for a in answers), answers
-    assert polling < 0.12 and cancels < 0.12, f"/health: up to {polling:.3f} s (retrieves), {cancels:.3f} s (cancels)"
+    assert polling < 0.12 + 2 * running and cancels < 0.12 + 2 * ended, (
+        f"/health: up to {polling:.3f} s on retrieves ({running:.3f} s without), {cancels:.3f} s on cancels "
+        f"({ended:.3f} s without)")
     assert int(stack.client.info("commandstats")["cmdstat_xrange"]["calls"]) == log_reads
