@@ -363,6 +363,34 @@ async def test_a_client_that_falls_too_far_behind_is_dropped_and_its_job_stopped
     await stack.settled()
 
 
+async def test_a_tenant_s_clients_that_read_nothing_hold_a_bounded_part_of_the_edge(stack: Stack) -> None:
+    """Eight clients of one tenant read nothing of long streams, each far from the bound on one stream's events
+    and from the write stall: together they pass what an edge holds for a tenant's clients that are behind
+    (--max-tenant-behind-bytes, 256 kB here), so those furthest behind are dropped and their jobs stopped within
+    seconds, while a client of the same tenant that reads gets its whole answer."""
+    edge = stack.edge(max_buffered_events=100_000, write_stall_s=50, max_tenant_behind_bytes=256 * 1024)
+    worker = stack.worker(sim_itl_ms=1, max_model_len=100_000, max_num_seqs=16)
+    assert (await stream_text(edge.url, stack.model, 2))[1] == 2  # the edge knows the model's worker
+    socks = [reading_nothing(edge.url, chat_body(stack.model, 50_000)) for _ in range(8)]  # 50 s of tokens each
+    try:
+        reading = asyncio.create_task(stream_text(edge.url, stack.model, 3000))
+        started = time.monotonic()
+        async with httpx.AsyncClient() as http:
+            async def aborted() -> float:
+                return metric_value((await http.get(worker.metrics_url)).text, "tokenbus_worker_jobs_total",
+                                    {"model": stack.model, "outcome": "aborted"})
+
+            while await aborted() < 8:
+                assert time.monotonic() - started < 15, f"{await aborted()} of the 8 jobs stopped in 15 s"
+                await asyncio.sleep(0.2)
+        assert (await reading)[1] == 3000
+    finally:
+        for sock in socks:
+            sock.close()
+    assert "of its tenant's" in edge.log.read_text()
+    await stack.settled()
+
+
 async def test_a_client_that_reads_nothing_is_dropped_at_the_write_stall(stack: Stack) -> None:
     """A stream shorter than the edge's event bound, to a client that reads nothing: a write that waits longer
     than --write-stall-s drops the connection (the edge held the request, and what the client had not read, for

@@ -212,7 +212,8 @@ async def _bus(app: web.Application) -> AsyncIterator[None]:
     reader = redis_clients.dedicated(settings.redis_url, name, settings.redis_cluster, access)
     directory = ModelDirectory(commands, expected_models(settings), settings.heartbeat_interval_s)
     timing = Timing(heartbeat_interval_s=settings.heartbeat_interval_s, heartbeat_ttl_s=settings.heartbeat_ttl_s,
-                    redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events)
+                    redis_down_after_s=settings.redis_down_after_s, max_buffered_events=settings.max_buffered_events,
+                    max_tenant_behind_bytes=settings.max_tenant_behind_bytes)
     relay = EventRelay(reader, commands, keys.events_channel(edge_id), timing, directory.alive)
     app[REDIS] = commands
     settlements = Settlements(commands)

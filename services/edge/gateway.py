@@ -82,7 +82,7 @@ class Gateway:
         start takes to be heard of) ends with queue_timeout, as a worker would end it, and is cancelled: no worker
         starts it after that. A job that cannot be queued (Redis failed, or admission refused it) is handed to
         `on_refused` (its rate limits' admission is given back) before the error leaves."""
-        events = self.relay.register(job.id, deadline, self._start_by(job))
+        events = self.relay.register(job.id, deadline, self._start_by(job), job.tenant)
         try:
             try:
                 self.check_redis()
@@ -194,7 +194,7 @@ class Gateway:
         its reader leaves."""
         self.check_redis()
         job_id = job.id
-        events = self.relay.register(job_id, deadline)
+        events = self.relay.register(job_id, deadline, tenant=job.tenant)
         events.gap_at = 0
         try:
             route = bus.Route(job=job_id, reply_to=self.relay.channel)

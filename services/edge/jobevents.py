@@ -24,6 +24,8 @@ Sink = Callable[[bus.Event], bool]
 """Takes an event on the spot (True), or leaves it to the waiting request (False)."""
 LogReader = Callable[[str, str], Awaitable[tuple[list[bus.Event], str, bool]]]
 """Reads a page of a job's event log after an entry id: (events, the last entry id read, whether more follow)."""
+EVENT_BYTES = 64
+"""What an event is taken to take on the bus before any of a job's was sized (a token's is about this)."""
 LOG_PAGE_EVENTS = 512
 """Events read from the log that may wait for the client before the next page is read: a resumed stream
 replays its log a page at a time, as its client takes it, not all at once."""
@@ -85,6 +87,13 @@ class JobEvents:
         self.reader_revoked = False
         """The key of the request reading it (a resume with another key than the job's own) was revoked: the
         request ends, the job runs on as when a client leaves."""
+        self.tenant = ""
+        """Whose job it is: what its client is behind counts against that tenant's bound (see behind_bytes)."""
+        self.event_bytes = EVENT_BYTES
+        """What one of its events takes on the bus, lately (a running average of its batches' sizes)."""
+        self.unsent: Callable[[], int] | None = None
+        """What was written to its client and not taken yet, in bytes (set by the request once its stream is
+        open)."""
 
     @property
     def failing(self) -> bool:
@@ -116,10 +125,7 @@ class JobEvents:
     def _put(self, event: bus.Event) -> None:
         # only while the request waits with nothing queued: everything before this event is written
         if len(self.buffer) >= self.max_buffered and not self.overflowed:
-            self.overflowed = True  # its client is too slow: an edge's memory must not grow with it
-            log.warning("dropping a client of job %s that fell %d events behind", self.job_id, self.max_buffered)
-            if self.on_overflow is not None:
-                self.on_overflow()
+            self.overflow(f"fell {self.max_buffered} events behind")
         if self.sink is not None and self.waiter is not None and not self.buffer:
             try:
                 if self.sink(event):
@@ -129,6 +135,27 @@ class JobEvents:
                 self.sink = None
         self.buffer.append(event)
         self.wake()
+
+    def overflow(self, why: str) -> None:
+        """Drops its client, who is too slow (an edge's memory must not grow with it): its job is stopped."""
+        if self.overflowed:
+            return
+        self.overflowed = True
+        log.warning("dropping a client of job %s that %s", self.job_id, why)
+        if self.on_overflow is not None:
+            self.on_overflow()
+
+    def weigh(self, size: int) -> None:
+        """Takes in the size one of its events had on the bus (see event_bytes)."""
+        self.event_bytes = (3 * self.event_bytes + size) >> 2
+
+    def behind_bytes(self) -> int:
+        """What this edge holds for a streaming client that reads slower than its events come: the events waiting
+        for it (as sized on the bus) and what it has not taken of what was written; 0 for a request that does not
+        stream (it takes every event as it comes)."""
+        if self.unsent is None:
+            return 0
+        return len(self.buffer) * self.event_bytes + self.unsent()
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():

@@ -147,7 +147,7 @@ async def respond(
         await sse.close()
         return sse.response
     finally:
-        events.sink = None
+        events.sink = events.unsent = None
         metrics.STREAMED_TOKENS.labels(model).inc(delivery.tokens)
 
 
@@ -207,6 +207,7 @@ async def _stream(
 ) -> None:
     events.sink = delivery.sink(sse)
     events.on_overflow = sse.drop
+    events.unsent = sse.unsent
     events.watch = lambda: SSEWriter.client_gone(request) or sse.quiet_for(keepalive_s)
     event: bus.Output | None = first
     while event is not None:

@@ -70,6 +70,7 @@ class Timing:
     heartbeat_ttl_s: float = 6.0
     redis_down_after_s: float = 2.0
     max_buffered_events: int = 4096
+    max_tenant_behind_bytes: int = 16 * 1024 * 1024
 
     @property
     def takeover_wait_s(self) -> float:
@@ -125,11 +126,11 @@ class EventRelay:
         """Job id -> deadline (monotonic) of the cancels Redis could not take: the heartbeat sends them again until
         one goes through or the job's own deadline ends it (else a job whose client left runs on unread)."""
 
-    def register(self, job_id: str, deadline: float, start_by: float | None = None) -> JobEvents:
+    def register(self, job_id: str, deadline: float, start_by: float | None = None, tenant: str = "") -> JobEvents:
         """The job's events for a request, from now on (a request of this edge that read them is shelved); a job
-        not started by `start_by` ends with queue_timeout."""
+        not started by `start_by` ends with queue_timeout; `tenant` is whose it is."""
         events = JobEvents(job_id, deadline, self.read_log, self.timing.max_buffered_events)
-        events.start_by = start_by
+        events.start_by, events.tenant = start_by, tenant
         if (earlier := self.jobs.get(job_id)) is not None:
             self.shelved.setdefault(job_id, []).append(earlier)
         self.jobs[job_id] = events
@@ -184,10 +185,12 @@ class EventRelay:
             return
         flowing: list[tuple[JobEvents, bus.Event]] = []
         woken = False
+        size = len(payload) // len(events) if events else 0
         for event in events:
             waiting = self.jobs.get(event.job)
             if waiting is None:  # a job whose client left: nobody waits, drop it
                 continue
+            waiting.weigh(size)
             if waiting.sink is None:
                 waiting.offer(event)
                 woken = True
@@ -365,6 +368,27 @@ class EventRelay:
                 self._watch_start(events, now)
             if events.waiter is not None and (now >= events.deadline or events.watch is None or events.watch()):
                 events.wake()
+        if self.timing.max_tenant_behind_bytes:
+            self._bound_behind()
+
+    def _bound_behind(self) -> None:
+        """Each tenant's streaming clients that read slower than their events come hold at most
+        max_tenant_behind_bytes of this edge: past it, the tenant's clients furthest behind are dropped (and their
+        jobs stopped) until it holds less. Without it, a key that may open any number of streams holds ~1 MB of the
+        edge per client that reads nothing (tens with top logprobs) until the write stall drops it."""
+        held: dict[str, list[tuple[int, JobEvents]]] = {}
+        for events in self.jobs.values():
+            if (behind := events.behind_bytes()) and not events.overflowed:
+                held.setdefault(events.tenant, []).append((behind, events))
+        for streams in held.values():
+            total = sum(behind for behind, _ in streams)
+            if total <= self.timing.max_tenant_behind_bytes:
+                continue
+            for behind, events in sorted(streams, key=lambda stream: stream[0], reverse=True):
+                events.overflow(f"held {behind} bytes of its tenant's {total} behind on this edge")
+                total -= behind
+                if total <= self.timing.max_tenant_behind_bytes:
+                    break
 
     def _watch_owner(self, events: JobEvents, now: float) -> None:
         """A job whose owner stopped beating is given time for another worker to take it over, then fails."""

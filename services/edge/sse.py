@@ -118,6 +118,11 @@ class SSEWriter:
             self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             self.last_write = time.monotonic()
 
+    def unsent(self) -> int:
+        """Bytes written that the client has not taken yet, beyond what the kernel holds for it."""
+        transport = self.connection
+        return transport.get_write_buffer_size() if transport is not None and not transport.is_closing() else 0
+
     def drop(self) -> None:
         """Closes the connection under a client that cannot keep up: its pending write fails as ClientGone."""
         if self.connection is not None:

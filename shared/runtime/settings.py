@@ -193,6 +193,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_buffered_events: int = 4096
     """Events one stream may hold for a client that reads slower than they come; past it the client is
     dropped and its job stopped (an edge's memory must not grow with slow clients)."""
+    max_tenant_behind_bytes: int = 16 * 1024 * 1024
+    """Bytes an edge holds at most for one tenant's streaming clients that read slower than their events come (the
+    events waiting for them, as sized on the bus, and what was written that they have not taken); past it the
+    tenant's client furthest behind is dropped and its job stopped, as past --max-buffered-events: however many
+    streams a key may open, the clients that read nothing cost an edge this much. Without keys, every client is
+    one tenant. 0: no bound."""
     read_timeout_s: float = 30.0
     """Seconds an edge gives a client to send a request's head, and again its body; slower ones are dropped."""
     write_stall_s: float = 60.0
