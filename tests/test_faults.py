@@ -301,15 +301,16 @@ async def test_a_job_whose_owners_keep_dying_goes_to_the_dead_letter_stream(stac
     await stack.settled()
 
 
-def reading_nothing(url: str, body: dict[str, Any]) -> socket.socket:
-    """A client that posts a chat request on a socket with a tiny receive window, and reads nothing."""
+def reading_nothing(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> socket.socket:
+    """A client that posts a request (a chat by default) on a socket with a tiny receive window, and reads
+    nothing."""
     host, port = url.removeprefix("http://").split(":")
     data = orjson.dumps(body)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+    sock.sendall(b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (path.encode(), len(data), data))
     return sock
 
 
@@ -388,6 +389,33 @@ async def test_a_tenant_s_clients_that_read_nothing_hold_a_bounded_part_of_the_e
         for sock in socks:
             sock.close()
     assert "of its tenant's" in edge.log.read_text()
+    await stack.settled()
+
+
+async def test_a_tenant_s_clients_that_read_no_whole_answer_hold_a_bounded_part_of_the_edge(stack: Stack) -> None:
+    """Whole answers count as streams do: eight clients of one tenant read nothing of 400 kB answers (a long
+    prompt echoed), which each wait for the write stall; together they pass --max-tenant-behind-bytes (256 kB
+    here), so all but what fits it are dropped within seconds."""
+    edge = stack.edge(write_stall_s=50, max_tenant_behind_bytes=256 * 1024)
+    stack.worker(max_model_len=1_000_000)
+    assert (await stream_text(edge.url, stack.model, 2))[1] == 2  # the edge knows the model's worker
+    body = {"model": stack.model, "prompt": "sea " * 100_000, "echo": True, "max_tokens": 1}
+    socks = [reading_nothing(edge.url, body, "/v1/completions") for _ in range(8)]
+    try:
+        started = time.monotonic()
+        async with httpx.AsyncClient() as http:
+            async def held() -> float:
+                return metric_value((await http.get(edge.metrics_url)).text, "tokenbus_edge_requests_in_flight")
+
+            while await held() < 8 and "of its tenant's" not in edge.log.read_text():
+                assert time.monotonic() - started < 10, "the answers were not made"
+                await asyncio.sleep(0.1)
+            while await held() > 2:  # each holds ~140 kB the kernel does not: two would pass the bound
+                assert time.monotonic() - started < 15, f"{await held()} unread answers still held"
+                await asyncio.sleep(0.2)
+    finally:
+        for sock in socks:
+            sock.close()
     await stack.settled()
 
 

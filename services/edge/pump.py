@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from services.edge import framing, sending
+from services.edge import sse as sse_module
 from services.edge.formats.base import Payload, Renderer
 from services.edge.jobevents import JobEvents, Sink
 from services.edge.sse import ClientGone, SSEWriter, bound_send_buffer
@@ -115,8 +116,7 @@ async def respond(
     of it. A client that leaves its writes unread for `write_stall_s` is dropped (ClientGone).
     """
     events.watch = functools.partial(SSEWriter.client_gone, request)
-    if stream:
-        bound_send_buffer(request)
+    bound_send_buffer(request)  # a whole answer too: what a client does not read is the edge's to bound
     first = await _next(request, events)
     if first is None:
         raise EngineError("The worker ended the job without a result.")
@@ -131,6 +131,8 @@ async def respond(
                 await delivery.render(event, stream=False)
                 event = await _next(request, events)
             body = framing.body(renderer.body())  # written here, within the stall deadline, the job's slot held
+            events.unsent = functools.partial(sse_module.unsent, request.transport)  # held as a stream's is
+            events.on_overflow = functools.partial(sse_module.drop, request.transport)
             return await sending.send(request, body, content_type="application/json", length=len(body),
                                       stall_s=write_stall_s)
         sse = await SSEWriter.open(request, stall_s=write_stall_s)

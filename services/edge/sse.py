@@ -40,14 +40,15 @@ remember the last event id (the openai SDK) then hand their caller an event with
 
 
 SEND_BUFFER_BYTES = 128 * 1024
-"""The kernel's send buffer of a streaming connection: a token stream needs little, and without a bound the
-kernel's autotuning hides a stalled client behind megabytes before the edge can notice it (see
-JobEvents.max_buffered)."""
+"""The kernel's send buffer of a connection that answers a model's request: a token stream needs little, and
+without a bound the kernel's autotuning hides a stalled client behind megabytes before the edge can notice it (see
+JobEvents.max_buffered and --max-tenant-behind-bytes); a whole answer still leaves at this buffer per round trip
+(~2.5 MB/s to a client 100 ms away)."""
 
 
 def bound_send_buffer(request: web.Request) -> None:
-    """Bounds the send buffer of a connection that will stream (see SEND_BUFFER_BYTES), once per connection;
-    done while its request waits for its first event, off the first token's way."""
+    """Bounds the send buffer of a connection that answers a model's request (see SEND_BUFFER_BYTES), once per
+    connection; done while its request waits for its first event, off the first token's way."""
     connection = request.protocol
     if getattr(connection, "send_buffer_bounded", False):  # an earlier stream on this keep-alive connection
         return
@@ -58,6 +59,17 @@ def bound_send_buffer(request: web.Request) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             with contextlib.suppress(AttributeError):  # a connection class without the mark
                 connection.send_buffer_bounded = True  # type: ignore[attr-defined]
+
+
+def unsent(transport: asyncio.Transport | None) -> int:
+    """Bytes written to a connection that its client has not taken yet, beyond what the kernel holds for it."""
+    return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
+
+
+def drop(transport: asyncio.Transport | None) -> None:
+    """Closes a connection under a client that cannot keep up: its pending write fails."""
+    if transport is not None:
+        transport.abort()
 
 
 class _EventStream(web.StreamResponse):
@@ -119,14 +131,11 @@ class SSEWriter:
             self.last_write = time.monotonic()
 
     def unsent(self) -> int:
-        """Bytes written that the client has not taken yet, beyond what the kernel holds for it."""
-        transport = self.connection
-        return transport.get_write_buffer_size() if transport is not None and not transport.is_closing() else 0
+        return unsent(self.connection)
 
     def drop(self) -> None:
         """Closes the connection under a client that cannot keep up: its pending write fails as ClientGone."""
-        if self.connection is not None:
-            self.connection.abort()
+        drop(self.connection)
 
     def quiet_for(self, seconds: float) -> bool:
         """True when nothing was written for `seconds` (a keep-alive is due)."""
