@@ -24,7 +24,7 @@ from services.edge.auth import Caller
 from services.edge.batch_store import Batch, BatchError, BatchStore, failed_with
 from services.edge.conversation_store import keep_turn
 from services.edge.estimate import check_prompt_fits, check_stops
-from services.edge.file_store import FileInfo
+from services.edge.file_store import FileInfo, FileWriter
 from services.edge.formats import batches as shapes
 from services.edge.formats.base import openai_error
 from services.edge.formats.files import BatchLine, batch_lines
@@ -62,6 +62,8 @@ MAX_LOST_WORKERS = 2
 RUN_AGAIN_S = 1.0
 """How long a line whose worker was lost, or whose model has no live worker now, waits before it runs again."""
 MAX_EMBEDDING_INPUTS = 50_000
+ANSWERS_READ = 500
+"""A batch's answers read at once while its files are written (chat answers of a few kB: about a chunk)."""
 
 
 class BatchDriver:
@@ -363,11 +365,7 @@ class BatchRun:
         if batch.status != "failed":
             batch.status, batch.finalizing_at = "finalizing", now
             await self.store.update(self.tenant, batch)
-        answered = await self.store.answered(self.tenant, batch.id)
-        output = [answered[line.custom_id][1:] for line in lines if answered.get(line.custom_id, b"")[:1] == b"o"]
-        errors = [answered[line.custom_id][1:] for line in lines if answered.get(line.custom_id, b"")[:1] == b"e"]
-        batch.output_file_id = await self._file(batch, "output", output)
-        batch.error_file_id = await self._file(batch, "error", errors)
+        batch.output_file_id, batch.error_file_id = await self._files(batch, lines)
         match how:
             case "completed":
                 batch.status, batch.completed_at = "completed", now
@@ -395,20 +393,36 @@ class BatchRun:
                     "This request could not be executed before the completion window expired."), False, (0, 0))
                 metrics.BATCH_LINES.labels(batch.endpoint, "expired").inc()
 
-    async def _file(self, batch: Batch, kind: str, lines: list[bytes]) -> str | None:
-        """Stores one of the batch's files (once: a driver that died finalizing may have stored it); its bytes
-        take the place of the answers' in the tenant's storage, so no quota refuses it."""
-        if not lines:
-            return None
+    async def _files(self, batch: Batch, lines: list[BatchLine]) -> tuple[str | None, str | None]:
+        """Writes the answers into the output and error files (ids), in the input's order, ANSWERS_READ answers
+        at a time: the answers may come to the tenant's whole storage quota, and the files are written as they are
+        read (see FileWriter)."""
+        output, errors = await self._writer(batch, "output"), await self._writer(batch, "error")
+        writers = {b"o": output, b"e": errors}
+        for start in range(0, len(lines), ANSWERS_READ):
+            page = [line.custom_id for line in lines[start:start + ANSWERS_READ]]
+            for answer in await self.store.answers(self.tenant, batch.id, page):
+                if answer and isinstance(writer := writers.get(answer[:1]), FileWriter):
+                    await writer.add(answer[1:] + b"\n")
+        return await _sealed(output), await _sealed(errors)
+
+    async def _writer(self, batch: Batch, kind: str) -> FileWriter | str:
+        """The writer of one of the batch's files, or its id when it is stored already (a driver that died
+        finalizing stored it); its bytes take the place of the answers' in the tenant's storage, so no quota
+        refuses it."""
         file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
         files = self.app[FILES]
         with contextlib.suppress(TokenbusError):
             return (await files.info(self.tenant, file_id)).id
-        data = b"\n".join(lines) + b"\n"
-        info = FileInfo(id=file_id, bytes=len(data), created_at=int(time.time()), filename=f"{batch.id}_{kind}.jsonl",
-                        purpose=f"batch_{kind}")
-        await files.put(self.tenant, Quota(0, 0), info, data)
-        return file_id
+        return files.writer(self.tenant, FileInfo(id=file_id, bytes=0, created_at=int(time.time()),
+                                                  filename=f"{batch.id}_{kind}.jsonl", purpose=f"batch_{kind}"))
+
+
+async def _sealed(file: FileWriter | str) -> str | None:
+    if isinstance(file, str):
+        return file
+    info = await file.seal()
+    return None if info is None else info.id
 
 
 @contextlib.asynccontextmanager

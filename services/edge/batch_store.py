@@ -238,11 +238,12 @@ class BatchStore:
             found: list[bytes] = await self.redis.hkeys(keys.batch_lines(tenant, batch_id))  # type: ignore[assignment]
         return {custom_id.decode() for custom_id in found}
 
-    async def answered(self, tenant: str, batch_id: str) -> dict[str, bytes]:
-        """The lines answered so far, by custom_id."""
+    async def answers(self, tenant: str, batch_id: str, custom_ids: list[str]) -> list[bytes | None]:
+        """The answers of these lines (None: a line without one), read a page at a time by the caller: all of a
+        batch's answers may come to its tenant's whole storage quota."""
         with redis_boundary(Overloaded):
-            raw: dict[bytes, bytes] = await self.redis.hgetall(keys.batch_lines(tenant, batch_id))  # type: ignore[assignment]
-        return {custom_id.decode(): line for custom_id, line in raw.items()}
+            found: list[bytes | None] = await self.redis.hmget(keys.batch_lines(tenant, batch_id), custom_ids)  # type: ignore[assignment]
+        return found
 
     async def answer(self, tenant: str, batch: Batch, custom_id: str, line: bytes, ok: bool,
                      usage: tuple[int, int]) -> int:

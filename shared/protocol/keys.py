@@ -90,6 +90,11 @@ def file_chunks(tenant: str, file_id: str) -> str:
     return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}:chunks"
 
 
+def file_chunks_writing(tenant: str, file_id: str) -> str:
+    """A file's chunks while the edge writes them (a batch's output file): renamed to file_chunks once whole."""
+    return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}:writing"
+
+
 def files(tenant: str) -> str:
     """A tenant's files (a sorted set of ids by creation time, ms): what GET /v1/files lists."""
     return f"{PREFIX}:files:{{{tenant_tag(tenant)}}}"
