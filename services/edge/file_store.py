@@ -5,6 +5,7 @@ one script each: the quota check, the writes and the tally together."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -195,9 +196,10 @@ class FileWriter:
     description, the tenant's index and tally; no quota check): what a batch's output and error files are, whose
     answers may come to the whole storage quota (64 MiB). Built whole from every answer at once, they held 3.6
     times their size of the edge's memory at once and its loop ~120 ms; written this way they hold two chunks.
-    Until it is sealed the file is not there: its chunks are written beside it (expiring as it would), so a driver
-    that died writing it leaves it to the next, which writes it again from its first chunk, and two drivers at once
-    (a lease lost) never mix their chunks into a file sealed already."""
+    Until it is sealed the file is not there: its chunks are written beside it, under a key of this writer's own
+    (expiring as the file would), so a driver that died writing it leaves it to the next, which writes it again
+    from its first chunk, and two drivers at once (a lease lost) never mix their chunks: the first to seal it
+    stores the file, the other's chunks go."""
 
     def __init__(self, store: FileStore, tenant: str, info: FileInfo) -> None:
         self.store = store
@@ -206,11 +208,7 @@ class FileWriter:
         self.pending = bytearray()
         self.written = 0
         """Bytes in the chunks pushed so far."""
-        self.begun = False
-
-    @property
-    def chunks_key(self) -> str:
-        return keys.file_chunks_writing(self.tenant, self.info.id)
+        self.chunks_key = keys.file_chunks_writing(tenant, info.id, uuid.uuid4().hex)
 
     async def add(self, data: bytes) -> None:
         self.pending += data
@@ -221,12 +219,9 @@ class FileWriter:
     async def _push(self, chunk: bytes) -> None:
         with redis_boundary(Overloaded):
             pipe = self.store.redis.pipeline(transaction=False)
-            if not self.begun:
-                pipe.delete(self.chunks_key)  # what a driver that died writing it left
             pipe.rpush(self.chunks_key, chunk)
             pipe.pexpireat(self.chunks_key, bus.now_ms() + self.store.ttl_ms)
             await pipe.execute()
-        self.begun = True
         self.written += len(chunk)
 
     async def seal(self) -> FileInfo | None:

@@ -90,9 +90,10 @@ def file_chunks(tenant: str, file_id: str) -> str:
     return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}:chunks"
 
 
-def file_chunks_writing(tenant: str, file_id: str) -> str:
-    """A file's chunks while the edge writes them (a batch's output file): renamed to file_chunks once whole."""
-    return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}:writing"
+def file_chunks_writing(tenant: str, file_id: str, writer: str) -> str:
+    """A file's chunks while one writer (`writer`, its own id) writes them (a batch's output file): renamed to
+    file_chunks once whole."""
+    return f"{PREFIX}:file:{{{tenant_tag(tenant)}}}:{file_id}:writing:{writer}"
 
 
 def files(tenant: str) -> str:
