@@ -501,9 +501,16 @@ async def test_a_batch_is_its_tenants_alone_bounded_in_number_and_its_usage_coun
             uploaded = await client.files.create(file=("in.jsonl", lines.encode()), purpose="batch")
             batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                                 completion_window="24h")
+            def file_reads() -> int:
+                return int(stack.client.info("commandstats").get("cmdstat_lrange", {}).get("calls", 0))
+
+            while (await client.batches.retrieve(batch.id)).status == "validating":  # its driver read its file
+                await asyncio.sleep(0.05)
+            reads = file_reads()
             with pytest.raises(openai.RateLimitError):  # one open batch a tenant on this edge's setting
                 await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                             completion_window="24h")
+            assert file_reads() == reads  # refused before its input file (up to 8 MB) was read
             for call in (other.batches.retrieve(batch.id), other.batches.cancel(batch.id),
                          other.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                               completion_window="24h")):

@@ -153,6 +153,11 @@ class Found(msgspec.Struct):
     cancel_asked: bool
 
 
+def _too_many_open(max_open: int) -> RateLimited:
+    return RateLimited(f"You have {max_open} batches open already: wait for one to end, or cancel one.",
+                       limit="batches", retry_after_s=60)
+
+
 def open_member(tenant: str, batch_id: str) -> str:
     return f"{tenant}\0{batch_id}"
 
@@ -167,6 +172,15 @@ class BatchStore:
         self._settle = redis.register_script(_SETTLE)
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+
+    async def check_open(self, tenant: str, max_open: int) -> None:
+        """RateLimited when the tenant has `max_open` batches open already: checked before a new one's input file
+        is read (8 MB at most), as `create` checks it again when it stores the batch."""
+        if max_open > 0:
+            with redis_boundary(Overloaded):
+                running = int(await self.redis.scard(keys.batches_running(tenant)))
+            if running >= max_open:
+                raise _too_many_open(max_open)
 
     async def create(self, tenant: str, key_id: str, batch: Batch, max_open: int, quota: Quota) -> None:
         """Stores a new batch and makes it open; its record is an item of the tenant's storage until it expires.
@@ -184,8 +198,7 @@ class BatchStore:
         if made != 1:
             await self.redis.zrem(keys.BATCHES_OPEN, open_member(tenant, batch.id))
         if made == 0:
-            raise RateLimited(f"You have {max_open} batches open already: wait for one to end, or cancel one.",
-                              limit="batches", retry_after_s=60)
+            raise _too_many_open(max_open)
         if made == -1:
             raise StorageFull("Your storage is full: a batch's record is kept as one item until it expires. Delete "
                               "files, stored responses or conversations, or wait for them to expire.",

@@ -32,6 +32,7 @@ async def create(request: web.Request) -> web.Response:
     info = await files.info(caller.tenant, asked.input_file_id, param="input_file_id")
     if info.purpose != "batch":
         raise InvalidRequest("The input file must be uploaded with purpose `batch`.", param="input_file_id")
+    await request.app[BATCHES].check_open(caller.tenant, request.app[SETTINGS].batch_max_open)
     data = await files.content(caller.tenant, asked.input_file_id, param="input_file_id")
     total = sum(1 for raw in data.splitlines() if raw.strip())  # its lines were checked on upload
     now = int(time.time())
