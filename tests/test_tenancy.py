@@ -504,7 +504,9 @@ async def test_a_batch_is_its_tenants_alone_bounded_in_number_and_its_usage_coun
             def file_reads() -> int:
                 return int(stack.client.info("commandstats").get("cmdstat_lrange", {}).get("calls", 0))
 
+            deadline = time.monotonic() + 30
             while (await client.batches.retrieve(batch.id)).status == "validating":  # its driver read its file
+                assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             reads = file_reads()
             with pytest.raises(openai.RateLimitError):  # one open batch a tenant on this edge's setting
