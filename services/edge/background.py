@@ -238,7 +238,7 @@ async def cancel(request: web.Request) -> web.Response:
     """POST /v1/responses/{id}/cancel: only a background response can be cancelled, and only before it ends (a
     400 after, as OpenAI's; again once cancelled, the cancelled response)."""
     response_id = request.match_info["response_id"]
-    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
+    stored = await request.app[STORE].head(caller_of(request).tenant, response_id)
     if stored is not None and caller_of(request).owns(stored.tenant):
         return _cancel_ended(bytes(stored.response))
     body = await snapshot(request, response_id, cancel=True)

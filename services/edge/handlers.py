@@ -32,7 +32,7 @@ from services.edge.state import (
     SETTINGS,
     STORE,
 )
-from services.edge.store import StoredResponse
+from services.edge.store import StoredHead
 from shared.protocol import bus, keys
 from shared.protocol.errors import InvalidRequest, ModelNotFound, NotFound, RateLimited
 from shared.runtime import metrics
@@ -262,9 +262,9 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"No response with id '{response_id}' is stored.", param="response_id")
 
 
-async def _stored(request: web.Request, response_id: str) -> StoredResponse | None:
+async def _stored(request: web.Request, response_id: str) -> StoredHead | None:
     """A stored response of the caller's tenant; another tenant's is as absent as a missing one."""
-    stored = await request.app[STORE].load(caller_of(request).tenant, response_id)
+    stored = await request.app[STORE].head(caller_of(request).tenant, response_id)
     return stored if stored is not None and caller_of(request).owns(stored.tenant) else None
 
 
