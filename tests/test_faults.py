@@ -8,6 +8,8 @@ fault, nothing stays pending in the queue, no edge has a request in flight and n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import resource
 import signal
 import socket
 import time
@@ -415,6 +417,36 @@ async def test_a_tenant_s_clients_that_read_no_whole_answer_hold_a_bounded_part_
                 await asyncio.sleep(0.2)
     finally:
         for sock in socks:
+            sock.close()
+    await stack.settled()
+
+
+async def test_connections_that_send_nothing_cannot_take_an_edge_s_open_files(stack: Stack) -> None:
+    """A client (no key needed) opens more connections than the edge has open files and sends nothing on them
+    (here the edge's limit is lowered to 512): the edge closes the oldest idle ones as new ones come, so another
+    client's stream is still served at once (before, every file was taken and its connection waited, unaccepted,
+    until the idle ones timed out)."""
+    edge = stack.edge()
+    stack.worker()
+    assert (await stream_text(edge.url, stack.model, 2))[1] == 2
+    resource.prlimit(edge.process.pid, resource.RLIMIT_NOFILE, (512, 512))
+    host, port = edge.url.removeprefix("http://").split(":")
+    idle = []
+    try:
+        for _ in range(700):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            idle.append(sock)
+        await asyncio.sleep(1)  # the edge accepts them (or, out of files, cannot)
+        assert (await asyncio.wait_for(stream_text(edge.url, stack.model, 3), 10))[1] == 3
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(edge.metrics_url)).text
+        closed = metric_value(text, "tokenbus_edge_idle_connections_closed_total")
+        assert closed >= 700 - 512 + 256, closed  # past the limit less the edge's reserve
+    finally:
+        for sock in idle:
             sock.close()
     await stack.settled()
 

@@ -178,6 +178,9 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0
 
 # edge: requests
 REQUESTS = TallyCounter("tokenbus_edge_requests", "Requests answered by the edge", ["route", "status"], registry=EDGE)
+IDLE_CONNECTIONS_CLOSED = Counter(
+    "tokenbus_edge_idle_connections_closed", "Idle client connections an edge closed because its open files ran low "
+    "(services.edge.server.RESERVED_FILES)", registry=EDGE)
 REJECTIONS = Counter("tokenbus_edge_rejections", "Requests answered with an error, by route and error code",
                      ["route", "reason"], registry=EDGE)
 TIME_TO_FIRST_TOKEN = TallyHistogram(
