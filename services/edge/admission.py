@@ -121,7 +121,7 @@ class Admitter:
         found = headers(record, verdict)
         if verdict.refused:
             raise _refusal(record, verdict, tokens, found)
-        job.charge = bus.Charge(key=record.id, tokens=tokens, tpm=record.tpm, rpm=record.rpm,
+        job.charge = bus.Charge(key=record.id, tokens=tokens, tpm=record.tpm,
                                 quota_window=record.quota_window() if record.quota_tokens else "", lease=lease)
         if lease:
             self.held[(record.id, lease)] = None
@@ -187,7 +187,7 @@ class Admitter:
             await self.limits.release(key_id, lease)
 
     async def refund(self, job: bus.Job) -> None:
-        """Gives a job's charge back: it was admitted but could not be queued."""
+        """Gives a job's tokens and lease back: it was admitted but could not be queued (its request stays spent)."""
         with contextlib.suppress(*REDIS_FAILURES):
             await self.settlements.refund(job)
 

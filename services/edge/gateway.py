@@ -81,7 +81,7 @@ class Gateway:
         for the errors of STOPS_BACKGROUND. One that no worker started within the queue timeout (and the time its
         start takes to be heard of) ends with queue_timeout, as a worker would end it, and is cancelled: no worker
         starts it after that. A job that cannot be queued (Redis failed, or admission refused it) is handed to
-        `on_refused` (its rate limits' admission is given back) before the error leaves."""
+        `on_refused` (its tokens and lease are given back; its request stays spent) before the error leaves."""
         events = self.relay.register(job.id, deadline, self._start_by(job), job.tenant)
         try:
             try:

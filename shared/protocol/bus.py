@@ -230,8 +230,6 @@ class Charge(Base):
     """Reserved: the prompt estimate plus the output budget."""
     tpm: int = 0
     """The key's tokens-per-minute limit when the job was admitted (0: none)."""
-    rpm: int = 0
-    """The key's requests-per-minute limit then (a job that could not be queued gives its request back)."""
     quota_window: str = ""
     """The quota period the tokens were charged to ("" for no quota), e.g. 2026-11 or 2026-11-23."""
     lease: str = ""

@@ -90,7 +90,7 @@ return {refused, math.ceil(wait), math.ceil(r_state - now), math.ceil(t_state - 
 _SETTLE = """
 if not redis.call('SET', KEYS[4], 1, 'NX', 'PX', ARGV[10]) then return 0 end
 local now, reserved, used, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local rpm, refund_request = tonumber(ARGV[12]), ARGV[13] == '1'
+local refund = ARGV[12] == '1'
 -- a state key that expired (the job ran longer than its reservation's minute) is "now": what the job used
 -- beyond its reservation is still charged from now on
 local function shift(key, units, limit)
@@ -104,13 +104,12 @@ local function shift(key, units, limit)
 end
 local delta = used - reserved
 if tpm > 0 and delta ~= 0 then shift(KEYS[1], delta, tpm) end
-if refund_request and rpm > 0 then shift(KEYS[5], -1, rpm) end
 if ARGV[11] == '1' and delta ~= 0 and redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('INCRBY', KEYS[2], delta)
 end
-if ARGV[14] ~= '' then redis.call('ZREM', KEYS[6], ARGV[14]) end
-if refund_request then return 1 end
-local counted = ARGV[6] .. '|' .. ARGV[15]  -- the model, and the lane's prefix (batch_ for batch work)
+if ARGV[13] ~= '' then redis.call('ZREM', KEYS[5], ARGV[13]) end
+if refund then return 1 end
+local counted = ARGV[6] .. '|' .. ARGV[14]  -- the model, and the lane's prefix (batch_ for batch work)
 redis.call('HSET', KEYS[3], 'tenant', ARGV[5])
 redis.call('HINCRBY', KEYS[3], counted .. 'requests', 1)
 redis.call('HINCRBY', KEYS[3], counted .. 'prompt', ARGV[7])
@@ -217,8 +216,8 @@ class Limits:
 
 
 class Settlements:
-    """The end of a charge: settled with the real usage (by the worker that ends the job), or refunded in
-    full (by the edge, when the job could not even be queued)."""
+    """The end of a charge: settled with the real usage (by the worker that ends the job), or its tokens and lease
+    refunded (by the edge, when the job could not even be queued)."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._settle = redis.register_script(_SETTLE)
@@ -226,23 +225,26 @@ class Settlements:
     async def settle(self, job: bus.Job, prompt_tokens: int, completion_tokens: int) -> bool:
         """Settles a job's reservation with what it used and adds that to the key's daily usage. Once per
         job, whoever calls it: False when it was settled already, or has no charge."""
-        return await self._run(job, prompt_tokens, completion_tokens, refund_request=False)
+        return await self._run(job, prompt_tokens, completion_tokens, refund=False)
 
     async def refund(self, job: bus.Job) -> bool:
-        """Gives back all a job's charge, its request included: it never ran, and never will."""
-        return await self._run(job, 0, 0, refund_request=True)
+        """Gives back a job's tokens and its lease: it never ran, and never will. Its request stays spent (taken
+        before its body was read, as every refused request's is): were it given back, a key refused by the queue's
+        bounds (tenant_queue_full, queue_full) could send requests as fast as it likes, each read, planned and
+        admitted, however low its rpm."""
+        return await self._run(job, 0, 0, refund=True)
 
     def command(self, job: bus.Job, prompt_tokens: int, completion_tokens: int) -> tuple[Arg, ...] | None:
         """`settle` as one raw command (EVALSHA), to ride in another write; None when the job has no charge. Its
         reply is the same; NoScriptError when Redis lost the script (`settle` loads it)."""
-        found = self._keys_args(job, prompt_tokens, completion_tokens, refund_request=False)
+        found = self._keys_args(job, prompt_tokens, completion_tokens, refund=False)
         if found is None:
             return None
         script_keys, args = found
         return ("EVALSHA", self._settle.sha, len(script_keys), *script_keys, *args)
 
-    async def _run(self, job: bus.Job, prompt_tokens: int, completion_tokens: int, refund_request: bool) -> bool:
-        found = self._keys_args(job, prompt_tokens, completion_tokens, refund_request)
+    async def _run(self, job: bus.Job, prompt_tokens: int, completion_tokens: int, refund: bool) -> bool:
+        found = self._keys_args(job, prompt_tokens, completion_tokens, refund)
         if found is None:
             return False
         script_keys, args = found
@@ -250,16 +252,15 @@ class Settlements:
 
     @staticmethod
     def _keys_args(job: bus.Job, prompt_tokens: int, completion_tokens: int,
-                   refund_request: bool) -> tuple[list[str], list[Arg]] | None:
+                   refund: bool) -> tuple[list[str], list[Arg]] | None:
         charge = job.charge
         if charge is None:
             return None
         now = time.time()
         day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
         return ([keys.rate_tokens(charge.key), keys.quota(charge.key, charge.quota_window or "-"),
-                 keys.usage(charge.key, day), keys.settled(charge.key, job.id), keys.rate_requests(charge.key),
-                 keys.leases(charge.key)],
+                 keys.usage(charge.key, day), keys.settled(charge.key, job.id), keys.leases(charge.key)],
                 [int(now * 1000), charge.tokens, prompt_tokens + completion_tokens, charge.tpm, job.tenant,
                  job.model, prompt_tokens, completion_tokens, USAGE_TTL_S, SETTLED_TTL_MS,
-                 int(bool(charge.quota_window)), charge.rpm, int(refund_request), charge.lease,
+                 int(bool(charge.quota_window)), int(refund), charge.lease,
                  f"{charge.lane}_" if charge.lane else ""])
