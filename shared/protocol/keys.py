@@ -261,11 +261,10 @@ request stream, so that each of its scripts touches one Redis Cluster slot:
     costs     hash: what a queued job will charge its tenant's counter, and its token prices
     counters  hash: each band and tenant's virtual token counter
     queued    hash: jobs each tenant holds queued
-    state     hash: queued jobs (in all and per band), the level of the last tenant served in each band, the sequence of
+    state     hash: queued jobs (in all and per band), the last counter served in each band, the sequence of
               backlog members, the moving average of a job's duration
     slots     hash: the slots each live worker offers, with when its offer expires and how many it keeps as headroom
-    inflight  hash: the slots each band and tenant's jobs on the request stream take (dispatched, not yet ended),
-              and (entity NUL "charge") what they were charged
+    inflight  hash: the slots each band and tenant's jobs on the request stream take (dispatched, not yet ended)
     affinity  hash: a queued job's prefix chain and how long it may wait for a worker that holds it, by its member
 """
 

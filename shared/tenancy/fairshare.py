@@ -100,7 +100,7 @@ class Ticket:
 
     def settle(self, prompt_tokens: int, completion_tokens: int, duration_ms: float) -> Settlement:
         used = self.input_price * prompt_tokens + self.output_price * completion_tokens
-        return Settlement(self.entity, used - self.charge, duration_ms, self.sequences, self.charge)
+        return Settlement(self.entity, used - self.charge, duration_ms, self.sequences)
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,6 @@ class Settlement:
     duration_ms: float
     sequences: int = 1
     """The slots it held: its entry leaves the request stream with them."""
-    charge: float = 0.0
-    """What it was charged at dispatch: it leaves its tenant's charges in flight (what a tenant back from idle is not
-    lifted by)."""
 
 
 @dataclass(frozen=True)
@@ -276,8 +273,7 @@ class Scheduler:
         """Adds to a pipeline the correction of finished jobs' counters, then a dispatch into their slots."""
         args: list[Arg] = [*NO_OFFER.args()]
         for done in settlements:
-            args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}", done.sequences,
-                     f"{done.charge:.3f}"]
+            args += [done.entity, f"{done.correction:.3f}", f"{done.duration_ms:.0f}", done.sequences]
         _pipelined(pipe, self._dispatch, model, args)
 
     def withdraw(self, pipe: PipelineLike, model: str, member: bytes) -> None:

@@ -61,7 +61,7 @@ if stream then
   local lifted = tonumber(counter_text(math.max(own, tonumber(redis.call('HGET', STATE, 'last:' .. band) or '0'))))
   local served = counter_text(lifted + charge)
   redis.call('HSET', COUNTERS, entity, served)
-  redis.call('HSET', STATE, 'last:' .. band, counter_text(level(entity, lifted)))
+  redis.call('HSET', STATE, 'last:' .. band, served)
   send(job, entity, cost, stream)
   return {'ok', '', 1, unpack(placements())}
 end
@@ -96,13 +96,11 @@ redis.call('HSET', COSTS, member, cost)
 if affinity ~= '' then redis.call('HSET', AFFINITY, member, affinity) end
 count_queued(tenant, band, 1, sequences - 1, #job)
 if not backlogged then
-  -- back from idle: its counter rises to the level (see `level`) of the least of its band's backlogged tenants (or
-  -- of the last one served), so idle time is not saved up into a burst; a tie goes to it, the tenant served least
-  -- recently
+  -- back from idle: its counter rises to the least of its band's backlogged tenants (or the last one served),
+  -- so idle time is not saved up into a burst; a tie goes to it, the tenant served least recently
   local floor = first(READY, band_range(band))
   if floor then
-    floor = level(band .. floor:sub(BAND_WIDTH + COUNTER_WIDTH + 1),
-                  tonumber(floor:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH))) - TIE
+    floor = tonumber(floor:sub(BAND_WIDTH + 1, BAND_WIDTH + COUNTER_WIDTH)) - TIE
   else
     floor = tonumber(redis.call('HGET', STATE, 'last:' .. band) or '0')
   end
@@ -118,14 +116,14 @@ return {'ok', member, sent, unpack(placements())}
 DISPATCH = LIBRARY + r"""
 -- ARGV: the offering worker ('' for none), its slots, how long its offer holds (ms), its headroom, then for each
 -- job that ended: its band and tenant, the correction of its counter, how long it ran (ms), its sequences (its
--- entry left the request stream), what it was charged. Returns {jobs dispatched, placements by reason...}.
+-- entry left the request stream). Returns {jobs dispatched, placements by reason...}.
 local now = now_ms()
 offer(ARGV[1], ARGV[2], ARGV[3], ARGV[4], now)
-for i = 5, #ARGV, 5 do
+for i = 5, #ARGV, 4 do
   local entity, correction, duration = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local sequences = tonumber(ARGV[i + 3])
   add(STATE, 'wide', 1 - sequences)
-  release(entity, sequences, tonumber(ARGV[i + 4]))
+  add(INFLIGHT, entity, -sequences)
   local counter = redis.call('HGET', COUNTERS, entity)
   if counter and correction ~= 0 then set_counter(entity, tonumber(counter) + correction) end
   if duration > 0 then

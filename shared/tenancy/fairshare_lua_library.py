@@ -128,39 +128,12 @@ local function fits(entity, need, free, headroom)
   return free - need >= headroom or tonumber(redis.call('HGET', INFLIGHT, entity) or '0') + need <= headroom
 end
 
--- the field of INFLIGHT that holds the charges of an entity's jobs on the request streams (a tenant's name holds no
--- NUL, so it is no entity's own field)
-local function charges_field(entity)
-  return entity .. '\0charge'
-end
-
--- an entity's counter less the charges of its jobs in flight: the service it is known to have had. A charge is an
--- estimate (a job's whole output budget) that its settlement replaces with what the job used, so a tenant that comes
--- back from idle is lifted to this level, not to a reservation that a refund may take back (it would then sit that
--- far behind the refunded tenant, and get only the headroom until that tenant caught up)
-local function level(entity, counter)
-  return math.max(0, counter - tonumber(redis.call('HGET', INFLIGHT, charges_field(entity)) or '0'))
-end
-
--- a job onto a request stream (the model's, or a worker's own); its sequences beyond the first join the wide count,
--- its charge its entity's charges in flight
+-- a job onto a request stream (the model's, or a worker's own); its sequences beyond the first join the wide count
 local function send(job, entity, cost, stream)
   local sequences = sequences_of(cost)
   redis.call('XADD', stream or REQUESTS, '*', 'j', job, 'e', entity, 'c', cost)
   add(STATE, 'wide', sequences - 1)
   add(INFLIGHT, entity, sequences)
-  redis.call('HINCRBYFLOAT', INFLIGHT, charges_field(entity), tonumber(string.match(cost or '0', '^(%S+)')))
-end
-
--- a job of an entity ended: its slots and its charge leave the counts in flight (an entity with no slots left there
--- has no charges there either, whatever a settlement of an older worker left)
-local function release(entity, sequences, charge)
-  add(INFLIGHT, entity, -sequences)
-  local field = charges_field(entity)
-  if not redis.call('HGET', INFLIGHT, entity) or tonumber(redis.call('HINCRBYFLOAT', INFLIGHT, field, -charge)) <= TIE
-  then
-    redis.call('HDEL', INFLIGHT, field)
-  end
 end
 
 local function set_counter(entity, value)
@@ -302,7 +275,7 @@ local function dispatch_one(head, room, slots, headroom, now)
   count_queued(tenant, band, -1, 1 - sequences, -(job and #job or 0))
   local served = counter_text(counter + tonumber(string.match(cost or '0', '^(%S+)')))
   redis.call('HSET', COUNTERS, entity, served)
-  redis.call('HSET', STATE, 'last:' .. band, counter_text(level(entity, counter)))
+  redis.call('HSET', STATE, 'last:' .. band, served)
   if oldest(entity) then redis.call('ZADD', READY, 0, band .. served .. tenant) end
   if not job then return 0 end
   send(job, entity, cost, stream)
