@@ -12,6 +12,7 @@ import contextlib
 import resource
 import signal
 import socket
+import subprocess
 import time
 from typing import Any
 
@@ -21,8 +22,17 @@ import orjson
 import pytest
 
 from shared.protocol import bus, keys
-from tests.processes import metric_value
+from tests.processes import Edge, WorkerProcess, metric_value
 from tests.stack import Stack
+
+
+async def exits_cleanly(process: Edge | WorkerProcess, within_s: float) -> None:
+    """The process ends with status 0 within `within_s`; else the end of its log says what it was doing."""
+    try:
+        status: int | None = await asyncio.to_thread(process.process.wait, within_s)
+    except subprocess.TimeoutExpired:
+        status = None
+    assert status == 0, f"{process.log.name} ended with {status}:\n{process.log.read_text()[-4000:]}"
 
 
 def expected(tokens: int) -> str:
@@ -155,7 +165,7 @@ async def test_a_stopped_worker_hands_its_running_jobs_over(stack: Stack) -> Non
     stopping.process.send_signal(signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*streams), 60)
     assert all(result == (expected(500), 500) for result in results)
-    assert stopping.process.wait(timeout=20) == 0
+    await exits_cleanly(stopping, 20)
     assert "handed 8 running jobs over" in stopping.log.read_text()
     await stack.settled()
 
@@ -548,8 +558,9 @@ async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothi
         process.process.send_signal(signal.SIGTERM)
     results = await asyncio.wait_for(asyncio.gather(*requests), 120)
     assert sum(result == (expected(60), 60) for result in results) == 96
-    # each drains for at most its 30 s grace, then exits cleanly (a loaded CI machine took longer than 30 s more)
-    assert all(p.process.wait(timeout=60) == 0 for p in old)
+    # each drains for at most its 30 s grace, then exits cleanly (an edge's shutdown is bounded: grace + 10 s)
+    for process in old:
+        await exits_cleanly(process, 60)
     await stack.settled()
 
 

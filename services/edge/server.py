@@ -14,6 +14,7 @@ import asyncio
 import logging
 import resource
 import signal
+import time
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -29,7 +30,7 @@ from services.edge.formats.base import openai_error
 from services.edge.sse import ClientGone
 from services.edge.state import DRAINING
 from shared.protocol.errors import InvalidRequest, TokenbusError
-from shared.runtime import exposition, gcheap, metrics
+from shared.runtime import exposition, gcheap, metrics, stopping
 from shared.runtime.exposition import MetricsSettings
 
 log = logging.getLogger(__name__)
@@ -243,10 +244,13 @@ async def _serve_api(app: web.Application, settings: ServerSettings, shutdown_ti
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    stopped = 0.0
     try:
         gcheap.freeze_startup_heap()
         await web.TCPSite(runner, settings.host, settings.port).start()
         await stop.wait()
+        stopped = time.monotonic()
+        stopping.arm("edge", shutdown_timeout + stopping.STOP_MARGIN_S)
         # a drain: /ready turns 503, the listener closes, streams in flight get `shutdown_timeout` to end
         # (those still running then are kept by their workers for a resume on another edge)
         app[DRAINING].set()
@@ -255,3 +259,5 @@ async def _serve_api(app: web.Application, settings: ServerSettings, shutdown_ti
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         await runner.cleanup()
+        if stopped:
+            log.info("stopped %.1f s after the signal", time.monotonic() - stopped)
