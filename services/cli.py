@@ -35,7 +35,8 @@ WORKER_SETTINGS = [*REDIS_SETTINGS, "model", "model_dir", "task", "enable_lora",
                    "replay_max_events",
                    "max_reclaims", "worker_grace_s", "metrics_max_tenants", "scheduler", "queue_timeout_s",
                    "fair_input_weight", "fair_output_weight", "fair_headroom", "tool_parser", "reasoning_parser",
-                   "grammar_compile_s", "prefix_summary_size", "sim_prefix_cache_blocks", "dispatch", "event_loop"]
+                   "grammar_compile_s", "prefix_summary_size", "sim_prefix_cache_blocks", "sim_dies_after_tokens",
+                   "dispatch", "event_loop"]
 RUN_SETTINGS = list(dict.fromkeys(EDGE_SETTINGS + WORKER_SETTINGS + ["embedding_model", "embedding_model_dir"]))
 
 

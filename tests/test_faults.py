@@ -531,6 +531,26 @@ async def test_a_request_whose_body_arrives_as_its_edge_begins_to_drain_is_answe
     await stack.settled()
 
 
+async def test_a_worker_whose_engine_dies_hands_its_jobs_over_and_exits(stack: Stack) -> None:
+    """The engine dies under eight streams (as vLLM's engine core does: every request it holds and gets fails): its
+    worker takes no more jobs, hands those it has over and exits 1; their clients see no seam, and no error."""
+    edge = stack.edge()
+    dying = stack.worker(sim_dies_after_tokens=8 * 150)  # one token a stream a step: 150 tokens into each
+    streams = [asyncio.create_task(stream_text(edge.url, stack.model, 400)) for _ in range(8)]
+    async with httpx.AsyncClient() as http:  # all eight run on the worker whose engine dies
+        deadline = time.monotonic() + 10
+        while metric_value((await http.get(dying.metrics_url)).text, "tokenbus_worker_running_jobs") < 8:
+            assert time.monotonic() < deadline, "the streams did not reach the worker"
+            await asyncio.sleep(0.05)
+    stack.worker()
+    results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+    assert all(result == (expected(400), 400) for result in results)
+    assert await asyncio.to_thread(dying.process.wait, 20) == 1
+    log = dying.log.read_text()
+    assert "the engine died: handing its jobs over" in log and "handed 8 running jobs over" in log
+    await stack.settled()
+
+
 async def test_a_rolling_restart_of_every_edge_and_worker_under_load_loses_nothing(stack: Stack) -> None:
     """Each edge and worker is replaced in turn (SIGTERM, as an orchestrator does) while clients stream; a
     client whose edge is gone before it connects tries another, as behind a load balancer."""

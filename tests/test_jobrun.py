@@ -69,6 +69,9 @@ class _Engine:
     async def abort(self, job_id: str) -> None:
         self.aborted.set()
 
+    def dead(self) -> bool:
+        return False
+
     def decode(self, job: bus.Job, token_ids: list[int]) -> str:
         return ""
 

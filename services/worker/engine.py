@@ -533,6 +533,12 @@ class VllmEngine:
         if job_id in self.preparing:  # not in the engine yet: it never will be
             self.preparing[job_id] = True
             return
+        if self.dead():  # it runs nothing any more, and would refuse the abort
+            return
         for request_id in self.requests.get(job_id, [job_id]):
             await self.llm.abort(request_id)
+
+    def dead(self) -> bool:
+        """Whether vLLM's engine core died (EngineDeadError): every request it holds or gets fails."""
+        return self.llm is not None and bool(self.llm.errored)
 

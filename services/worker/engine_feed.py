@@ -53,7 +53,7 @@ class JobFeed:
                 raise output
             events = convert(output)
         except Exception as exc:
-            self.ended.set_exception(exc)
+            self.fail(exc)
             return
         self.give(events, finished=output.finished)
 
@@ -75,6 +75,11 @@ class JobFeed:
     def _take_all(self, events: list[bus.Output]) -> None:
         for event in events:
             self.take(event)
+
+    def fail(self, exc: Exception) -> None:
+        """Ends the feed with `exc` (the engine failed its requests), unless it has ended already."""
+        if not self.ended.done():
+            self.ended.set_exception(exc)
 
     async def wait(self) -> None:
         """Until every request has finished; re-raises what ended the feed."""

@@ -5,6 +5,7 @@ settled with its tenant."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
@@ -76,6 +77,10 @@ class Engine(Protocol):
 
     async def abort(self, job_id: str) -> None: ...
 
+    def dead(self) -> bool:
+        """Whether it can serve no more (vLLM's engine core died): its jobs are for other workers."""
+        ...
+
     def decode(self, job: bus.Job, token_ids: list[int]) -> str:
         """The text of tokens the job generated (to bring its parsers back to where a former owner was)."""
         ...
@@ -114,6 +119,10 @@ class JobRunner:
         """Cancel checks, the aborts they lead to and settles on their own, kept referenced until they end."""
         self.prefixes = prefixes
         """What the engine holds, as placement sees it: each job's prompt is in it once the job starts."""
+        self.on_engine_died: Callable[[], None] = lambda: None
+        """Called as a job finds the engine dead (the worker stops, and hands its jobs over)."""
+        self.handing_over = asyncio.Event()
+        """Set once the worker let go of its running jobs to hand them over (a dead engine's jobs wait for it)."""
 
     async def own(self, run: Run, work: Coroutine[Any, Any, None]) -> None:
         """Runs a job's work; whatever happens, frees its slot and acknowledges its entry after its events."""
@@ -148,6 +157,9 @@ class JobRunner:
             outcome = "rejected"
             self.end_with(run, exc)
         except Exception:
+            if self.engine.dead():  # not the job's fault: it goes on elsewhere, from what its client has
+                await self._hand_over_from_dead_engine(run)
+                return
             outcome = "failed"
             log.exception("job %s failed in the engine", run.job.id)
             self.end_with(run, EngineError("The engine failed."))
@@ -159,6 +171,17 @@ class JobRunner:
                 why = "Nobody resumed the stream in time" if abandoned else "The stream was cancelled"
                 self.end_with(run, StreamAbandoned(f"{why}; it was stopped."))
             metrics.JOBS.labels(self.model, outcome).inc()
+
+    async def _hand_over_from_dead_engine(self, run: Run) -> None:
+        """Holds the job (its entry unacknowledged, nothing more published) until the worker, which stops, has
+        let go of it to hand it over; past its deadline, or if the worker never does, its entry is left pending
+        for a live worker to claim."""
+        log.error("job %s stopped: the engine died", run.job.id)
+        self.on_engine_died()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, (run.job.deadline_ms - bus.now_ms()) / 1000)):
+                await self.handing_over.wait()
+        run.let_go()
 
     def emit(self, run: Run, event: bus.Event, log_ttl_ms: int = 0) -> None:
         """Publishes one event of the job at its next position, unless the job is no longer this worker's."""

@@ -11,6 +11,7 @@ stream that moved between workers lost and repeated nothing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from shared.protocol import bus
 from shared.protocol.errors import AdapterUnavailable
 from shared.runtime import metrics
 from shared.runtime.settings import SlotSettings, engine_seqs
+
+log = logging.getLogger(__name__)
 
 
 class SimSettings(SlotSettings, LoraSettings, Protocol):
@@ -41,6 +44,8 @@ class SimSettings(SlotSettings, LoraSettings, Protocol):
     def sim_ttft_ms(self) -> float: ...
     @property
     def sim_prefix_cache_blocks(self) -> int: ...
+    @property
+    def sim_dies_after_tokens(self) -> int: ...
 
 
 DEFAULT_MAX_TOKENS = 128
@@ -77,6 +82,10 @@ class _Sequence:
         self.feed.give([token(self.job, self.choice, self.produced, finish)], finished=finish is not None)
 
 
+class SimEngineDead(Exception):
+    """What the simulated engine raises once it died, as vLLM's EngineDeadError."""
+
+
 class SimEngine:
     """Engine protocol over a timer instead of a model."""
 
@@ -104,6 +113,8 @@ class SimEngine:
         self.cache = PrefixCache(settings.sim_prefix_cache_blocks)
         self.cache_counters = (metrics.PREFIX_CACHE_QUERIES.labels(settings.model),
                                metrics.PREFIX_CACHE_HITS.labels(settings.model))
+        self.tokens_to_death = settings.sim_dies_after_tokens or -1
+        """Tokens it makes before it dies (-1: it never does)."""
 
     def start(self) -> None:
         """Nothing to load."""
@@ -142,6 +153,8 @@ class SimEngine:
         while self.running:
             next_step += self.itl_s
             await asyncio.sleep(max(0.0, next_step - time.monotonic()))
+            if self._dies_in(len(self.running)):
+                return
             going_on = []  # one pass: a step where many finish costs no list.remove each
             for seq in self.running:
                 aborted = seq.job.id in self.aborted
@@ -155,6 +168,26 @@ class SimEngine:
             self._gauge()
         self.stepper = None
 
+    def _dies_in(self, tokens: int) -> bool:
+        """Whether it dies within this step's `tokens` (--sim-dies-after-tokens): it fails every sequence then."""
+        if self.tokens_to_death < 0:
+            return False
+        was = self.tokens_to_death
+        self.tokens_to_death = max(0, was - tokens)
+        if self.tokens_to_death:
+            return False
+        if was:
+            log.error("the simulated engine died (--sim-dies-after-tokens)")
+        for seq in self.running:
+            if seq.feed is not None:
+                seq.feed.fail(SimEngineDead())
+        self.running, self.stepper = [], None
+        self._gauge()
+        return True
+
+    def dead(self) -> bool:
+        return self.tokens_to_death == 0
+
     def _join_batch(self) -> None:
         self._gauge()
         if self.stepper is None and self.running:
@@ -167,6 +200,8 @@ class SimEngine:
 
     async def run_into(self, job: bus.Job, priority: int, take: Take) -> None:
         """Hands the job's tokens to `take` as each step makes them (services.worker.engine_feed), then its Final."""
+        if self.dead():
+            raise SimEngineDead()
         self._hold(job)
         self.live.add(job.id)
         try:

@@ -69,6 +69,7 @@ class Worker:
                                       settings.prefix_summary_size if settings.task == "generate" else 0,
                                       int(settings.heartbeat_ttl_s * 1000), engine.cache_tokens)
         self.runner = JobRunner(settings, engine, self.id, self.jobs, self.publisher, self.redis, self.prefixes)
+        self.runner.on_engine_died = self._engine_died
         self.intake = Intake(settings, engine, self.id, self.jobs, self.runner, self.publisher, self.scheduler,
                              self.ownership, self.redis)
         self.upkeep = Upkeep(settings, engine, self.id, self.jobs, self.runner, self.intake, self.scheduler,
@@ -93,6 +94,13 @@ class Worker:
         task.add_done_callback(self._check_vital)
         return task
 
+    def _engine_died(self) -> None:
+        """The engine can serve no more (vLLM's engine core died): the worker stops taking jobs, hands over those
+        it has and exits non-zero, to be restarted."""
+        if not self.crashed.is_set():
+            log.critical("the engine died: handing its jobs over to other workers, then exiting")
+            self.crashed.set()
+
     def _check_vital(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.critical("the worker's %s loop died: %r", task.get_name(), task.exception())
@@ -109,7 +117,7 @@ class Worker:
             await self.scheduler.withdraw()
             await self.ownership.rescue(int(self.settings.heartbeat_ttl_s * 1000))  # what it never read goes back
         if self.jobs.tasks:
-            grace = self.settings.worker_grace_s
+            grace = 0.0 if self.engine.dead() else self.settings.worker_grace_s  # a dead engine finishes none
             log.info("waiting up to %.0f s for %d running jobs", grace, len(self.jobs.tasks))
             _done, late = await asyncio.wait(list(self.jobs.tasks.values()), timeout=grace)
             if late:
@@ -136,6 +144,7 @@ class Worker:
         for run in runs:
             run.let_go()
             await self.engine.abort(run.job.id)
+        self.runner.handing_over.set()  # what a dead engine failed waits for this
         tasks = [self.jobs.tasks[r.job.id] for r in runs if r.job.id in self.jobs.tasks]
         _done, stuck = await asyncio.wait(tasks, timeout=HANDOVER_WAIT_S) if tasks else (set(), set())
         for task in stuck:

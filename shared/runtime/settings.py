@@ -94,6 +94,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """The simulated engine's prefill cost per prompt token (a word), spent in one lane that all prefills share, in
     chunks, the most urgent first (as an engine's token budget per step); its time to first token adds it to
     `sim_ttft_ms`. 0: prefills cost only `sim_ttft_ms`, each on its own."""
+    sim_dies_after_tokens: int = 0
+    """The simulated engine dies (as vLLM's engine core does, EngineDeadError) once it has made this many tokens in
+    all: the requests it runs and every later one fail. 0: never. A fault-testing tool."""
     sim_prefix_cache_blocks: int = 0
     """The simulated engine's prefix cache, in blocks of 16 prompt tokens (words), least recently used evicted
     first: a prompt's prefill costs only the tokens past the leading blocks it holds. 0: none."""
