@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from services.worker.models import default_chat_model_dir
 from tests.openapi import sse_events, validate
-from tests.processes import MODEL, Edge
+from tests.processes import GATHERING_MODEL, MODEL, Edge, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -120,9 +120,11 @@ async def test_logprobs_follow_the_chosen_tokens(client: openai.AsyncOpenAI) -> 
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
-async def test_echo_with_logprobs_scores_the_prompt_too(client: openai.AsyncOpenAI) -> None:
-    reply = await client.completions.create(model=MODEL, prompt=PARIS, max_tokens=3, temperature=0, logprobs=1,
-                                            echo=True)
+async def test_echo_with_logprobs_scores_the_prompt_too(client: openai.AsyncOpenAI,
+                                                        gathering_worker: WorkerProcess) -> None:
+    """On a model served without LoRA adapters (MODEL's worker serves them: see the next test)."""
+    reply = await client.completions.create(model=GATHERING_MODEL, prompt=PARIS, max_tokens=3, temperature=0,
+                                            logprobs=1, echo=True)
     lp = reply.choices[0].logprobs
     assert lp is not None and lp.tokens and lp.token_logprobs
     assert "".join(lp.tokens) == reply.choices[0].text
@@ -133,7 +135,26 @@ async def test_echo_with_logprobs_scores_the_prompt_too(client: openai.AsyncOpen
     assert len(lp.tokens) == prompt_len + reply.usage.completion_tokens
 
 
-async def test_a_prompt_of_token_ids_runs_as_its_text_does_and_echoes_it(client: openai.AsyncOpenAI) -> None:
+async def test_a_model_served_with_adapters_refuses_to_score_prompts_and_echoes_them(
+        client: openai.AsyncOpenAI) -> None:
+    """vLLM fails its engine core computing a prompt's logprobs with LoRA enabled (vLLM issues 29955, 16668): one
+    tenant's echo with logprobs would end every tenant's streams on that worker. Refused, in OpenAI's shape; an
+    echo alone (of text, or of token ids) is served."""
+    for prompt in (PARIS, [PARIS, "One, two,"]):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=0, echo=True)
+        body = caught.value.body
+        assert isinstance(body, dict) and body["param"] == "logprobs", body
+        assert body["code"] == "prompt_logprobs_unavailable" and MODEL in body["message"]
+    echoed = await client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PARIS) and echoed.choices[0].logprobs is None
+    scored_answer = await client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2, logprobs=1)
+    assert scored_answer.choices[0].logprobs is not None and scored_answer.usage is not None
+    assert len(scored_answer.choices[0].logprobs.tokens or []) == scored_answer.usage.completion_tokens  # served
+
+
+async def test_a_prompt_of_token_ids_runs_as_its_text_does_and_echoes_it(client: openai.AsyncOpenAI,
+                                                                      gathering_worker: WorkerProcess) -> None:
     """OpenAI's and vLLM's prompt as token ids (what evaluation harnesses send, with echo and logprobs to score a
     continuation): the same answer as its text's, its text echoed, its tokens scored and counted exactly."""
     ids = AutoTokenizer.from_pretrained(default_chat_model_dir()).encode(PARIS)
@@ -141,8 +162,8 @@ async def test_a_prompt_of_token_ids_runs_as_its_text_does_and_echoes_it(client:
     as_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert as_ids.choices[0].text == as_text.choices[0].text
     assert as_ids.usage is not None and as_ids.usage.prompt_tokens == len(ids)
-    scored = await client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=1, temperature=0,
-                                             logprobs=1, echo=True)
+    scored = await client.completions.create(model=GATHERING_MODEL, prompt=[ids, ids[:3]], max_tokens=1,
+                                             temperature=0, logprobs=1, echo=True)  # no adapters: it scores prompts
     first = scored.choices[0]
     assert first.text.startswith(PARIS) and scored.choices[1].text.startswith(PARIS[:5])
     assert first.logprobs is not None and "".join(first.logprobs.tokens) == first.text

@@ -37,7 +37,7 @@ def _answer(need: planners.Need) -> object:
     """What the edge would answer a planner: a worker of the model, no earlier turns, room to store, an arrival."""
     if isinstance(need, planners.Model):
         return bus.WorkerInfo(worker="w", model=need.name, task=need.task, max_model_len=MAX_MODEL_LEN,
-                              dimensions=384, features=list(bus.WORKER_FEATURES))
+                              dimensions=384, features=[*bus.WORKER_FEATURES, bus.PROMPT_SCORES])
     if isinstance(need, planners.ServedModel):
         return "m"
     if isinstance(need, planners.PreviousTurns):

@@ -148,6 +148,27 @@ def test_a_job_expired_in_the_queue_never_starts(redis_client: redis.Redis, work
     assert events[0].kind == "RequestTimeout"
 
 
+def test_a_worker_serving_adapters_refuses_to_score_a_prompt_and_serves_on(
+    redis_client: redis.Redis, worker: WorkerProcess
+) -> None:
+    """A job that asks for its prompts' logprobs reaching a worker with LoRA enabled (an edge that did not know of it
+    yet) is refused: vLLM computing them there fails its engine core once a step holds two requests (vLLM issues
+    29955, 16668), and with it every tenant's streams. The worker serves the next job."""
+    reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
+    scoring = bus.Job(id=f"test-{uuid.uuid4().hex}", model=MODEL, reply_to=reply_to, kind="completion",
+                      deadline_ms=bus.now_ms() + 60_000, prompts=["The capital of France is", "One, two,"],
+                      params=bus.SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1), created_ms=bus.now_ms())
+    after = _job(reply_to, deadline_ms=bus.now_ms() + 60_000, queued_ms=0)
+    with listening(redis_client, reply_to) as listener:
+        redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(scoring)})
+        refused = [e for _t, e in listener.events(wait_s=10) if e.job == scoring.id]
+        redis_client.xadd(keys.requests_stream(MODEL), {bus.JOB_FIELD: bus.encode_job(after)})
+        served = [e for _t, e in listener.events(wait_s=30) if e.job == after.id]
+    assert isinstance(refused[-1], bus.Error) and not any(isinstance(e, bus.Tokens) for e in refused), refused
+    assert refused[-1].code == "prompt_logprobs_unavailable" and refused[-1].param == "logprobs"
+    assert isinstance(served[-1], bus.Final) and served[-1].completion_tokens == 5
+
+
 def test_a_job_cancelled_in_the_queue_never_starts(redis_client: redis.Redis, worker: WorkerProcess) -> None:
     reply_to = keys.events_channel(f"test-{uuid.uuid4().hex}")
     job = _job(reply_to, deadline_ms=bus.now_ms() + 60_000)

@@ -10,7 +10,7 @@ from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
 
 from tests.openapi import sse_events, validate
-from tests.processes import MODEL, Edge
+from tests.processes import GATHERING_MODEL, MODEL, Edge, WorkerProcess, start_edge, stop_process
 
 pytestmark = pytest.mark.engine
 
@@ -24,6 +24,21 @@ def tgi_validate(component: str, instance: object) -> None:
 @pytest.fixture
 def hf(served: Edge) -> Iterator[InferenceClient]:
     yield InferenceClient(model=served.url, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def plain_edge(redis_url: str, gathering_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Edge]:
+    """An edge whose served model (TGI's) is GATHERING_MODEL, whose worker runs no LoRA adapters: it scores prompts
+    (decoder_input_details), which MODEL's worker, serving adapters, refuses."""
+    started = start_edge(redis_url, tmp_path_factory.mktemp("plain-edge"), model=GATHERING_MODEL)
+    yield started
+    stop_process(started.process)
+
+
+@pytest.fixture
+def hf_plain(plain_edge: Edge) -> Iterator[InferenceClient]:
+    yield InferenceClient(model=plain_edge.url, timeout=60)
 
 
 def test_greedy_generation_with_details(hf: InferenceClient) -> None:
@@ -84,12 +99,21 @@ def test_parameters_sent_as_null_take_their_defaults(served: Edge) -> None:
     assert answer.json()["details"]["generated_tokens"] <= 20 and not answer.json()["generated_text"].startswith(PROMPT)
 
 
-def test_decoder_input_details_scores_the_prompt(hf: InferenceClient) -> None:
-    out = hf.text_generation(PROMPT, max_new_tokens=2, details=True, decoder_input_details=True)
+def test_decoder_input_details_scores_the_prompt(hf_plain: InferenceClient) -> None:
+    out = hf_plain.text_generation(PROMPT, max_new_tokens=2, details=True, decoder_input_details=True)
     prefill = out.details.prefill if out.details else []
     assert "".join(t.text for t in prefill) == PROMPT
     assert prefill[0].logprob is None
     assert all(t.logprob is not None and t.logprob <= 0 for t in prefill[1:])
+
+
+def test_a_model_served_with_adapters_refuses_decoder_input_details(hf: InferenceClient) -> None:
+    """MODEL's worker serves LoRA adapters, beside which vLLM's prompt logprobs fail its engine core (vLLM issues
+    29955, 16668): refused as TGI refuses a parameter, naming it; the same request without it is served."""
+    with pytest.raises(ValidationError, match="decoder_input_details"):
+        hf.text_generation(PROMPT, max_new_tokens=2, details=True, decoder_input_details=True)
+    out = hf.text_generation(PROMPT, max_new_tokens=2, details=True)
+    assert out.details is not None and out.details.generated_tokens >= 1
 
 
 def test_a_seed_repeats_a_sample_and_is_returned(hf: InferenceClient) -> None:
@@ -99,8 +123,8 @@ def test_a_seed_repeats_a_sample_and_is_returned(hf: InferenceClient) -> None:
     assert first.details is not None and first.details.seed == 77
 
 
-def test_truncate_keeps_the_last_input_tokens(hf: InferenceClient) -> None:
-    out = hf.text_generation("one two three four five six seven eight nine ten " * 5, max_new_tokens=1,
+def test_truncate_keeps_the_last_input_tokens(hf_plain: InferenceClient) -> None:
+    out = hf_plain.text_generation("one two three four five six seven eight nine ten " * 5, max_new_tokens=1,
                              truncate=4, details=True, decoder_input_details=True)
     assert out.details is not None and len(out.details.prefill) == 4
 
@@ -113,10 +137,10 @@ def test_top_tokens_are_the_likeliest(hf: InferenceClient) -> None:
         assert len(ids) == 3 and ids[0] == token.id
 
 
-async def test_bodies_and_events_match_the_tgi_schema(served: Edge) -> None:
+async def test_bodies_and_events_match_the_tgi_schema(served: Edge, gathering_worker: WorkerProcess) -> None:
     async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
-        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True, "decoder_input_details": True,
-                                                  "top_n_tokens": 2}}
+        body = {"inputs": PROMPT, "model": GATHERING_MODEL,  # no adapters: it scores prompts
+                "parameters": {"max_new_tokens": 3, "details": True, "decoder_input_details": True, "top_n_tokens": 2}}
         generated = (await http.post("/generate", json=body)).json()
         tgi_validate("GenerateResponse", generated)
         assert generated["details"]["prompt_tokens"] == 5
@@ -173,7 +197,7 @@ def test_client_errors_reach_the_hf_client(hf: InferenceClient) -> None:
         hf.text_generation(PROMPT, max_new_tokens=0)
 
 
-async def test_the_mindie_sample_request_is_served(served: Edge) -> None:
+async def test_the_mindie_sample_request_is_served(plain_edge: Edge) -> None:
     """MindIE's own sample (002): typical_p and watermark are accepted and, as MindIE documents, not applied;
     a list of text items reads as their text."""
     sample = {"inputs": "My name is Olivier and I", "parameters": {
@@ -182,7 +206,7 @@ async def test_the_mindie_sample_request_is_served(served: Edge) -> None:
         "top_p": 0.95, "truncate": None, "typical_p": 0.5, "watermark": False, "stop": ["stop1", "stop2"],
         "adapter_id": "None"}, "stream": False}
     greedy = {"max_new_tokens": 8, "details": True}
-    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=plain_edge.url, timeout=60) as http:
         reply = await http.post("/", json=sample)
         as_items = await http.post("/generate", json={"inputs": [{"type": "text", "text": "My name is "},
                                                                   {"type": "text", "text": "Olivier and I"}],

@@ -34,7 +34,7 @@ from services.worker.vllm_terms import (
     xgrammar_vocabulary,
 )
 from shared.protocol import bus
-from shared.protocol.errors import ContextLengthExceeded, EngineError, InvalidRequest
+from shared.protocol.errors import ContextLengthExceeded, EngineError, InvalidRequest, prompt_scores_unavailable
 from shared.runtime.settings import SlotSettings, engine_seqs
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class _EngineRequest:
     params: Any
     echo_ids: list[int] | None = None
     """The prompt alone, when `ids` continues it with tokens generated before (for echo logprobs)."""
+    echo: bool = False
+    """Its first output starts with the prompt's event (bus.Prompt: its tokens, and their logprobs if scored)."""
     copies: int = 1
     """Choices its one sequence answers: a greedy prompt's n choices are one answer (vLLM runs n=1 greedily)."""
 
@@ -142,7 +144,7 @@ class _Outputs:
     def __call__(self, out: Any) -> list[bus.Output]:
         job, req = self.job, self.req
         events: list[bus.Output] = []
-        if self.first and req.params.prompt_logprobs is not None:
+        if self.first and req.echo:
             events.append(self.engine.prompt_event(job, req.index, req.echo_ids or req.ids, out.prompt_logprobs))
         self.first = False
         top = job.params.logprobs
@@ -430,6 +432,8 @@ class VllmEngine:
                 counted = sum(map(len, await self.prompt_ids(job)))
             take(bus.Final(job=job.id, prompt_tokens=counted, completion_tokens=0))
             return
+        if self.max_loras and job.params.scores_prompt:  # the edge refuses it too, once it knows of this worker
+            raise prompt_scores_unavailable(job.model, "logprobs")
         arrival = time.time()
         self.preparing[job.id] = False
         try:
@@ -487,7 +491,8 @@ class VllmEngine:
             counts.prompt_tokens += len(prompt)
             if cont is None:
                 reqs.append(_EngineRequest(index, index * n, prompt, sampling_params(job, max_tokens),
-                                           copies=n if job.params.greedy else 1))
+                                           copies=n if job.params.greedy else 1,
+                                           echo=job.params.prompt_logprobs is not None))
                 continue
             for choice in range(index * n, index * n + n):
                 if choice >= len(cont.finished) or cont.finished[choice]:
@@ -498,7 +503,8 @@ class VllmEngine:
                     reqs.append(_EngineRequest(index, choice, prompt + had, ALL_HAD, echo_ids=prompt))
                     continue
                 params = sampling_params(job, max_tokens, had=len(had), one=True, prompt_logprobs=echo)
-                reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt))
+                reqs.append(_EngineRequest(index, choice, prompt + had, params, echo_ids=prompt,
+                                           echo=echo and job.params.prompt_logprobs is not None))
         return reqs
 
     async def _tokens_out(self, job: bus.Job) -> bus.Prompt:

@@ -157,13 +157,17 @@ class Upkeep:
                 await self._beat(key, ttl_ms)
             await beats.sleep_to_beat(self.settings.heartbeat_interval_s)
 
+    def _features(self) -> list[str]:
+        """What of the bus it takes (bus.WORKER_FEATURES), and whether it scores prompts (bus.PROMPT_SCORES)."""
+        return [*bus.WORKER_FEATURES, *(() if self.engine.max_loras else (bus.PROMPT_SCORES,))]
+
     async def _beat(self, key: str, ttl_ms: int) -> None:
         info = bus.encode_info(bus.WorkerInfo(
             worker=self.worker_id, model=self.model, task=self.settings.task,
             max_model_len=self.engine.max_model_len, dimensions=self.engine.dimensions,
             slots=self.settings.max_num_seqs, running=self.jobs.slots.used,
             adapters=self.engine.static_adapters(), max_loras=self.engine.max_loras,
-            held=self.engine.held_adapters(), features=list(bus.WORKER_FEATURES),
+            held=self.engine.held_adapters(), features=self._features(),
         ))
         pipe = self.beats.pipeline()
         with rawpipe.Span(pipe) as beat:

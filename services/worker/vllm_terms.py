@@ -76,7 +76,7 @@ def sampling_params(job: bus.Job, max_tokens: int, *, had: int = 0, one: bool = 
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None,
+            prompt_logprobs=p.prompt_logprobs if prompt_logprobs and p.scores_prompt else None,
             logit_bias=p.logit_bias or None,
             ignore_eos=p.ignore_eos,
             min_tokens=max(0, p.min_tokens - had),

@@ -96,7 +96,8 @@ class SamplingParams(Base):
     logprobs: int | None = None
     """Top alternatives per sampled token; None: no logprobs at all."""
     prompt_logprobs: int | None = None
-    """Top alternatives per prompt token (for echo with logprobs); None: none."""
+    """Top alternatives per prompt token (for echo with logprobs); None: none. Set with `logprobs` None, it asks only
+    for the prompt back (the echo of a prompt of token ids): see scores_prompt."""
     logit_bias: dict[int, float] = {}
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -109,6 +110,12 @@ class SamplingParams(Base):
     def greedy(self) -> bool:
         """The likeliest token each time: every choice of a prompt is the same answer."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the engine is to score the prompt's tokens (their logprobs: an echo with logprobs, TGI's
+        decoder_input_details), not only hand the prompt back."""
+        return self.prompt_logprobs is not None and self.logprobs is not None
 
 
 class Constraint(Base):
@@ -434,6 +441,9 @@ class WorkerInfo(Base):
 WORKER_FEATURES = ("prompt_ids", "tokens_out")
 """Job fields this worker acts on that a worker of an earlier version ignored: Job.prompt_ids (it would run an empty
 prompt) and Job.tokens_out (it would answer a count alone)."""
+PROMPT_SCORES = "prompt_scores"
+"""A worker's feature when its engine scores prompts (SamplingParams.scores_prompt): not with LoRA enabled, where
+vLLM's prompt logprobs fail its engine core when a step holds more than one request (vLLM issues 29955, 16668)."""
 
 
 class Route(Base):

@@ -33,7 +33,7 @@ from services.edge.formats import (
 from services.edge.formats.base import Renderer, decode, unknown_fields
 from services.edge.store import Conversation
 from shared.protocol import bus
-from shared.protocol.errors import InvalidRequest, ModelUnavailable
+from shared.protocol.errors import InvalidRequest, ModelUnavailable, prompt_scores_unavailable
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -172,6 +172,13 @@ def _needs(info: bus.WorkerInfo, feature: str, what: str) -> None:
                                "yet: upgrade the workers (before the edges).")
 
 
+def _scores_prompts(info: bus.WorkerInfo, param: str) -> None:
+    """A job that asks for its prompt's logprobs runs only where every live worker of its model scores prompts
+    (bus.PROMPT_SCORES: none with LoRA adapters enabled)."""
+    if bus.PROMPT_SCORES not in info.features:
+        raise prompt_scores_unavailable(info.model, param)
+
+
 def _arrive(prefix: str, seed: int | None = None) -> Generator[Need, Any, Arrival]:
     return cast(Arrival, (yield Arrive(prefix, seed)))
 
@@ -221,6 +228,8 @@ def plan_completions(body: bytes, raw_prompt_default: bool = True) -> Planning:
     info = yield from _model(req.model)
     if completions.split_prompt(req)[1]:
         _needs(info, "prompt_ids", "prompts of token ids")
+    if req.echo and req.logprobs is not None:
+        _scores_prompts(info, "logprobs")
     completions.check_context(req, info.max_model_len)
     arrival = yield from _arrive("cmpl-")
     job = completions.to_job(req, job_id=arrival.job_id, reply_to=arrival.reply_to,
@@ -377,6 +386,8 @@ def plan_tgi(body: bytes, *, stream: bool | None, array_body: bool = False) -> P
         tgi.check_adapter(adapter, info.model, model)
     else:
         info = yield from _model(model)
+    if req.parameters.decoder_input_details and not streaming:  # with a stream it is refused as TGI refuses it
+        _scores_prompts(info, "parameters.decoder_input_details")
     tgi.check_context(req, info.max_model_len)
     arrival = yield from _arrive("gen-", seed=tgi.draw_seed(req))
     seed = arrival.seed if arrival.seed is not None else tgi.draw_seed(req)
