@@ -90,6 +90,17 @@ class Pool:
             await self.finish(taken)
         return order
 
+    async def serve_each(self, jobs: int) -> list[str]:
+        """Serves `jobs` jobs, ending each as it is read (however many slots are free); the tenants in the order they
+        were served."""
+        order: list[str] = []
+        while len(order) < jobs:
+            taken = await self.take()
+            assert taken, "nothing dispatched"
+            order += [job.tenant for _entry, job, _ticket in taken]
+            await self.finish(taken)
+        return order[:jobs]
+
     async def state(self, name: str) -> int:
         return int(await self.redis.hget(keys.fair_key(self.model, "state"), name) or 0)
 
@@ -160,6 +171,25 @@ async def test_a_tenant_back_from_idle_gets_no_burst(redis: aioredis.Redis) -> N
         await fair.enqueue(make_job(fair.model, "b"))
     served = Counter(await fair.serve(20))
     assert served["b"] <= 11, served
+
+
+async def test_a_refunded_reservation_does_not_put_a_tenant_back_from_idle_behind(redis: aioredis.Redis) -> None:
+    """a's job reserves 100 times what it uses (a huge max_tokens, then it stops or hangs up); b comes in while it
+    runs, and a stays backlogged while it is refunded: they then take turns. Lifted to a's reservation, b would sit
+    ~100 jobs behind a, getting only the headroom while a floods, again after each such job of a's."""
+    fair = await pool(redis, slots=2)
+    await fair.offer()
+    await fair.enqueue(make_job(fair.model, "a", output=100 * OUTPUT))
+    await fair.enqueue(make_job(fair.model, "b"))
+    big, b_job = await fair.take()
+    await fair.finish([b_job])
+    for _ in range(10):
+        await fair.enqueue(make_job(fair.model, "a"))
+    await fair.finish([big] + await fair.take(), completion_tokens=1)
+    for _ in range(10):
+        await fair.enqueue(make_job(fair.model, "b"))
+    served = Counter(await fair.serve_each(10))
+    assert served["b"] >= 4, served
 
 
 async def test_a_job_that_finds_a_free_slot_and_no_backlog_is_charged_as_through_the_backlog(

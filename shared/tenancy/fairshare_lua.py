@@ -61,7 +61,7 @@ if stream then
   local lifted = tonumber(counter_text(math.max(own, tonumber(redis.call('HGET', STATE, 'last:' .. band) or '0'))))
   local served = counter_text(lifted + charge)
   redis.call('HSET', COUNTERS, entity, served)
-  redis.call('HSET', STATE, 'last:' .. band, served)
+  redis.call('HSET', STATE, 'last:' .. band, counter_text(lifted))  -- the level it was served at (see dispatch_one)
   send(job, entity, cost, stream)
   return {'ok', '', 1, unpack(placements())}
 end

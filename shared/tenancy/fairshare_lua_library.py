@@ -275,7 +275,9 @@ local function dispatch_one(head, room, slots, headroom, now)
   count_queued(tenant, band, -1, 1 - sequences, -(job and #job or 0))
   local served = counter_text(counter + tonumber(string.match(cost or '0', '^(%S+)')))
   redis.call('HSET', COUNTERS, entity, served)
-  redis.call('HSET', STATE, 'last:' .. band, served)
+  -- the level it was served at, not past its job's estimate: a settlement may give most of that back (a huge
+  -- max_tokens that stopped early), and a tenant back from idle lifted to it would sit that far behind
+  redis.call('HSET', STATE, 'last:' .. band, counter_text(counter))
   if oldest(entity) then redis.call('ZADD', READY, 0, band .. served .. tenant) end
   if not job then return 0 end
   send(job, entity, cost, stream)
