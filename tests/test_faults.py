@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.parse
 from typing import Any
 
 import httpx
@@ -22,8 +23,8 @@ import orjson
 import pytest
 
 from shared.protocol import bus, keys
-from tests.processes import Edge, WorkerProcess, metric_value
-from tests.stack import Stack
+from tests.processes import Edge, WorkerProcess, metric_value, start_edge
+from tests.stack import FAST_BEATS, Stack
 
 
 async def exits_cleanly(process: Edge | WorkerProcess, within_s: float) -> None:
@@ -505,6 +506,78 @@ async def test_a_stopped_edge_drains_its_streams_and_exits(stack: Stack) -> None
     assert all(result == (expected(150), 150) for result in results)
     assert await asyncio.to_thread(edge.process.wait, 10) == 0
     await stack.settled()
+
+
+class ReplyWithholdingProxy:
+    """A TCP proxy to Redis that, on a connection where a command carrying `marker` passed, forwards nothing back
+    from then on: the command runs, and its reply is lost (as on a network fault after the write)."""
+
+    def __init__(self, upstream: str, marker: bytes) -> None:
+        parsed = urllib.parse.urlsplit(upstream)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+        self.marker = marker
+        self.withheld = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self.writers += [writer, up_writer]
+        withholding = False
+
+        async def up() -> None:
+            nonlocal withholding
+            while data := await reader.read(65536):
+                if self.marker in data and not withholding:
+                    withholding, self.withheld = True, self.withheld + 1
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def down() -> None:
+            while data := await up_reader.read(65536):
+                if not withholding:
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        await asyncio.gather(up(), down(), return_exceptions=True)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for writer in self.writers:  # the connections' loops read their end and stop
+            writer.close()
+        await asyncio.sleep(0.1)
+
+
+async def test_a_job_whose_queue_reply_is_lost_is_stopped_not_run_for_nobody(stack: Stack) -> None:
+    """The edge's write of a job reaches Redis, which queues it, but the reply is lost: the client gets its 503 at
+    the command's deadline (10 s), and the job, which a worker took at once, is stopped then rather than run to its
+    end for nobody (its tokens given back with the refusal, it would run for free too)."""
+    worker = stack.worker()
+    proxy = ReplyWithholdingProxy(stack.url, b"lost-reply-marker")
+    try:
+        edge = await asyncio.to_thread(start_edge, await proxy.start(), stack.root, "edge-behind-proxy",
+                                       model=stack.model, **FAST_BEATS)
+        stack.edges.append(edge)
+        async with openai.AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=60) as client:
+            with pytest.raises(openai.APIStatusError) as refused:  # 2,000 tokens: 40 s of the worker's
+                await client.chat.completions.create(model=stack.model, max_tokens=2000, messages=[
+                    {"role": "user", "content": "lost-reply-marker"}])
+        assert refused.value.status_code == 503 and proxy.withheld == 1
+        await stack.settled(timeout_s=10)  # stopped within seconds of the refusal
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(worker.metrics_url)).text
+        assert metric_value(text, "tokenbus_worker_jobs_total", {"outcome": "aborted"}) == 1
+        assert metric_value(text, "tokenbus_worker_jobs_total", {"outcome": "finished"}) == 0
+    finally:
+        await proxy.close()
 
 
 async def test_a_request_whose_body_arrives_as_its_edge_begins_to_drain_is_answered(stack: Stack) -> None:

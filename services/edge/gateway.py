@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from services.edge.directory import ModelDirectory
 from services.edge.enqueue import JobQueue, Record
 from services.edge.jobevents import JobEvents
-from services.edge.redis_boundary import redis_boundary, unavailable
+from services.edge.redis_boundary import REDIS_FAILURES, redis_boundary, unavailable
 from services.edge.relay import EventRelay, add_cancel
 from services.edge.sse import ClientGone
 from shared.protocol import bus, keys
@@ -88,7 +88,9 @@ class Gateway:
                 self.check_redis()
                 with redis_boundary():
                     admitted = await self.queue.put(job, record)
-            except TokenbusError:
+            except TokenbusError as exc:
+                if isinstance(exc.__cause__, REDIS_FAILURES):  # its write may have been done and its reply lost
+                    await self.cancel(job.id, deadline)  # then no worker runs it for nobody (and for free)
                 if on_refused is not None:
                     await on_refused(job)
                 raise
@@ -256,8 +258,8 @@ class Gateway:
             results = await pipe.execute(raise_on_error=False)
             if failed := next((r for r in results[:2] if isinstance(r, Exception)), None):
                 raise failed
-        except RedisError as exc:
-            log.warning("could not cancel job %s yet: %s", job_id, exc)
+        except REDIS_FAILURES as exc:
+            log.warning("could not cancel job %s yet: %r", job_id, exc)
             self.relay.cancel_later(job_id, deadline)
             return
         if waiting and results[2:] == [1]:  # off its backlog, never dispatched
