@@ -68,6 +68,25 @@ async def test_a_background_response_outlives_its_edge_and_its_worker_and_stream
     await stack.settled()
 
 
+async def test_a_background_response_longer_than_the_replay_bound_is_rendered_whole_when_its_edge_dies(
+        stack: Stack) -> None:
+    """A job's log keeps --replay-max-events entries, but a background response's keeps all of its own: it is its
+    only record until an edge stores its answer. The edge that took it dies; the other renders it from its log, from
+    its start: in progress as it runs (not `queued`), and whole once it ended."""
+    first, second = stack.edge(), stack.edge()
+    stack.worker(replay_max_events=40)
+    async with _client(first.url) as taker, _client(second.url) as other:
+        created = await taker.responses.create(model=stack.model, input="count", max_output_tokens=300,
+                                               background=True)  # 6 s of tokens: hundreds of log entries
+        await _until(other, created.id, "in_progress")
+        stack.kill(first.process)
+        await asyncio.sleep(3)  # past 40 entries
+        assert (await other.responses.retrieve(created.id)).status == "in_progress"
+        done = await _until(other, created.id, "completed", "incomplete", timeout_s=30)
+    assert done.output_text == _counted(300) and done.usage is not None and done.usage.output_tokens == 300
+    await stack.settled()
+
+
 async def test_a_cancelled_background_response_stops_its_job_and_says_cancelled(stack: Stack) -> None:
     edge, other_edge = stack.edge(), stack.edge()
     worker = stack.worker()

@@ -90,6 +90,13 @@ class _Stopped(Exception):
     """A job's output came after it was stopped (its client went, or another worker took it over)."""
 
 
+def most_log_entries(job: bus.Job, context_tokens: int) -> int:
+    """The entries a job's log can take: one per event at most (a Tokens event has a token, but for each
+    choice's last), its Started, its prompts' events, its Final or Error; `context_tokens` bounds its tokens."""
+    tokens = min(job.params.max_tokens or context_tokens, context_tokens)
+    return job.sequences() * (max(0, tokens) + 2) + 8
+
+
 def error_event(job_id: str, error: TokenbusError) -> bus.Error:
     return bus.Error(job=job_id, kind=kind_of(error), message=error.message, param=error.param,
                      code=error.code)
@@ -129,6 +136,8 @@ class JobRunner:
         logs.REQUEST_ID.set(run.job.request_id or run.job.id)  # this task's log records name the request
         if run.job.replayable:
             self.publisher.size_log(run.job.id)
+        if run.job.background:  # its log is its only record until an edge stores its answer: none of it is trimmed
+            self.publisher.keep_log(run.job.id, most_log_entries(run.job, self.engine.max_model_len))
         try:
             async with self.jobs.slots.held(run.job.sequences()):  # read jobs that do not fit yet wait their turn here
                 await work
@@ -141,6 +150,8 @@ class JobRunner:
                 self._settle_cost(run)
             if run.job.replayable:
                 self.publisher.then([], lambda _replies: self._charge_log(run.job))
+            if run.job.background:  # after its last write
+                self.publisher.then([], lambda _replies: self.publisher.release_log(run.job.id))
 
     def _publish_prefixes(self, summary: PrefixSummary) -> None:
         """What the engine now holds, in the publisher's next write: dispatch places the next job by it."""

@@ -143,6 +143,8 @@ class EventPublisher:
         self.idle.set()
         self.log_sizes: dict[str, int] = {}
         """Bytes written to each sized job's log so far (see size_log)."""
+        self.log_bounds: dict[str, int] = {}
+        """Entries the log of a job that keeps more than `log_max_events` keeps (see keep_log)."""
 
     def publish(self, reply_to: str, event: bus.Event, log_ttl_ms: int = 0) -> None:
         """Queues an event (stamped already) for its edge and its job's log; `log_ttl_ms` sets the log's expiry."""
@@ -155,6 +157,14 @@ class EventPublisher:
     def size_log(self, job_id: str) -> None:
         """Counts from now on what the job's log entries take, until logged_bytes takes the count."""
         self.log_sizes.setdefault(job_id, 0)
+
+    def keep_log(self, job_id: str, entries: int) -> None:
+        """The job's log keeps its last `entries` entries, if more than --replay-max-events, until release_log."""
+        if entries > self.log_max_events:
+            self.log_bounds[job_id] = entries
+
+    def release_log(self, job_id: str) -> None:
+        self.log_bounds.pop(job_id, None)
 
     def logged_bytes(self, job_id: str) -> int:
         """What the job's log entries written since size_log took (those written, not those still queued), and
@@ -260,8 +270,8 @@ class EventPublisher:
         commands: list[tuple[Arg, ...]] = []
         for job_id, events in batch.logs.items():
             payload = bus.encode_events(events)
-            commands.append(("XADD", keys.job_log(job_id), "MAXLEN", "~", self.log_max_events, "*",
-                             bus.EVENTS_FIELD, payload))
+            commands.append(("XADD", keys.job_log(job_id), "MAXLEN", "~",
+                             self.log_bounds.get(job_id, self.log_max_events), "*", bus.EVENTS_FIELD, payload))
             if job_id in self.log_sizes:
                 batch.log_bytes[job_id] = len(payload) + LOG_ENTRY_BYTES
             if ttl_ms := batch.expiries.get(job_id):

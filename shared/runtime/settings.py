@@ -184,7 +184,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """How long the lease of the edge driving a batch lasts unrenewed: after an edge's death, another takes its
     batches over within about this."""
     replay_max_events: int = 20000
-    """Most events one job's log keeps (Redis memory bound); a job that outgrows it cannot resume or migrate."""
+    """Most events one job's log keeps (Redis memory bound); a job that outgrows it cannot resume or migrate. A
+    background response's log keeps all of its events: it is its only record until an edge stores its answer."""
     max_reclaims: int = 3
     """Owners that may die running one job before it goes to the dead-letter stream."""
     worker_grace_s: float = 30.0
