@@ -290,38 +290,62 @@ def stop_all(children: list[subprocess.Popen[bytes]]) -> None:
 
 
 def run(settings: Settings) -> int:
-    """Serves until Ctrl-C or SIGTERM, or until a child dies; returns the exit status."""
+    """Serves until Ctrl-C or SIGTERM, or until a child dies (a worker, past its restarts); returns the exit
+    status."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with _redis_for(settings) as url:
         models = [m for m in (settings.model, settings.embedding_model) if m]
         settings = msgspec.structs.replace(_with_redis(settings, url), ready_models=",".join(models))
-        worker = spawn("worker", _metrics_on(settings, 1))
-        edge = spawn("edge", settings)
-        children = [edge, worker]
+        children = [_Child("worker", _metrics_on(settings, 1)), _Child("edge", settings)]
         if settings.embedding_model:
-            embedder = msgspec.structs.replace(
+            children.append(_Child("worker", msgspec.structs.replace(
                 _metrics_on(settings, 2), task="embed", model=settings.embedding_model,
                 model_dir=settings.embedding_model_dir, kv_cache_gib=1.0, enable_lora=False, lora="",
-            )  # the adapters are the chat model's
-            children.append(spawn("worker", embedder))
+            )))  # the adapters are the chat model's
         try:
             host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host  # nosec B104: a comparison; binds nothing
-            if wait_until_ready(f"http://{host}:{settings.port}", children, WORKER_READY_TIMEOUT_S):
+            if wait_until_ready(f"http://{host}:{settings.port}", [c.proc for c in children], WORKER_READY_TIMEOUT_S):
                 log.info("ready: http://%s:%d serves %s", settings.host, settings.port, " and ".join(models))
             else:
                 stop.set()
-            while not stop.is_set() and all(child.poll() is None for child in children):
+            while not stop.is_set() and all(child.running() for child in children):
                 stop.wait(0.5)
-            failed = [child.args for child in children if child.poll() not in (None, 0)]
+            failed = [child.proc.args for child in children if child.proc.poll() not in (None, 0)]
         finally:
             log.info("stopping")
-            stop_all(children)
+            stop_all([child.proc for child in children])
     if failed:
         log.error("a process exited unexpectedly: %s", failed)
         return 1
     return 0
+
+
+WORKER_RESTARTS = 3
+"""Times `tokenbus run` starts a worker again that exited unexpectedly (one whose engine died hands its jobs over
+and exits 1, for this to start it again) before it stops everything."""
+
+
+class _Child:
+    """A process `tokenbus run` started, and started again while it may (a worker, WORKER_RESTARTS times)."""
+
+    def __init__(self, role: str, settings: Settings) -> None:
+        self.role, self.settings, self.restarts = role, settings, 0
+        self.proc = spawn(role, settings)
+
+    def running(self) -> bool:
+        """Whether it runs, started again if it is a worker that exited unexpectedly and may be."""
+        status = self.proc.poll()
+        if status is None:
+            return True
+        if status == 0 or self.role != "worker" or self.restarts >= WORKER_RESTARTS:
+            return False
+        self.restarts += 1
+        log.warning("the %s worker exited with %d: starting it again (%d of %d)", self.settings.model, status,
+                    self.restarts, WORKER_RESTARTS)
+        self.proc = spawn(self.role, self.settings)
+        return True
 
 
 @contextmanager

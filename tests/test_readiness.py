@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
-from tests.processes import stop_process
+from services.supervisor import free_port
+from tests.processes import ROOT, stop_process
 from tests.stack import Stack
 
 
@@ -54,20 +61,13 @@ async def test_ready_waits_for_every_configured_model_and_stays_ready_when_one_r
     assert embedding.json()["error"]["code"] == "model_unavailable"
 
 
-def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_key(tmp_path: Path) -> None:
-    """`tokenbus run` (what `make run` starts), on simulated engines: its "ready" line comes once /ready is
-    200 for the chat and the embedding model, and the README's first request works without a key."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from services.supervisor import free_port
-    from tests.processes import ROOT
-
+@contextlib.contextmanager
+def tokenbus_run(tmp_path: Path, **env: str) -> Iterator[tuple[str, Path, int]]:
+    """`tokenbus run` (what `make run` starts) on simulated engines, with `env` besides, once it says it is ready:
+    its URL, its log and its first metrics port."""
     port, metrics = free_port(), _free_ports_in_a_row(3)
     env = {**os.environ, "TOKENBUS_CACHE_DIR": str(tmp_path), "TOKENBUS_ENGINE": "sim", "TOKENBUS_PORT": str(port),
-           "TOKENBUS_METRICS_PORT": str(metrics)}
+           "TOKENBUS_METRICS_PORT": str(metrics), **env}
     env.pop("TOKENBUS_REDIS_URL", None)
     env.pop("TOKENBUS_AUTH", None)
     log = tmp_path / "run.log"
@@ -79,7 +79,16 @@ def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_ke
         while "ready: http" not in log.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.2)
-        url = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", log, metrics
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_key(tmp_path: Path) -> None:
+    """`tokenbus run` (what `make run` starts), on simulated engines: its "ready" line comes once /ready is
+    200 for the chat and the embedding model, and the README's first request works without a key."""
+    with tokenbus_run(tmp_path) as (url, log, metrics):
         ready = httpx.get(url + "/ready", timeout=5)
         chat = httpx.post(url + "/v1/chat/completions", timeout=30, json={
             "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
@@ -92,17 +101,25 @@ def test_tokenbus_run_says_ready_only_once_it_serves_every_model_and_needs_no_ke
         assert "tokenbus_edge_ready 1.0" in texts[0]
         assert 'model="SmolLM2-135M-Instruct"' in texts[1] and 'model="all-MiniLM-L6-v2"' in texts[2]
         assert httpx.get(url + "/metrics", timeout=5).status_code == 404
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
+
+
+def test_tokenbus_run_starts_a_worker_whose_engine_died_again_and_its_stream_goes_on(tmp_path: Path) -> None:
+    """The chat model's engine dies 50 tokens into a 60-token stream: its worker hands the job over and exits 1,
+    `tokenbus run` starts it again, and the new worker finishes the stream; the client sees no seam."""
+    with tokenbus_run(tmp_path, TOKENBUS_SIM_DIES_AFTER_TOKENS="50") as (url, log, _metrics):
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=60, stream=True,
+                                                    messages=[{"role": "user", "content": "count"}])
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == "".join(f" t{n}" for n in range(1, 61))
+        assert "the engine died" in log.read_text() and "starting it again (1 of 3)" in log.read_text()
+        assert httpx.get(url + "/ready", timeout=5).status_code == 200
 
 
 def _free_ports_in_a_row(count: int) -> int:
     """The first of `count` consecutive free loopback ports."""
     import socket
     from contextlib import ExitStack
-
-    from services.supervisor import free_port
 
     while True:
         first = free_port()
