@@ -250,3 +250,38 @@ async def test_item_references_read_only_the_callers_own_items_and_a_bounded_amo
         with pytest.raises(openai.BadRequestError) as bounded:
             await mine.conversations.items.create(conversation.id, items=many)
         assert bounded.value.body["param"] == "items" and "references come to" in bounded.value.message
+
+
+async def test_items_added_to_a_conversation_are_referenced_by_their_tenant_alone(stack: Stack) -> None:
+    """An item the Conversations API added (its id names its conversation) reads as itself in a response's input
+    and in items added to another conversation, for its tenant alone; gone with its conversation, it is a 400 as an
+    item that never was; and items of more than REFERENCED_BODIES conversations are refused before any is read."""
+    async for mine in sdk(stack, create_key(stack, "--tenant", "conv-refs-a"), edge=2):
+        noted = await mine.conversations.create(items=[
+            {"type": "message", "role": "user", "content": "the word is tangerine"}])
+        item = (await mine.conversations.items.list(noted.id)).data[0]
+        assert item.id.startswith("msg_conv")
+        ref = {"type": "item_reference", "id": item.id}
+        ran = await ask(mine, [ref, {"role": "user", "content": "again"}])
+        read = [listed async for listed in mine.responses.input_items.list(ran.id, order="asc")]
+        assert [(listed.id, listed.content[0].text) for listed in read] == [
+            (item.id, "the word is tangerine"), (read[1].id, "again")]
+        copied = await mine.conversations.create(items=[ref])  # type: ignore[list-item]
+        assert [(kept.id, kept.content[0].text) for kept in (
+            await mine.conversations.items.list(copied.id)).data] == [(item.id, "the word is tangerine")]
+        async for theirs in sdk(stack, create_key(stack, "--tenant", "conv-refs-b"), edge=2):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await ask(theirs, [ref])
+            assert caught.value.body["param"] == "input[0].id" and "not found" in caught.value.message
+        others = [await mine.conversations.create(items=[{"type": "message", "role": "user", "content": "x"}])
+                  for _ in range(REFERENCED_BODIES)]
+        many = [ref] + [{"type": "item_reference", "id": (await mine.conversations.items.list(other.id)).data[0].id}
+                        for other in others]
+        with pytest.raises(openai.BadRequestError) as bounded:
+            await ask(mine, many)
+        assert bounded.value.body["param"] == "input" and "conversations" in bounded.value.message
+        assert (await ask(mine, many[:REFERENCED_BODIES])).output_text
+        await mine.conversations.delete(noted.id)
+        with pytest.raises(openai.BadRequestError) as gone:
+            await ask(mine, [ref])
+        assert gone.value.body["param"] == "input[0].id"

@@ -217,6 +217,23 @@ class ConversationStore:
         found = next((item for item in raw if stored_item_id(item) == item_id), None)
         return None if found is None else (header, _decode_item(found), found)
 
+    async def items(self, tenant: str, wanted: dict[str, str], most: int, field: str = "input") -> dict[str, bytes]:
+        """The items `wanted` names (item id: the conversation it was added to, see formats.item_refs) that are
+        found, each as stored; items of more than `most` conversations are a 400 naming the request's `field` (each
+        is read whole, as a page of its items is)."""
+        homes = sorted(set(wanted.values()))
+        if len(homes) > most:
+            raise InvalidRequest(f"This request references items of {len(homes)} conversations; at most {most} are "
+                                 "read for one request. Reference fewer, or send the items themselves.", param=field)
+        if not homes:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for home in homes:
+            pipe.lrange(keys.conversation_items(tenant, home), 0, -1)
+        with redis_boundary(Overloaded):
+            lists: list[list[bytes]] = await pipe.execute()
+        return {name: item for raw in lists for item in raw if (name := stored_item_id(item)) in wanted}
+
     async def load(self, tenant: str, conversation_id: str,
                    param: str = "conversation_id") -> tuple[Stored, list[bytes]]:
         """The conversation and its items as stored (the exact values, to remove one); NotFound (naming `param`)

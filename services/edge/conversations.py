@@ -41,7 +41,7 @@ async def create(request: web.Request) -> web.Response:
     req = decode(body, shapes.CreateConversationBody) if body.strip() else shapes.CreateConversationBody()
     caller = caller_of(request)
     header = Header(id=f"conv_{uuid.uuid4().hex}", created_at=int(time.time()), metadata=req.metadata or {})
-    items = shapes.added(await _resolved(request, req.items or []), [])
+    items = shapes.added(await _resolved(request, req.items or []), [], header.id)
     await request.app[CONVERSATIONS].create(caller.tenant, request.app[STORE].quota(caller.key), header, items)
     return _json(_resource(header))
 
@@ -122,7 +122,7 @@ async def add_items(request: web.Request) -> web.Response:
     req = decode(await read_body(request), shapes.AddItemsBody)
     stored, _ = await _load(request)
     caller = caller_of(request)
-    items = shapes.added(await _resolved(request, req.items), stored.items)
+    items = shapes.added(await _resolved(request, req.items), stored.items, stored.header.id)
     await request.app[CONVERSATIONS].append(caller.tenant, request.app[STORE].quota(caller.key), stored.header.id,
                                             items)
     data = [shapes.decode_item(item) for item in items]

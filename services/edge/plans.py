@@ -124,9 +124,11 @@ async def _stored(app: web.Application, caller: Caller,
 async def referenced(app: web.Application, tenant: str, ids: list[str] | tuple[str, ...], field: str = "input"
                      ) -> dict[str, bytes]:
     """The tenant's stored items with these ids that are found, each as its JSON (see formats.item_refs): the
-    responses they are of come to at most REFERENCED_BODIES request bodies, else a 400 naming `field`."""
-    return await app[STORE].items(tenant, item_refs.homes(ids), REFERENCED_BODIES * app[SETTINGS].max_body_bytes,
-                                  field)
+    responses they are of come to at most REFERENCED_BODIES request bodies, and the conversations the others were
+    added to at most REFERENCED_BODIES conversations, else a 400 naming `field`."""
+    found = await app[STORE].items(tenant, item_refs.homes(ids), REFERENCED_BODIES * app[SETTINGS].max_body_bytes,
+                                   field)
+    return found | await app[CONVERSATIONS].items(tenant, item_refs.conversations(ids), REFERENCED_BODIES, field)
 
 
 async def _model(app: web.Application, caller: Caller, need: planners.Model, adapters: dict[str, Adapter]

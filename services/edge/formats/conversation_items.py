@@ -54,8 +54,10 @@ class ItemList(Out):
 
 
 def _id(kind: str, home: str, index: int) -> str:
-    """A new item id: one that names `home`, the response whose input it is, and is the same however often its
-    request is planned (see item_refs); else (an item added to a conversation) a random one."""
+    """A new item id that names `home` (see item_refs): the response whose input it is (the same however often its
+    request is planned), or the conversation the Conversations API adds it to."""
+    if home.startswith(item_refs.CONVERSATION_PREFIX):
+        return item_refs.conversation_item_id(kind, home)
     return item_refs.item_id(kind, home, f"i{index}") if home else f"{kind}_{uuid.uuid4().hex}"
 
 
@@ -106,10 +108,11 @@ def history(items: list[dict[str, Any]]) -> list[bus.Message]:
     return messages_of(_decode_items(_encode(items))) if items else []
 
 
-def added(items: list[InputItem], before: list[dict[str, Any]], field: str = "items") -> list[bytes]:
-    """Items to add after `before` (see check_added), as the conversation keeps them."""
+def added(items: list[InputItem], before: list[dict[str, Any]], conversation_id: str,
+          field: str = "items") -> list[bytes]:
+    """Items to add after `before` (see check_added), as the conversation `conversation_id` keeps them."""
     check_added(items, before, field)
-    return listed(items)
+    return listed(items, home=conversation_id)
 
 
 def check_added(items: list[InputItem], before: list[dict[str, Any]], field: str = "items") -> None:
@@ -125,5 +128,5 @@ def check_added(items: list[InputItem], before: list[dict[str, Any]], field: str
 
 def listed(items: list[InputItem], home: str = "") -> list[bytes]:
     """Items as a conversation keeps them and a stored response lists its input (each with an id; new ones name
-    `home`, the response whose input they are: see _id)."""
+    `home`, the response whose input they are or the conversation they are added to: see _id)."""
     return [_encode(kept(item, home, i)) for i, item in enumerate(items)]
