@@ -28,6 +28,7 @@ from services.edge.state import ADMITTER, CONVERSATIONS, GATEWAY, REDIS, SETTING
 from shared.protocol import bus, joblog, keys, sequence
 from shared.protocol.errors import InvalidRequest, NotFound, StreamAbandoned, from_kind
 from shared.runtime import metrics
+from shared.runtime.background import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,4 @@ async def _stop_following(app: web.Application) -> None:
     """An edge going away stops following its background responses (they run on; the first edge asked for one
     stores it): their leases are given back now, not when their TTL runs out."""
     running: set[asyncio.Task[None]] = app[TASKS]
-    followers = list(running)
-    for task in followers:
-        task.cancel()
-    await asyncio.gather(*followers, return_exceptions=True)
+    await cancel_and_wait(list(running))

@@ -43,6 +43,7 @@ from shared.protocol.errors import (
     WorkerLost,
 )
 from shared.runtime import beats, metrics
+from shared.runtime.background import cancel_and_wait
 from shared.tenancy import apikeys, fairshare
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,7 @@ class BatchDriver:
 
     async def stop(self) -> None:
         """Stops driving (an edge going away): each batch is another edge's to take once its lease is released."""
-        running = list(self.driving.values())
-        for task in running:
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await cancel_and_wait(list(self.driving.values()))
 
 
 BATCH_DRIVER = web.AppKey("batch_driver", BatchDriver)

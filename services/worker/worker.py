@@ -26,6 +26,7 @@ from services.worker.upkeep import Upkeep
 from shared.protocol import keys
 from shared.redisio import clients as redis_clients
 from shared.runtime import metrics
+from shared.runtime.background import cancel_and_wait
 from shared.runtime.settings import Settings, engine_seqs
 from shared.tenancy import fairshare
 
@@ -125,12 +126,7 @@ class Worker:
         await self.publisher.drain(timeout_s=5.0)
         with contextlib.suppress(RedisError, OSError):
             await self.upkeep.forget()
-        for task in self.tasks:
-            task.cancel()
-        _stopped, stuck = await asyncio.wait(self.tasks, timeout=STOP_WAIT_S) if self.tasks else (set(), set())
-        if stuck:  # say which, rather than hang the shutdown
-            log.warning("loops still running %.0f s after their cancel: %s", STOP_WAIT_S,
-                        ", ".join(sorted(task.get_name() for task in stuck)))
+        await cancel_and_wait(self.tasks)  # one that does not end is named, rather than hang the shutdown
         for client in (self.redis, self.upkeep.channels, self.publisher.redis):
             # RuntimeError: redis-py's cluster client, after a transaction, fails to close that connection
             with contextlib.suppress(TimeoutError, RedisError, OSError, RuntimeError):
