@@ -73,9 +73,9 @@ class PreviousResponseNotFound(InvalidRequest):
 def prompt_scores_unavailable(model: str, param: str) -> InvalidRequest:
     """A request for a prompt's logprobs (an echo with logprobs, TGI's decoder_input_details) to a model whose
     workers run LoRA adapters: vLLM fails its engine core computing them there (vLLM issues 29955, 16668)."""
-    return InvalidRequest(f"`{model}` is served with LoRA adapters enabled, where the engine cannot compute a "
-                          f"prompt's logprobs: ask without `{param}`, or of a model served without adapters.",
-                          param=param, code="prompt_logprobs_unavailable")
+    return InvalidRequest(f"`{model}` is served where the engine cannot compute a prompt's logprobs (with LoRA "
+                          f"adapters enabled, or by workers older than this server): ask without `{param}`, or of "
+                          "a model served without adapters.", param=param, code="prompt_logprobs_unavailable")
 
 
 class PayloadTooLarge(InvalidRequest):
