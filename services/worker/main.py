@@ -12,10 +12,14 @@ from services.worker.parsing.formats import tool_format
 from services.worker.parsing.reasoning import reasoning_format
 from services.worker.sim import SimEngine
 from services.worker.worker import Worker
-from shared.runtime import eventloop, exposition, gcheap, metrics
+from shared.runtime import eventloop, exposition, gcheap, metrics, stopping
 from shared.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+
+STOP_MARGIN_S = 60.0
+"""What a stopping worker has past its grace (--worker-grace-s) to hand its jobs over, close its connections and
+shut its engine down, before it is ended (shared.runtime.stopping): each of those steps has its own deadline."""
 
 
 def run_worker(settings: Settings) -> None:
@@ -58,6 +62,7 @@ async def _run(worker: Worker, engine: VllmEngine | SimEngine) -> bool:
         stopped.cancel()
         crashed.cancel()
         log.info("stopping")
+        stopping.arm("worker", worker.settings.worker_grace_s + STOP_MARGIN_S)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
