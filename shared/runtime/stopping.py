@@ -4,6 +4,7 @@ the process. An orchestrator kills a process that outlives its stop grace anyway
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -25,7 +26,8 @@ def arm(role: str, bound_s: float) -> None:
     """From now, the running loop's process has `bound_s` to end: past it, each task still running is logged
     with where it waits, and the process exits with status 1."""
     asyncio.get_running_loop().call_later(bound_s, _overran, role, bound_s)
-    faulthandler.dump_traceback_later(bound_s + BLOCKED_LOOP_S, exit=True)
+    with contextlib.suppress(RuntimeError, ValueError, OSError):  # no stderr to write to: the loop's bound alone
+        faulthandler.dump_traceback_later(bound_s + BLOCKED_LOOP_S, exit=True)
 
 
 def _overran(role: str, bound_s: float) -> None:
