@@ -4,6 +4,7 @@ dispatch into the slot it freed, so the next job is on its way without another r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -26,6 +27,8 @@ class SchedulerLink:
         self.offer = offer
         self.failing = False
         """The last call failed: the next failure is not logged again."""
+        self.reloading: asyncio.Task[None] | None = None
+        """The scripts' reload after Redis lost them (see renewed), while it runs."""
 
     async def dispatch(self) -> None:
         """Offers the worker's slots (renewing the offer) and fills the room on the request stream. A failure is
@@ -41,20 +44,24 @@ class SchedulerLink:
         """Adds the dispatch (the offer's renewal) to another write, such as the worker's heartbeat."""
         self.scheduler.offer(pipe, self.model, self.offer)
 
-    async def renewed(self, result: Any) -> None:
+    def renewed(self, result: Any) -> None:
         """Takes the result of `renew`'s command; a Redis that lost the scripts (or never had them) gets them all
-        again, and the dispatch."""
+        again, and the dispatch, off the heartbeat that renewed (a slow reload must not let it lapse)."""
         if isinstance(result, NoScriptError):
-            try:
-                await self.scheduler.load()
-            except (RedisError, OSError) as exc:
-                self._failed(exc)
-                return
-            await self.dispatch()
+            if self.reloading is None or self.reloading.done():
+                self.reloading = asyncio.create_task(self._reload(), name="scheduler-reload")
         elif isinstance(result, Exception):
             self._failed(result)
         else:
             self._dispatched(fairshare.Dispatched.of(result))
+
+    async def _reload(self) -> None:
+        try:
+            await self.scheduler.load()
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+            return
+        await self.dispatch()
 
     def _failed(self, exc: Exception) -> None:
         if not self.failing:

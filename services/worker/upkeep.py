@@ -193,7 +193,7 @@ class Upkeep:
             else:
                 self.prefixes.written(held, summary.of(results))
             if renewed := renewal.of(results):
-                await self.scheduler.renewed(renewed[0])
+                self.scheduler.renewed(renewed[0])
             reads.replies = results
             if not self.round_read.full():  # else the round before is still being acted on: this one waits
                 self.round_read.put_nowait(reads)

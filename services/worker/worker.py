@@ -126,7 +126,8 @@ class Worker:
         await self.publisher.drain(timeout_s=5.0)
         with contextlib.suppress(RedisError, OSError):
             await self.upkeep.forget()
-        await cancel_and_wait(self.tasks)  # one that does not end is named, rather than hang the shutdown
+        reloading = [self.scheduler.reloading] if self.scheduler.reloading is not None else []
+        await cancel_and_wait([*self.tasks, *reloading])  # one that does not end is named, rather than hang the stop
         for client in (self.redis, self.upkeep.channels, self.publisher.redis):
             # RuntimeError: redis-py's cluster client, after a transaction, fails to close that connection
             with contextlib.suppress(TimeoutError, RedisError, OSError, RuntimeError):
