@@ -310,7 +310,7 @@ def run(settings: Settings) -> int:
                 log.info("ready: http://%s:%d serves %s", settings.host, settings.port, " and ".join(models))
             else:
                 stop.set()
-            while not stop.is_set() and all(child.running() for child in children):
+            while not stop.is_set() and all(child.kept_running() for child in children):
                 stop.wait(0.5)
             failed = [child.proc.args for child in children if child.proc.poll() not in (None, 0)]
         finally:
@@ -334,7 +334,7 @@ class _Child:
         self.role, self.settings, self.restarts = role, settings, 0
         self.proc = spawn(role, settings)
 
-    def running(self) -> bool:
+    def kept_running(self) -> bool:
         """Whether it runs, started again if it is a worker that exited unexpectedly and may be."""
         status = self.proc.poll()
         if status is None:
