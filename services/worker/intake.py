@@ -174,10 +174,11 @@ class Intake:
                 log.warning("giving back a job read beyond the free slots failed (%s); it waits here", exc)
                 self._accept([(entry_id, fields)], "")
 
-    def claimed(self, entries: Entries) -> None:
+    def claimed(self, entries: Entries, stream: str = "") -> None:
         """Takes over the jobs of the entries claimed from a worker that stopped beating (or moved back to the
-        model's stream from its own)."""
-        for run in self._decode(entries, ""):
+        model's stream from its own, then read from `stream`: "" the model's, or this worker's own, where dispatch
+        may have placed them again; each is acknowledged on the stream it was read from)."""
+        for run in self._decode(entries, stream):
             if run.job.id in self.jobs:  # ours, grown idle while Redis was away: the claim only refreshed it
                 continue
             metrics.RECLAIMS.labels(self.model).inc()
@@ -200,7 +201,7 @@ class Intake:
         """Starts a batch of jobs of a stream; one lookup, in the publisher's next write, tells which were
         cancelled or resumed while they waited."""
         if moved := [(entry_id, fields) for entry_id, fields in entries if MOVED_FIELD in fields]:
-            self.claimed(moved)  # read by a worker that stopped beating, then moved back to the model's stream
+            self.claimed(moved, stream)  # read by a worker that stopped beating, then moved back to the model's stream
             entries = [(entry_id, fields) for entry_id, fields in entries if MOVED_FIELD not in fields]
         runs = self._decode(entries, stream)
         fresh = [run for run in runs if not run.job.handovers]
